@@ -1,0 +1,94 @@
+"""Random DeepSeek-V4 GGUFs of any shape and tensor types, written without a checkpoint: the
+embedded demo model, and kernel tests for formats that have no numpy quantizer (Q4_K, Q2_K,
+IQ2_XXS), whose tensors are random valid blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ...gguf.quant import quantize, random_blocks
+from ...gguf.validate import INDEX, NORM, TensorSpec
+from ...gguf.vocab import synthetic_vocab
+from ...gguf.writer import TensorOut, write_gguf
+from .config import ARCH, Config
+from .tensors import tensor_specs
+
+
+def tiny_config(**overrides) -> Config:
+    """A small config with every layer kind: ratios 0, 0, 4, 128, 4 and one hash layer."""
+    base = dict(
+        n_layers=5, n_embd=64, n_vocab=512, n_head=4, head_dim=64, n_rot=16, q_lora_rank=32,
+        o_lora_rank=32, o_groups=2, n_expert=4, n_expert_used=2, n_ff_exp=32, n_expert_shared=1,
+        n_hash_layers=1, sliding_window=16, idx_n_head=16, idx_head_dim=64, idx_top_k=8, hc=4,
+        hc_sinkhorn_iters=20, hc_eps=1e-6, rope_base=10000.0, compress_rope_base=160000.0,
+        yarn_factor=16.0, yarn_beta_fast=32.0, yarn_beta_slow=1.0, yarn_orig_ctx=65536,
+        expert_weights_scale=1.5, expert_weights_norm=True, rms_eps=1e-6,
+        compress_ratios=(0, 0, 4, 128, 4), swiglu_clamp=(10.0,) * 5)
+    base.update(overrides)
+    n = base["n_layers"]
+    if len(base["compress_ratios"]) != n:
+        base["compress_ratios"] = tuple(base["compress_ratios"][i % len(base["compress_ratios"])] for i in range(n))
+    if len(base["swiglu_clamp"]) != n:
+        base["swiglu_clamp"] = (base["swiglu_clamp"][0],) * n
+    cfg = Config(**base)
+    cfg.validate()
+    return cfg
+
+
+def default_type(spec: TensorSpec) -> QT:
+    if spec.types == NORM:
+        return QT.F32
+    if spec.types == INDEX:
+        return QT.I32
+    return QT.F16
+
+
+def random_tensors(specs: list[TensorSpec], cfg: Config, rng: np.random.Generator,
+                   type_of: Callable[[TensorSpec], QT] = default_type) -> list[TensorOut]:
+    """Lazily produced random tensors for a tensor table; I32 tensors are tid2eid tables."""
+    tensors = []
+    for spec in specs:
+        qtype = type_of(spec)
+        shape = tuple(reversed(spec.shape))
+        sub = np.random.default_rng(rng.integers(1 << 62))
+
+        def produce(spec=spec, qtype=qtype, shape=shape, sub=sub):
+            if qtype == QT.I32:  # tid2eid: distinct experts per token
+                return np.stack([sub.permutation(cfg.n_expert)[:cfg.n_expert_used]
+                                 for _ in range(shape[0])]).astype(np.int32)
+            if spec.types == NORM:
+                return (1.0 + 0.1 * sub.standard_normal(shape)).astype(np.float32)
+            if qtype in (QT.Q4_K, QT.Q2_K, QT.Q6_K, QT.IQ2_XXS):
+                return random_blocks(qtype, shape, sub, scale=1.0 / (8 * np.sqrt(shape[-1])))
+            values = sub.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1])
+            return quantize(values, qtype)
+
+        tensors.append(TensorOut(spec.name, qtype, shape, produce))
+    return tensors
+
+
+def write_random_deepseek4(path: str | Path, cfg: Config, seed: int = 0,
+                           type_of: Callable[[TensorSpec], QT] = default_type,
+                           progress: bool = False, metadata: dict | None = None,
+                           edit_specs: Callable[[list[TensorSpec]], list[TensorSpec]] | None = None) -> Path:
+    """Writes a GGUF with random weights of roughly unit-variance activations. `type_of` picks
+    each tensor's GGML type; block types without a quantizer get random valid blocks.
+    `metadata` overrides keys (None deletes one) and `edit_specs` changes the tensor list: both
+    exist to build malformed files for the tests."""
+    specs = tensor_specs(cfg)
+    tensors = random_tensors(edit_specs(specs) if edit_specs else specs, cfg,
+                             np.random.default_rng(seed), type_of)
+    meta = {"general.architecture": ARCH, "general.name": "ds4tvm random deepseek4"}
+    meta.update(cfg.to_metadata())
+    meta.update(synthetic_vocab(cfg.n_vocab))
+    for key, value in (metadata or {}).items():
+        if value is None:
+            meta.pop(key, None)
+        else:
+            meta[key] = value
+    return write_gguf(path, meta.get("general.architecture", ARCH), meta, tensors, progress=progress,
+                      description="writing")

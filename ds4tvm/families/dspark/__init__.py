@@ -1,0 +1,8 @@
+"""DSpark drafter support file for DeepSeek-V4-Flash (`deepseek4-dspark`)."""
+
+from .. import Family
+from .config import ARCH, Config
+from .tensors import tensor_specs
+
+FAMILY = Family(name="dspark", architecture=ARCH, role="draft",
+                config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs)

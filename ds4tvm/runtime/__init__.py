@@ -1,0 +1,1 @@
+"""Runtime: tokenizer, chat templates, engine, sampling and speculative decoding."""

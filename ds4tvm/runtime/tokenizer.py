@@ -1,0 +1,166 @@
+"""Byte-level BPE from GGUF metadata, run by the HF `tokenizers` library.
+
+Reproduces llama.cpp's tokenization of the same metadata: the pre-tokenizer regexes chosen by
+`tokenizer.ggml.pre` and applied in sequence, merges ranked in file order, control and unknown
+tokens matched as whole specials only when special parsing is on, user-defined tokens always
+matched whole, and BOS/EOS from `tokenizer.ggml.*`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import Ds4Error
+from ..gguf.reader import GGUFFile
+
+# Pre-tokenizer regex lists per `tokenizer.ggml.pre`, as llama.cpp's llama-vocab.cpp applies them.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+         r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+DEEPSEEK_LLM = [
+    "[\r\n]",
+    r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s+$",
+    r"[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}+",
+]
+DEEPSEEK3 = [
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False  # llama3: a whole pre-token found in the vocab is kept as is
+
+
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    "llama-bpe": PreTokenizer((LLAMA3,), True),
+    "llama3": PreTokenizer((LLAMA3,), True),
+    "llama-v3": PreTokenizer((LLAMA3,), True),
+    "qwen2": PreTokenizer((QWEN2,)),
+    "deepseek-r1-qwen": PreTokenizer((QWEN2,)),
+    "qwen35": PreTokenizer((QWEN35,)),
+    "gpt-2": PreTokenizer((GPT2,)),
+    "default": PreTokenizer((GPT2,)),
+    "deepseek-llm": PreTokenizer(tuple(DEEPSEEK_LLM)),
+    "deepseek-v3": PreTokenizer(tuple(DEEPSEEK3)),
+    "glm4": PreTokenizer((LLAMA3,)),
+    "chatglm-bpe": PreTokenizer((LLAMA3,)),
+}
+
+# token_type values of tokenizer.ggml.token_type (llama.cpp's LLAMA_TOKEN_TYPE_*)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _strings(f: GGUFFile, key: str, required: bool = True) -> list[str] | None:
+    field = f._reader.get_field(key)
+    if field is None:
+        if required:
+            raise Ds4Error(f"{f.name}: missing tokenizer key {key}")
+        return None
+    f.get(key, "strs")  # type check with a clear error
+    parts = field.parts
+    try:
+        return [bytes(parts[i]).decode("utf-8") for i in field.data]
+    except UnicodeDecodeError:
+        raise Ds4Error(f"{f.name}: {key} holds a string that is not valid UTF-8") from None
+
+
+class Tokenizer:
+    def __init__(self, tokens: list[str], merges: list[str], token_types: list[int], pre: str,
+                 bos_id: int | None, eos_id: int | None, add_bos: bool, add_eos: bool = False,
+                 eot_ids: tuple[int, ...] = (), source: str = "tokenizer"):
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        if pre not in PRE_TOKENIZERS:
+            raise Ds4Error(f"{source}: tokenizer.ggml.pre '{pre}' is not supported; expected one of "
+                           f"{', '.join(sorted(PRE_TOKENIZERS))}")
+        if len(token_types) != len(tokens):
+            raise Ds4Error(f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for "
+                           f"{len(tokens)} tokens")
+        self.tokens = tokens
+        self.token_types = token_types
+        self.n_vocab = len(tokens)
+        for name, tid in (("bos", bos_id), ("eos", eos_id)):
+            if tid is not None and not 0 <= tid < self.n_vocab:
+                raise Ds4Error(f"{source}: tokenizer.ggml.{name}_token_id {tid} is outside the "
+                               f"vocabulary of {self.n_vocab}")
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.add_bos, self.add_eos = add_bos, add_eos
+        self.stop_ids = frozenset(t for t in (eos_id, *eot_ids) if t is not None)
+        spec = PRE_TOKENIZERS[pre]
+
+        vocab = {t: i for i, t in enumerate(tokens)}
+        pairs = []
+        for m in merges:
+            # llama.cpp splits at the first space after position 0: a merge may start with a space token
+            cut = m.find(" ", 1)
+            if cut < 0:
+                raise Ds4Error(f"{source}: merge {m!r} in tokenizer.ggml.merges has no separator")
+            pairs.append((m[:cut], m[cut + 1:]))
+        model = models.BPE(vocab=vocab, merges=pairs, byte_fallback=False,
+                           ignore_merges=spec.ignore_merges)
+        tok = HFTokenizer(model)
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in spec.regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, t in enumerate(token_types) if t in (UNKNOWN, CONTROL)])
+        tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(token_types) if t == USER_DEFINED])
+        self._hf = tok
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> "Tokenizer":
+        model = f.get("tokenizer.ggml.model", "str")
+        if model != "gpt2":
+            raise Ds4Error(f"{f.name}: tokenizer.ggml.model is '{model}'; only byte-level BPE "
+                           f"('gpt2') is supported")
+        tokens = _strings(f, "tokenizer.ggml.tokens")
+        merges = _strings(f, "tokenizer.ggml.merges")
+        types = f.get("tokenizer.ggml.token_type", "ints", default=[NORMAL] * len(tokens))
+        pre = f.get("tokenizer.ggml.pre", "str", default="default")
+        bos = f.get("tokenizer.ggml.bos_token_id", "int", default=None)
+        eos = f.get("tokenizer.ggml.eos_token_id", "int", default=None)
+        eot = tuple(x for x in (f.get("tokenizer.ggml.eot_token_id", "int", default=None),
+                                f.get("tokenizer.ggml.eom_token_id", "int", default=None))
+                    if x is not None)
+        add_bos = f.get("tokenizer.ggml.add_bos_token", "bool", default=False)
+        add_eos = f.get("tokenizer.ggml.add_eos_token", "bool", default=False)
+        return cls(tokens, merges, types, pre, bos, eos, add_bos, add_eos, eot, source=f.name)
+
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`. With `parse_special`, the text of control tokens (as written by a
+        chat template) becomes those tokens; without it, such text is tokenized as plain bytes."""
+        self._hf.encode_special_tokens = not parse_special
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        if self.add_eos and self.eos_id is not None and add_bos is None:
+            ids = [*ids, self.eos_id]
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        for i in ids:
+            if not 0 <= i < self.n_vocab:
+                raise Ds4Error(f"token id {i} is outside the vocabulary of {self.n_vocab}")
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_text(self, i: int) -> str:
+        return self.decode([i])
+
+    def is_stop(self, i: int) -> bool:
+        return i in self.stop_ids

@@ -1,0 +1,31 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(os.environ.get("DS4_FIXTURES", ROOT.parent / "shared" / "fixtures"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def fixtures_dir(sub: str) -> Path:
+    d = FIXTURES / sub
+    if not d.is_dir():
+        pytest.skip(f"fixtures folder {d} is absent (set DS4_FIXTURES to ../shared/fixtures)")
+    return d
+
+
+def run_ds4(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs the real `ds4` command line in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "ds4tvm.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from hf_models import write_tiny_deepseek_v4
+
+    return write_tiny_deepseek_v4(tmp_path_factory.mktemp("hf") / "tiny-v4")

@@ -1,0 +1,111 @@
+"""Family registry, configs and tensor tables, the DSpark support file, random-block GGUFs."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from conftest import run_ds4
+from ds4tvm.errors import Ds4Error
+from ds4tvm.families import REGISTRY, load_model
+from ds4tvm.families.deepseek4.config import Config
+from ds4tvm.families.deepseek4.random_model import default_type, tiny_config, write_random_deepseek4
+from ds4tvm.families.dspark.config import Config as DSparkConfig
+from ds4tvm.families.dspark.config import paired_with
+from ds4tvm.families.dspark.random_model import write_random_dspark
+from ds4tvm.gguf import open_gguf
+from ds4tvm.gguf.quant import to_planes
+from ds4tvm.gguf.validate import DENSE, ROUTED
+from ds4tvm.gguf.writer import write_gguf
+
+
+def test_registry_keys():
+    assert REGISTRY["deepseek4"].role == "target" and REGISTRY["deepseek4-dspark"].role == "draft"
+
+
+def test_config_round_trips_through_gguf(tmp_path):
+    cfg = tiny_config()
+    f = open_gguf(write_random_deepseek4(tmp_path / "m.gguf", cfg))
+    got = Config.from_gguf(f)
+    for field in cfg.__dataclass_fields__:
+        a, b = getattr(got, field), getattr(cfg, field)
+        # GGUF stores floats as f32, as the reference engine reads them
+        assert (np.float32(a) == np.float32(b)) if isinstance(b, float) else a == b, field
+
+
+def test_real_size_tensor_table():
+    """The real DeepSeek-V4-Flash shapes of ds4-spec §1.1."""
+    n = 43
+    cfg = tiny_config(n_layers=n, n_embd=4096, n_vocab=129280, n_head=64, head_dim=512, n_rot=64,
+                      q_lora_rank=1024, o_lora_rank=1024, o_groups=8, n_expert=256, n_expert_used=6,
+                      n_ff_exp=2048, n_hash_layers=3, sliding_window=128, idx_n_head=64, idx_head_dim=128,
+                      idx_top_k=512, compress_ratios=(0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(2, n)))
+    specs = {s.name: s for s in REGISTRY["deepseek4"].tensor_specs(cfg)}
+    assert specs["blk.5.attn_output_a.weight"].shape == (4096, 8192)
+    assert specs["blk.5.hc_attn_fn.weight"].shape == (16384, 24)
+    assert specs["blk.4.attn_compressor_ape.weight"].shape == (1024, 4)
+    assert specs["blk.5.attn_compressor_kv.weight"].shape == (4096, 512)
+    assert specs["blk.4.indexer_compressor_kv.weight"].shape == (4096, 256)
+    assert specs["blk.4.indexer.attn_q_b.weight"].shape == (1024, 8192)
+    assert specs["blk.9.ffn_down_exps.weight"].shape == (2048, 4096, 256)
+    assert specs["blk.2.ffn_gate_tid2eid.weight"].shape == (6, 129280)
+    assert "blk.3.ffn_gate_tid2eid.weight" not in specs and "blk.5.indexer.proj.weight" not in specs
+    assert specs["output_hc_fn.weight"].shape == (16384, 4)
+
+
+def test_random_block_gguf_planes(tmp_path):
+    """GGUFs whose expert and dense tensors are random valid Q4_K / Q2_K / IQ2_XXS / MXFP4 blocks:
+    every tensor read back through planes equals gguf's dequantizer on the file bytes."""
+    cfg = tiny_config(n_embd=256, n_ff_exp=256, q_lora_rank=256, o_lora_rank=256, head_dim=256, n_rot=64)
+    kinds = {"ffn_gate_exps": QT.IQ2_XXS, "ffn_up_exps": QT.IQ2_XXS, "ffn_down_exps": QT.Q2_K}
+
+    def type_of(spec):
+        for k, t in kinds.items():
+            if k in spec.name:
+                return t
+        if spec.types == DENSE and spec.shape[0] % 256 == 0:
+            return QT.Q4_K
+        return QT.MXFP4 if spec.types == ROUTED else default_type(spec)
+
+    path = write_random_deepseek4(tmp_path / "blocks.gguf", cfg, type_of=type_of)
+    m = load_model(open_gguf(path))
+    seen = set()
+    for t in m.gguf.tensors.values():
+        if t.ggml_type in (QT.F32, QT.F16, QT.I32):
+            continue
+        seen.add(t.ggml_type)
+        shape = tuple(reversed(t.shape))
+        planes = to_planes(t.data, t.ggml_type, shape)
+        assert np.array_equal(planes.dequantize(), quants.dequantize(np.asarray(t.data), t.ggml_type)), t.name
+    assert {QT.Q4_K, QT.Q2_K, QT.IQ2_XXS} <= seen
+    r = run_ds4("inspect", path, "--json")
+    assert r.returncode == 0 and '"IQ2_XXS"' in r.stdout
+
+
+def test_dspark_support_file(tmp_path):
+    target = tiny_config()
+    path = write_random_dspark(tmp_path / "support.gguf", target)
+    m = load_model(open_gguf(path))
+    assert m.family.role == "draft" and len(m.gguf.tensors) == 81 and not m.unused_tensors
+    assert m.config.target_layer_ids == (2, 3, 4) and m.config.n_stages == 3
+    paired = paired_with(m.config, target)
+    assert paired.block.n_expert_used == target.n_expert_used
+    with pytest.raises(Ds4Error, match="support file does not match this model"):
+        paired_with(m.config, tiny_config(n_layers=3, compress_ratios=(0, 4, 128)))
+    with pytest.raises(Ds4Error, match="support file does not match this model"):
+        paired_with(m.config, tiny_config(n_vocab=1024))
+
+
+@pytest.mark.parametrize("style", ["deepseek4.dspark.{}", "deepseek4.dspark_{}", "dspark.{}"])
+def test_dspark_key_spellings(tmp_path, style):
+    src = open_gguf(write_random_dspark(tmp_path / "s.gguf", tiny_config()))
+    meta = {"general.architecture": "deepseek4-dspark", style.format("block_size"): 4,
+            style.format("markov_rank"): 32, style.format("noise_token_id"): 7,
+            style.format("target_layers"): [3, 4], style.format("n_layers"): 3}
+    from ds4tvm.gguf.writer import TensorOut
+    tensors = [TensorOut(t.name, t.ggml_type, tuple(reversed(t.shape)), lambda t=t: np.asarray(t.data))
+               for t in src.tensors.values() if t.name != "mtp.0.main_proj.weight"]
+    tensors.append(TensorOut("mtp.0.main_proj.weight", QT.F16, (64, 128), lambda: np.zeros((64, 128), np.float16)))
+    cfg = DSparkConfig.from_gguf(open_gguf(write_gguf(tmp_path / "k.gguf", "deepseek4-dspark", meta, tensors)))
+    assert (cfg.block_size, cfg.markov_rank, cfg.noise_token_id, cfg.target_layer_ids, cfg.n_stages) == \
+        (4, 32, 7, (3, 4), 3)

@@ -1,0 +1,79 @@
+"""Planes are bit-exact: dequantizing them equals gguf-py's dequantizer on the original bytes."""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from ds4tvm.gguf.quant import FORMATS, CHUNK_BYTES, quantize, random_blocks, to_planes
+
+TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_K, QT.Q2_K, QT.Q6_K, QT.Q4_1, QT.IQ2_XXS, QT.MXFP4]
+# Several blocks per row, several rows, and a leading expert axis: never a single block.
+SHAPES = [(7, 768), (3, 5, 512)]
+
+
+def test_every_required_type_has_planes():
+    assert set(TYPES) <= set(FORMATS)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_planes_dequantize_exactly_like_gguf(qtype, shape):
+    rng = np.random.default_rng(int(qtype) * 31 + len(shape))
+    data = random_blocks(qtype, shape, rng)
+    expected = quants.dequantize(data, qtype)
+    assert np.isfinite(expected).all()
+    planes = to_planes(data, qtype, shape)
+    got = planes.dequantize()
+    assert got.shape == shape and got.dtype == np.float32
+    assert np.array_equal(got, expected)
+    # Planes keep the format's bits: same size as the GGUF data, give or take unpacked scales.
+    assert planes.nbytes <= data.nbytes * 1.03
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.MXFP4, QT.BF16], ids=lambda t: t.name)
+def test_planes_of_quantized_values(qtype):
+    """Types with a numpy quantizer: real quantized data, not only random bits."""
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal((6, 320)).astype(np.float32)
+    data = quantize(values, qtype)
+    got = to_planes(data, qtype, values.shape).dequantize()
+    assert np.array_equal(got, quants.dequantize(data, qtype))
+    assert np.abs(got - values).max() < 0.6  # and they are close to what was quantized
+
+
+def test_plain_planes_are_views():
+    data = np.arange(64, dtype=np.float32).reshape(2, 32)
+    p = to_planes(data, QT.F32, (2, 32))
+    assert np.shares_memory(p.fields["w"], data)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_K, QT.IQ2_XXS], ids=lambda t: t.name)
+def test_real_size_row_count_needs_no_more_than_the_planes(tmp_path, qtype):
+    """129,280 rows (DeepSeek-V4's vocabulary, as in output.weight) read from a memory map: the
+    split allocates the planes once and works through bounded chunks."""
+    rows, K = 129280, 256
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    path = tmp_path / "raw.bin"
+    block = random_blocks(qtype, (1024, K), np.random.default_rng(1))
+    with open(path, "wb") as f:
+        for _ in range(rows // 1024):
+            block.tofile(f)
+        block[: rows % 1024].tofile(f)
+    raw = np.memmap(path, dtype=np.uint8, mode="r").reshape(rows, K // bs * ts)
+    tracemalloc.start()
+    try:
+        planes = to_planes(raw, qtype, (rows, K))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak <= planes.nbytes + 4 * CHUNK_BYTES, (peak, planes.nbytes)
+    assert planes.nbytes <= raw.nbytes * 1.03
+    i = [0, 777, rows - 1]
+    expected = quants.dequantize(np.asarray(raw[i]), qtype)
+    got = to_planes(np.asarray(raw[i]), qtype, (3, K)).dequantize()
+    assert np.array_equal(got, expected)
+    assert np.array_equal(planes.dequantize()[i], expected)
