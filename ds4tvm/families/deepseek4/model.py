@@ -1,0 +1,265 @@
+"""DeepSeek-V4-Flash as a TVM Relax module (ds4-spec §2), weights read from GGUF planes.
+
+State is explicit and append-only by position (DESIGN.md): per layer a raw ring of the last
+window + max_verify K=V rows; for compressed layers the compressor's recent projections (ring of
+2*ratio + max_verify) and the table of compressed rows; for ratio-4 layers the same for the
+indexer. A call writes the rows of its positions; rows past the committed length are dead until
+rewritten, so commit and rollback are counter changes in the runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType as QT
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from ...nn.blocks import (emit_rows, gather_context, hc_head, hc_post, hc_pre, indexer_select, pooled_window,
+                          ring_write, rms, rope, rope_inv_freq, sparse_window_attention)
+from ...nn.qweight import QWeight
+from .config import Config
+from .tensors import tensor_specs
+
+
+@dataclass(frozen=True)
+class Bounds:
+    max_context: int = 4096
+    max_verify: int = 16
+    prefill_chunk: int = 256
+
+
+def state_shapes(cfg: Config, b: Bounds) -> list[tuple[str, tuple[int, int]]]:
+    """(name, shape) of every float32 state tensor, in argument order."""
+    out = []
+    for il in range(cfg.n_layers):
+        r, p = cfg.ratio(il), f"blk.{il}."
+        out.append((p + "kv_ring", (cfg.sliding_window + b.max_verify, cfg.head_dim)))
+        if r:
+            lanes = 2 if r == 4 else 1
+            front = 2 * r + b.max_verify
+            out += [(p + "comp_kv_front", (front, lanes * cfg.head_dim)),
+                    (p + "comp_score_front", (front, lanes * cfg.head_dim)),
+                    (p + "comp_rows", (b.max_context // r, cfg.head_dim))]
+            if r == 4:
+                out += [(p + "idx_kv_front", (front, 2 * cfg.idx_head_dim)),
+                        (p + "idx_score_front", (front, 2 * cfg.idx_head_dim)),
+                        (p + "idx_rows", (b.max_context // r, cfg.idx_head_dim))]
+    return out
+
+
+def _ape_rows(ape: nn.Tensor, start, n_like: nn.Tensor, ratio: int, name: str) -> nn.Tensor:
+    """ape[(start + t) % ratio] for each new token t: the compressor's position bias."""
+    def f(a, x, s):
+        return te.compute((x.shape[0], a.shape[1]), lambda t, d: a[tirx.floormod(s + t, ratio), d], name=name)
+    return op.tensor_expr_op(f, name, [ape, n_like, start])
+
+
+class Weights:
+    """QWeights of one prefix, created on demand from the family's tensor table."""
+
+    def __init__(self, owner: nn.Module, specs: dict, types: dict, prefix: str):
+        self.owner, self.specs, self.types, self.prefix = owner, specs, types, prefix
+
+    def __call__(self, short: str) -> QWeight:
+        name = self.prefix + short
+        spec = self.specs[name]
+        w = QWeight(name, self.types[name], tuple(reversed(spec.shape)))
+        setattr(self.owner, short.replace(".", "_"), w)
+        return w
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, il: int, specs: dict, types: dict):
+        self.cfg, self.il, self.ratio = cfg, il, cfg.ratio(il)
+        W = Weights(self, specs, types, f"blk.{il}.")
+        names = [s[len(f"blk.{il}."):] for s in specs if s.startswith(f"blk.{il}.")]
+        self.w = {}
+        for short in names:
+            if short == "ffn_gate_tid2eid.weight":
+                self.tid2eid = nn.Parameter((cfg.n_vocab, cfg.n_expert_used), "int32")
+            else:
+                self.w[short] = W(short)
+        self.has_bias = "exp_probs_b.bias" in self.w
+
+    def v(self, short: str) -> nn.Tensor:
+        return self.w[short + ".weight"].values(name=short.replace(".", "_"))
+
+    def attention(self, X, start, states, rope_main, rope_comp, bounds: Bounds, kv_rounding: bool):
+        c, r, w = self.cfg, self.ratio, self.w
+        n = X.shape[0]
+        H, Dh = c.n_head, c.head_dim
+        x, post, comb = hc_pre(X, w["hc_attn_fn.weight"], self.v("hc_attn_scale"), self.v("hc_attn_base"),
+                               c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        N = rms(x, c.rms_eps, self.v("attn_norm"))
+        QR = rms(w["attn_q_a.weight"].linear(N), c.rms_eps, self.v("attn_q_a_norm"))
+        Q = rms(op.reshape(w["attn_q_b.weight"].linear(QR), (n, H, Dh)), c.rms_eps)
+        KV = rms(w["attn_kv.weight"].linear(N), c.rms_eps, self.v("attn_kv_a_norm"))
+        freq = rope_comp if r else rope_main
+        Q = rope(Q, start, freq)
+        KV = rope(KV, start, freq)
+        ring = states["kv_ring"]
+        ctx = gather_context(ring, KV, start, c.sliding_window - 1, name="kv_context")
+        new_states = {}
+        comp_rows = sel = None
+        if r:
+            comp_rows, new_states = self._compress(N, start, states, "attn_compressor", "comp", Dh, rope_comp)
+            if r == 4:
+                idx_rows, idx_states = self._compress(N, start, states, "indexer_compressor", "idx",
+                                                      c.idx_head_dim, rope_comp)
+                new_states.update(idx_states)
+                iq = op.reshape(w["indexer.attn_q_b.weight"].linear(QR), (n, c.idx_n_head, c.idx_head_dim))
+                iq = rope(iq, start, rope_comp)
+                iw = w["indexer.proj.weight"].linear(N) * (1.0 / math.sqrt(c.idx_head_dim * c.idx_n_head))
+                sel = indexer_select(iq, iw, idx_rows, start, r, c.idx_top_k, name="indexer")
+        attn = sparse_window_attention(Q, ctx, comp_rows, sel, self.v("attn_sinks"), start,
+                                       c.sliding_window, max(r, 1), name="attention")
+        attn = rope(attn, start, freq, inverse=True)
+        groups = c.o_groups
+        low = w["attn_output_a.weight"].grouped_linear(op.reshape(attn, (n, groups, H // groups * Dh)), groups)
+        out = w["attn_output_b.weight"].linear(op.reshape(low, (n, groups * c.o_lora_rank)))
+        new_states["kv_ring"] = ring_write(ring, KV, start, after=attn, name="kv_ring_write")
+        return hc_post(out, X, post, comb), new_states
+
+    def _compress(self, N, start, states, wname, sname, width, rope_comp):
+        """Projections of the new tokens, the pooled row of every window that ends among them
+        (normalised, RoPE'd at the window start), written into the row table."""
+        c, r, w = self.cfg, self.ratio, self.w
+        kv = w[f"{wname}_kv.weight"].linear(N)
+        score = w[f"{wname}_gate.weight"].linear(N) + _ape_rows(self.v(f"{wname}_ape"), start, N, r, "ape")
+        kv_front, sc_front = states[f"{sname}_kv_front"], states[f"{sname}_score_front"]
+        kv_ctx = gather_context(kv_front, kv, start, 2 * r, name=f"{sname}_kv_context")
+        sc_ctx = gather_context(sc_front, score, start, 2 * r, name=f"{sname}_score_context")
+        pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, name=f"{sname}_pool")
+        cand = rope(rms(pooled, c.rms_eps, self.v(f"{wname}_norm")), start, rope_comp, offset=1 - r)
+        rows = emit_rows(states[f"{sname}_rows"], cand, start, r, name=f"{sname}_emit")
+        return rows, {f"{sname}_rows": rows,
+                      f"{sname}_kv_front": ring_write(kv_front, kv, start, after=pooled, name=f"{sname}_kv_write"),
+                      f"{sname}_score_front": ring_write(sc_front, score, start, after=pooled,
+                                                         name=f"{sname}_score_write")}
+
+    def moe(self, X, ids):
+        c, w = self.cfg, self.w
+        n = X.shape[0]
+        x, post, comb = hc_pre(X, w["hc_ffn_fn.weight"], self.v("hc_ffn_scale"), self.v("hc_ffn_base"),
+                               c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        h = rms(x, c.rms_eps, self.v("ffn_norm"))
+        p = op.sqrt(op.softplus(w["ffn_gate_inp.weight"].linear(h)))
+        if self.il < c.n_hash_layers:
+            experts = op.take(self.tid2eid, ids, axis=0)
+        else:
+            biased = p + w["exp_probs_b.bias"].values(name="probs_bias") if self.has_bias else p
+            experts = op.topk(biased, k=c.n_expert_used, axis=-1, ret_type="indices", dtype="int32")
+
+        def gather(p_te, e_te):
+            return te.compute(e_te.shape, lambda t, j: p_te[t, e_te[t, j]], name="route_weight")
+
+        ps = op.tensor_expr_op(gather, "route_weight", [p, experts])
+        if c.expert_weights_norm:
+            ps = ps / op.maximum(op.sum(ps, axis=-1, keepdims=True), nn.Tensor.from_scalar(6.1e-5, "float32"))
+        ps = ps * c.expert_weights_scale
+        limit = c.swiglu_clamp[self.il]
+
+        def swiglu(g, u):
+            g = op.minimum(g, nn.Tensor.from_scalar(limit, "float32"))
+            u = op.minimum(op.maximum(u, nn.Tensor.from_scalar(-limit, "float32")),
+                           nn.Tensor.from_scalar(limit, "float32"))
+            return op.silu(g) * u
+
+        act = swiglu(w["ffn_gate_exps.weight"].expert_linear(h, experts),
+                     w["ffn_up_exps.weight"].expert_linear(h, experts))
+        routed = w["ffn_down_exps.weight"].expert_linear(act, experts)            # [T, k, D]
+        y = op.sum(op.reshape(ps, (n, c.n_expert_used, 1)) * routed, axis=1)
+        shared = swiglu(w["ffn_gate_shexp.weight"].linear(h), w["ffn_up_shexp.weight"].linear(h))
+        y = y + w["ffn_down_shexp.weight"].linear(shared)
+        return hc_post(y, X, post, comb)
+
+
+class DeepSeekV4(nn.Module):
+    def __init__(self, cfg: Config, types: dict, bounds: Bounds = Bounds(), kv_rounding: bool = False):
+        self.cfg, self.bounds, self.kv_rounding = cfg, bounds, kv_rounding
+        specs = {s.name: s for s in tensor_specs(cfg)}
+        top = Weights(self, specs, types, "")
+        self.token_embd = top("token_embd.weight")
+        self.output = top("output.weight")
+        self.output_norm = top("output_norm.weight")
+        self.output_hc_fn = top("output_hc_fn.weight")
+        self.output_hc_base = top("output_hc_base.weight")
+        self.output_hc_scale = top("output_hc_scale.weight")
+        self.layers = nn.ModuleList([Block(cfg, il, specs, types) for il in range(cfg.n_layers)])
+        self.rope_main = rope_inv_freq(cfg.n_rot, cfg.rope_base, None)
+        self.rope_comp = rope_inv_freq(cfg.n_rot, cfg.compress_rope_base,
+                                       (cfg.yarn_factor, cfg.yarn_orig_ctx, cfg.yarn_beta_fast, cfg.yarn_beta_slow))
+        self.state_names = [name for name, _ in state_shapes(cfg, bounds)]
+
+    def _forward(self, ids, start, states, last_only: bool):
+        c = self.cfg
+        n = ids.shape[0]
+        named = dict(zip(self.state_names, states))
+        emb = self.token_embd.rows(ids, name="embedding")
+        X = op.broadcast_to(op.reshape(emb, (n, 1, c.n_embd)), (n, c.hc, c.n_embd))
+        out_states = dict(named)
+        for il, layer in enumerate(self.layers):
+            p = f"blk.{il}."
+            mine = {k[len(p):]: v for k, v in named.items() if k.startswith(p)}
+            X, new = layer.attention(X, start, mine, self.rope_main, self.rope_comp, self.bounds, self.kv_rounding)
+            X = layer.moe(X, ids)
+            out_states.update({p + k: v for k, v in new.items()})
+        if last_only:
+            X = op.tensor_expr_op(lambda x: te.compute((1, c.hc, c.n_embd), lambda _, i, d: x[x.shape[0] - 1, i, d],
+                                                       name="last_row"), "last_row", [X])
+        h = hc_head(X, self.output_hc_fn, self.output_hc_scale.values(name="hc_head_scale"),
+                    self.output_hc_base.values(name="hc_head_base"), c.rms_eps, c.hc_eps)
+        logits = self.output.linear(rms(h, c.rms_eps, self.output_norm.values(name="output_norm")), name="lm_head")
+        return logits, tuple(out_states[k] for k in self.state_names)
+
+    def prefill(self, ids: nn.Tensor, start, states):
+        """A chunk of the prompt; logits of its last token [1, V]."""
+        return self._forward(ids, start, states, last_only=True)
+
+    def prefill_all(self, ids: nn.Tensor, start, states):
+        """A chunk with the logits of every token [n, V] (oracle comparisons)."""
+        return self._forward(ids, start, states, last_only=False)
+
+    def decode(self, ids: nn.Tensor, start, states):
+        return self._forward(ids, start, states, last_only=False)
+
+    def verify(self, ids: nn.Tensor, start, states):
+        """k <= max_verify drafted tokens; logits of every row, so any prefix can be committed."""
+        return self._forward(ids, start, states, last_only=False)
+
+    def spec(self) -> dict:
+        st = [nn.spec.Tensor(list(shape), "float32") for _, shape in state_shapes(self.cfg, self.bounds)]
+        mode = {"param_mode": "plain", "effect_mode": "none"}
+        return {
+            "prefill": {"ids": nn.spec.Tensor(["n"], "int32"), "start": int, "states": st, "$": mode},
+            "prefill_all": {"ids": nn.spec.Tensor(["n"], "int32"), "start": int, "states": st, "$": mode},
+            "decode": {"ids": nn.spec.Tensor([1], "int32"), "start": int, "states": st, "$": mode},
+            "verify": {"ids": nn.spec.Tensor(["k"], "int32"), "start": int, "states": st, "$": mode},
+        }
+
+
+def tensor_types(gguf_file) -> dict:
+    return {name: QT(t.ggml_type) for name, t in gguf_file.tensors.items()}
+
+
+def parameter_sources(model: DeepSeekV4) -> dict[int, tuple[str, str | None]]:
+    """id(Parameter) -> (GGUF tensor, plane field or None for a tensor passed as is)."""
+    out = {}
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if isinstance(m, QWeight):
+            for f in m.fields:
+                out[id(getattr(m, f"plane_{f}"))] = (m.gguf_name, f)
+            continue
+        if isinstance(m, Block) and hasattr(m, "tid2eid"):
+            out[id(m.tid2eid)] = (f"blk.{m.il}.ffn_gate_tid2eid.weight", None)
+        for v in vars(m).values():
+            if isinstance(v, nn.ModuleList):
+                stack.extend(v)
+            elif isinstance(v, nn.Module):
+                stack.append(v)
+    return out

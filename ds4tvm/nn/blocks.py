@@ -1,0 +1,304 @@
+"""Building blocks shared by the DS4 families: norms, RoPE with host positions, hyper-connections,
+state rings written in place, and the attention over a window plus selected compressed rows."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+from tvm.script import tirx as T
+
+F32 = "float32"
+NEG_INF = -3.0e38
+
+
+def rms(x: nn.Tensor, eps: float, weight: nn.Tensor | None = None) -> nn.Tensor:
+    """RMSNorm over the last axis (weightless when weight is None)."""
+    ms = op.sum(op.square(x), axis=-1, keepdims=True) / x.shape[-1]
+    y = x / op.sqrt(ms + eps)
+    return y * weight if weight is not None else y
+
+
+# ---------------------------------------------------------------------------- RoPE
+def rope_inv_freq(n_rot: int, base: float, yarn: tuple[float, int, float, float] | None) -> np.ndarray:
+    """Per-pair angular frequencies of interleaved RoPE; with YaRN (factor, original context,
+    beta_fast, beta_slow) the ramp between interpolated and extrapolated frequencies, with the
+    magnitude correction cancelled (DeepSeek-V4's attention factor 1)."""
+    i = np.arange(n_rot // 2, dtype=np.float64)
+    freq = base ** (-2.0 * i / n_rot)
+    if yarn is not None and yarn[0] != 1.0:
+        factor, orig, beta_fast, beta_slow = yarn
+
+        def corr_dim(beta):
+            return n_rot * math.log(orig / (beta * 2 * math.pi)) / (2 * math.log(base))
+
+        lo = max(0, math.floor(corr_dim(beta_fast)))
+        hi = min(n_rot - 1, math.ceil(corr_dim(beta_slow)))
+        ramp = 1.0 - np.clip((i - lo) / max(0.001, hi - lo), 0.0, 1.0)
+        freq = freq / factor * (1.0 - ramp) + freq * ramp
+    return freq.astype(np.float32)
+
+
+def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, inverse: bool = False,
+         name: str = "rope") -> nn.Tensor:
+    """Rotates interleaved pairs of the last 2*len(inv_freq) channels of x [T, ..., D] at position
+    start + t + offset (t the first axis)."""
+    n_rot = 2 * len(inv_freq)
+    freq = nn.Tensor.from_const(inv_freq)
+
+    def f(x_te, fr, start):
+        D = x_te.shape[-1]
+        lo = D - n_rot
+
+        def body(*idx):
+            t, d = idx[0], idx[-1]
+            rest = idx[1:-1]
+            j = (d - lo) // 2
+            theta = (start + t + offset).astype(F32) * fr[j]
+            c, s = te.cos(theta), te.sin(theta)
+            if inverse:
+                s = -s
+            even = (d - lo) % 2 == 0
+            a = x_te[(t, *rest, tirx.if_then_else(even, d, d - 1))]
+            b = x_te[(t, *rest, tirx.if_then_else(even, d + 1, d))]
+            rotated = tirx.if_then_else(even, a * c - b * s, a * s + b * c)
+            return tirx.if_then_else(d < lo, x_te[idx], rotated)
+
+        return te.compute(x_te.shape, body, name=name)
+
+    return op.tensor_expr_op(f, name, [x, freq, positions_start])
+
+
+# ---------------------------------------------------------------------------- hyper-connections
+def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: float, hc_eps: float,
+           iters: int):
+    """X [T, hc, D] -> (sublayer input [T, D], post [T, hc], comb [T, hc(src), hc(dst)]) with the
+    combine matrix c[dst, src] made doubly stochastic by Sinkhorn (eps in every divisor)."""
+    n, _, D = X.shape
+    flat = rms(op.reshape(X, (n, hc * D)), eps)
+    mix = fn.linear(flat, name="hc_mix")
+    m_pre, m_post, m_comb = op.split(mix, [hc, 2 * hc], axis=1)
+    b_pre, b_post, b_comb = op.split(base, [hc, 2 * hc], axis=0)
+    s_pre, s_post, s_comb = op.split(scale, 3, axis=0)
+    pre = op.sigmoid(m_pre * s_pre + b_pre) + hc_eps
+    post = op.sigmoid(m_post * s_post + b_post) * 2.0
+    c = op.reshape(m_comb * s_comb + b_comb, (n, hc, hc))          # c[t, dst, src]
+    c = op.softmax(c, axis=2) + hc_eps
+    c = c / (op.sum(c, axis=1, keepdims=True) + hc_eps)               # columns (fixed src) first
+    for _ in range(iters - 1):
+        c = c / (op.sum(c, axis=2, keepdims=True) + hc_eps)
+        c = c / (op.sum(c, axis=1, keepdims=True) + hc_eps)
+    x = op.sum(op.reshape(pre, (n, hc, 1)) * X, axis=1)
+    return x, post, c
+
+
+def hc_post(out: nn.Tensor, X: nn.Tensor, post: nn.Tensor, comb: nn.Tensor) -> nn.Tensor:
+    """X'[dst] = post[dst] * out + sum_src c[dst, src]... read as comb[dst + hc*src] = c[src, dst]."""
+    n, hc, D = X.shape
+    mixed = op.matmul(op.permute_dims(comb, [0, 2, 1]), X)          # [T, dst, D] = sum_src c[src, dst] X[src]
+    return op.reshape(post, (n, hc, 1)) * op.reshape(out, (n, 1, D)) + mixed
+
+
+def hc_head(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, eps: float, hc_eps: float) -> nn.Tensor:
+    n, hc, D = X.shape
+    mix = fn.linear(rms(op.reshape(X, (n, hc * D)), eps), name="hc_head_mix")
+    w = op.sigmoid(mix * scale + base) + hc_eps
+    return op.sum(op.reshape(w, (n, hc, 1)) * X, axis=1)
+
+
+# ---------------------------------------------------------------------------- state rings
+def gather_context(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: str) -> nn.Tensor:
+    """Rows for positions start-before .. start+n-1: the `before` older ones from the ring (slot
+    pos % size; positions < 0 are zeros), then the n new rows. Read before the ring is updated."""
+    size = ring.shape[0]
+
+    def f(ring_te, new_te, s):
+        n = new_te.shape[0]
+
+        def body(j, d):
+            pos = s - before + j
+            old = tirx.if_then_else(pos >= 0, ring_te[tirx.floormod(pos, size), d], tirx.const(0, F32))
+            return tirx.if_then_else(j < before, old, new_te[tirx.max(j - before, 0), d])
+
+        return te.compute((n + before, ring_te.shape[1]), body, name=name)
+
+    return op.tensor_expr_op(f, name, [ring, new, start])
+
+
+@functools.lru_cache(maxsize=None)
+def _ring_write_func(size: int, width: int):
+    @T.prim_func(s_tir=True)
+    def ring_write(ring: T.handle, rows: T.handle, start: T.int64):
+        n = T.int64()
+        R = T.match_buffer(ring, (size, width), "float32")
+        X = T.match_buffer(rows, (n, width), "float32")
+        for i, j in T.grid(n, width):
+            with T.sblock("write"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                if vi + size >= n:  # only the last `size` rows can survive in the ring
+                    R[T.floormod(start + vi, size), vj] = X[vi, vj]
+    return ring_write.with_attr("global_symbol", f"ring_write_{size}x{width}")
+
+
+def ring_write(ring: nn.Tensor, rows: nn.Tensor, start, after: nn.Tensor, name: str) -> nn.Tensor:
+    """Writes rows for positions start.. into the ring in place. `after` is a value computed from
+    the ring's old content: passing it orders the write after those reads."""
+    size, width = ring.shape
+    func = _ring_write_func(int(size), int(width))
+    del after  # the dependency is the binding order below; `after` documents the read it follows
+    return op.tensor_ir_inplace_op(func, f"ring_write_{size}x{width}", args=[ring, rows, start], inplace_indices=[0],
+                                   out=nn.Tensor.placeholder(ring.shape, ring.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _emit_rows_func(rows: int, width: int, ratio: int):
+    @T.prim_func(s_tir=True)
+    def emit_rows(table: T.handle, cand: T.handle, start: T.int64):
+        n = T.int64()
+        R = T.match_buffer(table, (rows, width), "float32")
+        X = T.match_buffer(cand, (n, width), "float32")
+        for i, j in T.grid(n, width):
+            with T.sblock("emit"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                if T.floormod(start + vi + 1, ratio) == 0:
+                    R[T.floordiv(start + vi + 1, ratio) - 1, vj] = X[vi, vj]
+    return emit_rows.with_attr("global_symbol", f"emit_rows_{rows}x{width}_r{ratio}")
+
+
+def emit_rows(table: nn.Tensor, candidates: nn.Tensor, start, ratio: int, name: str) -> nn.Tensor:
+    """Row (p+1)/ratio - 1 of the table takes candidate t where p = start + t ends a window."""
+    rows, width = table.shape
+    func = _emit_rows_func(int(rows), int(width), ratio)
+    return op.tensor_ir_inplace_op(func, f"emit_rows_{rows}x{width}_r{ratio}", args=[table, candidates, start], inplace_indices=[0],
+                                   out=nn.Tensor.placeholder(table.shape, table.dtype))
+
+
+def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width: int, name: str) -> nn.Tensor:
+    """For every new token t (position p = start + t) the softmax-pooled row of the window ending
+    at p, per channel. ctx rows are positions start-2*ratio ... For ratio 4 the window is 8 tokens
+    through two lanes: the previous 4 positions read lane 0 (first `width` channels), the current 4
+    lane 1; the previous lane is absent for the first window. Other ratios: one lane."""
+    two = ratio == 4
+
+    def f(kv, sc, s):
+        n = kv.shape[0] - 2 * ratio
+        L = 2 * ratio if two else ratio
+        a = te.reduce_axis((0, L), name="a")
+
+        def src(t, a_, d):
+            # a_ < ratio: previous window (lane 0) when two lanes, else current window
+            if two:
+                row = t + 1 + a_                       # prev rows t+1..t+r, current t+r+1..t+2r
+                ch = tirx.if_then_else(a_ < ratio, d, d + width)
+            else:
+                row = t + ratio + 1 + a_
+                ch = d
+            return row, ch
+
+        def valid(t, a_):
+            if not two:
+                return tirx.const(True, "bool")
+            return tirx.Or(a_ >= ratio, s + t + 1 - 2 * ratio >= 0)
+
+        def score(t, a_, d):
+            row, ch = src(t, a_, d)
+            return tirx.if_then_else(valid(t, a_), sc[row, ch], tirx.const(NEG_INF, F32))
+
+        mx = te.compute((n, width), lambda t, d: te.max(score(t, a, d), axis=a), name=name + "_max")
+        a2 = te.reduce_axis((0, L), name="a2")
+        den = te.compute((n, width), lambda t, d: te.sum(
+            tirx.if_then_else(valid(t, a2), te.exp(score(t, a2, d) - mx[t, d]), tirx.const(0, F32)), axis=a2),
+            name=name + "_den")
+        a3 = te.reduce_axis((0, L), name="a3")
+
+        def pooled(t, d):
+            row, ch = src(t, a3, d)
+            w = tirx.if_then_else(valid(t, a3), te.exp(score(t, a3, d) - mx[t, d]), tirx.const(0, F32))
+            return te.sum(w * kv[row, ch], axis=a3)
+
+        num = te.compute((n, width), pooled, name=name + "_num")
+        return te.compute((n, width), lambda t, d: num[t, d] / den[t, d], name=name)
+
+    return op.tensor_expr_op(f, name, [kv_ctx, sc_ctx, start])
+
+
+def sparse_window_attention(q: nn.Tensor, kv_ctx: nn.Tensor, comp: nn.Tensor | None, sel: nn.Tensor | None,
+                            sinks: nn.Tensor, start, window: int, ratio: int, name: str) -> nn.Tensor:
+    """Softmax attention of q [T, H, D] over, for token t at position p = start + t:
+    - the raw window: positions p-window+1..p, rows of kv_ctx (row j = position start-window+1+j);
+    - compressed rows c < (p+1)//ratio of `comp`: all of them, or those listed in sel [T, M];
+    - one learned sink logit per head in the denominator. Values are the keys (K = V)."""
+    D = int(q.shape[2])
+    scale = 1.0 / math.sqrt(D)
+    has_comp = comp is not None
+    use_sel = sel is not None
+    args = [q, kv_ctx, sinks, start] + ([comp] if has_comp else []) + ([sel] if use_sel else [])
+
+    def f(q_te, ctx, sk, s, *rest):
+        comp_te = rest[0] if has_comp else None
+        sel_te = rest[1] if use_sel else None
+        n, H = q_te.shape[0], q_te.shape[1]
+        M = (sel_te.shape[1] if use_sel else comp_te.shape[0]) if has_comp else 0
+        A = window + M
+
+        def row_index(t, a):
+            return sel_te[t, a - window].astype("int64") if use_sel else (a - window)
+
+        def valid(t, a):
+            pos = s + t
+            in_window = tirx.And(a < window, pos - window + 1 + a >= 0)
+            if not has_comp:
+                return in_window
+            nvis = tirx.floordiv(pos + 1, ratio)
+            return tirx.Or(in_window, tirx.And(a >= window, row_index(t, a) < nvis))
+
+        def key(t, a, d):
+            if not has_comp:
+                return ctx[t + a, d]
+            return tirx.if_then_else(a < window, ctx[tirx.min(t + a, ctx.shape[0] - 1), d],
+                                     comp_te[tirx.max(tirx.min(row_index(t, a), comp_te.shape[0] - 1), 0), d])
+
+        k = te.reduce_axis((0, D), name="k")
+        logits = te.compute((n, H, A), lambda t, h, a: te.sum(q_te[t, h, k] * key(t, a, k), axis=k),
+                            name=name + "_qk")
+        a1 = te.reduce_axis((0, A), name="a1")
+        masked = te.compute((n, H, A), lambda t, h, a: tirx.if_then_else(
+            valid(t, a), logits[t, h, a] * tirx.const(scale, F32), tirx.const(NEG_INF, F32)), name=name + "_masked")
+        mx_rows = te.compute((n, H), lambda t, h: te.max(masked[t, h, a1], axis=a1), name=name + "_rowmax")
+        mx = te.compute((n, H), lambda t, h: tirx.max(mx_rows[t, h], sk[h]), name=name + "_max")
+        e = te.compute((n, H, A), lambda t, h, a: tirx.if_then_else(
+            valid(t, a), te.exp(masked[t, h, a] - mx[t, h]), tirx.const(0, F32)), name=name + "_exp")
+        a2 = te.reduce_axis((0, A), name="a2")
+        den_rows = te.compute((n, H), lambda t, h: te.sum(e[t, h, a2], axis=a2), name=name + "_rowsum")
+        den = te.compute((n, H), lambda t, h: den_rows[t, h] + te.exp(sk[h] - mx[t, h]), name=name + "_den")
+        a3 = te.reduce_axis((0, A), name="a3")
+        num = te.compute((n, H, D), lambda t, h, d: te.sum(e[t, h, a3] * key(t, a3, d), axis=a3), name=name + "_pv")
+        return te.compute((n, H, D), lambda t, h, d: num[t, h, d] / den[t, h], name=name)
+
+    return op.tensor_expr_op(f, name, args)
+
+
+def indexer_select(iq: nn.Tensor, w: nn.Tensor, keys: nn.Tensor, start, ratio: int, top_k: int,
+                   name: str) -> nn.Tensor:
+    """Lightning indexer: score_c = sum_h w[t,h] * relu(iq[t,h] . key_c) over the visible rows
+    c < (p+1)//ratio; returns the indices of the top_k scores [T, min(top_k, rows)] (invisible rows
+    score -inf, so when fewer than top_k are visible all of them are among the indices)."""
+    rows = int(keys.shape[0])
+
+    def f(iq_te, w_te, k_te, s):
+        n, H, D = iq_te.shape
+        d = te.reduce_axis((0, D), name="d")
+        dots = te.compute((n, H, rows), lambda t, h, c: te.sum(iq_te[t, h, d] * k_te[c, d], axis=d),
+                          name=name + "_dot")
+        h = te.reduce_axis((0, H), name="h")
+        raw = te.compute((n, rows), lambda t, c: te.sum(w_te[t, h] * tirx.max(dots[t, h, c], tirx.const(0, F32)),
+                                                        axis=h), name=name + "_raw")
+        return te.compute((n, rows), lambda t, c: tirx.if_then_else(
+            c < tirx.floordiv(s + t + 1, ratio), raw[t, c], tirx.const(NEG_INF, F32)), name=name + "_score")
+
+    scores = op.tensor_expr_op(f, name, [iq, w, keys, start])
+    return op.topk(scores, k=min(top_k, rows), axis=-1, ret_type="indices", dtype="int32", name=name + "_topk")

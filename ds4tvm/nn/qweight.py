@@ -1,0 +1,208 @@
+"""Weights stored as GGUF planes and read, element by element, inside TE kernels.
+
+A `QWeight` holds one plane parameter per field of its GGML format (see gguf/quant.py); the
+`dequant` expressions below give the float32 value of element (row..., k) from those planes with
+the same float operations as gguf's numpy dequantizer, so no fp32 copy of a weight exists.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from ..gguf.quant import MXFP4_VALUES, _iq2_tables, plane_format
+
+F32 = "float32"
+
+
+def _f32(x):
+    return x.astype(F32)
+
+
+def _u8(v):
+    return tirx.const(v, "uint8")
+
+
+def _deq_f(P, r, k):
+    return _f32(P["w"][(*r, k)])
+
+
+def _deq_bf16(P, r, k):
+    return tirx.reinterpret(F32, P["w"][(*r, k)].astype("uint32") << tirx.const(16, "uint32"))
+
+
+def _deq_q8_0(P, r, k):
+    return _f32(P["qs"][(*r, k)]) * _f32(P["d"][(*r, k // 32)])
+
+
+def _deq_q4_1(P, r, k):
+    j = k % 32
+    byte = P["qs"][(*r, (k // 32) * 16 + j % 16)]
+    q = (byte >> ((j // 16) * 4).astype("uint8")) & _u8(15)
+    return _f32(P["d"][(*r, k // 32)]) * _f32(q) + _f32(P["m"][(*r, k // 32)])
+
+
+def _deq_q4_k(P, r, k):
+    i = k % 256
+    j = i // 32
+    byte = P["qs"][(*r, (k // 256) * 128 + (j // 2) * 32 + i % 32)]
+    q = (byte >> ((j % 2) * 4).astype("uint8")) & _u8(15)
+    return (_f32(P["d"][(*r, k // 256)]) * _f32(P["sc"][(*r, k // 32)]) * _f32(q)
+            - _f32(P["dmin"][(*r, k // 256)]) * _f32(P["mn"][(*r, k // 32)]))
+
+
+def _deq_q2_k(P, r, k):
+    i = k % 256
+    byte = P["qs"][(*r, (k // 256) * 64 + (i // 128) * 32 + i % 32)]
+    q = (byte >> (((i % 128) // 32) * 2).astype("uint8")) & _u8(3)
+    s = P["sc"][(*r, k // 16)]
+    return (_f32(P["d"][(*r, k // 256)]) * _f32(s & _u8(15)) * _f32(q)
+            - _f32(P["dmin"][(*r, k // 256)]) * _f32(s >> _u8(4)))
+
+
+def _deq_q6_k(P, r, k):
+    i = k % 256
+    h = i // 128
+    lo = P["ql"][(*r, (k // 256) * 128 + h * 64 + i % 64)]
+    lo = (lo >> (((i % 128) // 64) * 4).astype("uint8")) & _u8(15)
+    hi = P["qh"][(*r, (k // 256) * 64 + h * 32 + i % 32)]
+    hi = (hi >> (((i % 128) // 32) * 2).astype("uint8")) & _u8(3)
+    q = (lo | (hi << _u8(4))).astype("int32") - 32
+    return _f32(P["d"][(*r, k // 256)]) * _f32(P["sc"][(*r, k // 16)]) * _f32(q)
+
+
+def _deq_mxfp4(P, r, k):
+    j = k % 32
+    nib = (P["qs"][(*r, (k // 32) * 16 + j % 16)] >> ((j // 16) * 4).astype("uint8")) & _u8(15)
+    val = P["mxfp4_values"][nib.astype("int32")]
+    e = P["e"][(*r, k // 32)].astype("uint32")
+    half = tirx.Select(e < 2, tirx.reinterpret(F32, tirx.const(0x00200000, "uint32") << e),
+                       tirx.reinterpret(F32, (e - tirx.const(1, "uint32")) << tirx.const(23, "uint32")))
+    return half * _f32(val)
+
+
+def _deq_iq2_xxs(P, r, k):
+    i = k % 256
+    g = i // 32
+    aux = P["aux"][(*r, (k // 256) * 8 + g)]
+    db = _f32(P["d"][(*r, k // 256)]) * (tirx.const(0.5, F32) + _f32(aux >> tirx.const(28, "uint32"))) \
+        * tirx.const(0.25, F32)
+    grid_idx = P["grid"][(*r, (k // 256) * 32 + g * 4 + (i % 32) // 8)].astype("int32")
+    sign_idx = ((aux >> (tirx.const(7, "uint32") * ((i % 32) // 8).astype("uint32"))) & tirx.const(127, "uint32"))
+    bit = (P["iq2_ksigns"][sign_idx.astype("int32")] >> (i % 8).astype("uint8")) & _u8(1)
+    val = db * P["iq2_grid"][grid_idx, i % 8]
+    return tirx.Select(bit == _u8(0), val, -val)
+
+
+DEQUANT = {QT.F32: _deq_f, QT.F16: _deq_f, QT.BF16: _deq_bf16, QT.Q8_0: _deq_q8_0, QT.Q4_1: _deq_q4_1,
+           QT.Q4_K: _deq_q4_k, QT.Q2_K: _deq_q2_k, QT.Q6_K: _deq_q6_k, QT.MXFP4: _deq_mxfp4,
+           QT.IQ2_XXS: _deq_iq2_xxs}
+
+
+def _tables(qtype: QT) -> dict[str, np.ndarray]:
+    """Lookup tables some formats need, passed to kernels as constants."""
+    if qtype == QT.MXFP4:
+        return {"mxfp4_values": MXFP4_VALUES.astype(np.int8)}
+    if qtype == QT.IQ2_XXS:
+        grid, ksigns = _iq2_tables()
+        return {"iq2_grid": grid.astype(np.float32), "iq2_ksigns": ksigns.copy()}
+    return {}
+
+
+class QWeight(nn.Module):
+    """A GGUF tensor kept in its format: numpy shape (..., N, K) as planes."""
+
+    def __init__(self, gguf_name: str, qtype: QT, shape: tuple[int, ...]):
+        self.gguf_name, self.qtype, self.shape = gguf_name, QT(qtype), tuple(shape)
+        fmt = plane_format(self.qtype)
+        if self.qtype not in DEQUANT:
+            raise ValueError(f"no kernel reads {self.qtype.name} planes")
+        *lead, K = self.shape
+        self.fields = [f.name for f in fmt.fields]
+        for f in fmt.fields:
+            setattr(self, f"plane_{f.name}", nn.Parameter((*lead, f.per_row(K)), f.dtype))
+
+    def planes(self) -> list[nn.Tensor]:
+        return [getattr(self, f"plane_{n}") for n in self.fields]
+
+    def _te_args(self):
+        tables = _tables(self.qtype)
+        consts = [nn.Tensor.from_const(v) for v in tables.values()]
+        return self.planes() + consts, self.fields + list(tables)
+
+    def linear(self, x: nn.Tensor, name: str = "qlinear") -> nn.Tensor:
+        """y[t, n] = sum_k x[t, k] * W[n, k] for x of shape [T, K]."""
+        N, K = self.shape
+        args, names = self._te_args()
+        deq = DEQUANT[self.qtype]
+
+        def f(x_te, *ps):
+            P = dict(zip(names, ps))
+            kk = te.reduce_axis((0, K), name="k")
+            return te.compute((x_te.shape[0], N), lambda t, n: te.sum(x_te[t, kk] * deq(P, (n,), kk), axis=kk),
+                              name="qlinear")
+
+        return op.tensor_expr_op(f, name, [x, *args])
+
+    def grouped_linear(self, x: nn.Tensor, groups: int, name: str = "qlinear_grouped") -> nn.Tensor:
+        """x [T, G, Kg] -> y [T, G, N/G]: group g uses rows g*N/G.. of W (columns are Kg wide)."""
+        N, K = self.shape
+        No = N // groups
+        args, names = self._te_args()
+        deq = DEQUANT[self.qtype]
+
+        def f(x_te, *ps):
+            P = dict(zip(names, ps))
+            kk = te.reduce_axis((0, K), name="k")
+            return te.compute((x_te.shape[0], groups, No),
+                              lambda t, g, o: te.sum(x_te[t, g, kk] * deq(P, (g * No + o,), kk), axis=kk),
+                              name="qlinear_grouped")
+
+        return op.tensor_expr_op(f, name, [x, *args])
+
+    def expert_linear(self, x: nn.Tensor, experts: nn.Tensor, name: str = "qlinear_experts") -> nn.Tensor:
+        """y[t, j, n] = sum_k x[t(, j), k] * W[experts[t, j], n, k]: only the chosen experts' rows
+        are read. x is [T, K] (shared by the chosen experts) or [T, J, K]."""
+        E, N, K = self.shape
+        args, names = self._te_args()
+        deq = DEQUANT[self.qtype]
+        per_expert_input = len(x.shape) == 3
+
+        def f(x_te, ids, *ps):
+            P = dict(zip(names, ps))
+            kk = te.reduce_axis((0, K), name="k")
+
+            def body(t, j, n):
+                xv = x_te[t, j, kk] if per_expert_input else x_te[t, kk]
+                return te.sum(xv * deq(P, (ids[t, j], n), kk), axis=kk)
+
+            return te.compute((ids.shape[0], ids.shape[1], N), body, name="qlinear_experts")
+
+        return op.tensor_expr_op(f, name, [x, experts, *args])
+
+    def rows(self, ids: nn.Tensor, name: str = "qrows") -> nn.Tensor:
+        """Rows ids[t] of W as float32 [T, K] (embedding lookup)."""
+        N, K = self.shape
+        args, names = self._te_args()
+        deq = DEQUANT[self.qtype]
+
+        def f(ids_te, *ps):
+            P = dict(zip(names, ps))
+            return te.compute((ids_te.shape[0], K), lambda t, k: deq(P, (ids_te[t],), k), name="qrows")
+
+        return op.tensor_expr_op(f, name, [ids, *args])
+
+    def values(self, name: str = "qvalues") -> nn.Tensor:
+        """The whole (small) tensor as float32: norms, biases, HC vectors."""
+        args, names = self._te_args()
+        deq = DEQUANT[self.qtype]
+        *lead, K = self.shape
+
+        def f(*ps):
+            P = dict(zip(names, ps))
+            return te.compute(self.shape, lambda *idx: deq(P, tuple(idx[:-1]), idx[-1]), name="qvalues")
+
+        return op.tensor_expr_op(f, name, args)
