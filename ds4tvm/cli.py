@@ -131,18 +131,146 @@ def demo(out_dir: Path = typer.Option(Path.home() / ".cache" / "ds4tvm" / "demo"
     run_demo(out_dir)
 
 
+# ---------------------------------------------------------------------------- run / logits
+def _bounds(max_context: int, max_verify: int, prefill_chunk: int):
+    from .families.deepseek4.model import Bounds
+
+    return Bounds(max_context=max_context, max_verify=max_verify, prefill_chunk=prefill_chunk)
+
+
+@app.command()
+def run(model: Path = typer.Option(..., "-m", "--model", help="artifact directory or GGUF (compiled on first use)"),
+        prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="prompt text (rendered with the chat template)"),
+        tokens: Optional[str] = typer.Option(None, "--tokens", help="prompt as token ids, e.g. 1,2,3"),
+        raw: bool = typer.Option(False, "--raw", help="tokenize the prompt as is, without the chat template"),
+        n_predict: int = typer.Option(64, "-n", "--n-predict", help="tokens to generate"),
+        temp: float = typer.Option(1.0, "--temp", help="temperature; 0 is greedy"),
+        top_p: float = typer.Option(1.0, "--top-p"),
+        top_k: int = typer.Option(0, "--top-k", help="0: off"),
+        min_p: float = typer.Option(0.05, "--min-p"),
+        seed: int = typer.Option(0, "--seed"),
+        ctx: int = typer.Option(4096, "--ctx", help="context when compiling a GGUF on first use"),
+        target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use"),
+        as_json: bool = typer.Option(False, "--json", help="print tokens, text and speeds as JSON")):
+    """Generate text from a prompt."""
+    import time
+
+    import numpy as np
+
+    from .runtime.chat import ChatTemplate
+    from .runtime.loader import open_engine
+    from .runtime.sampler import SamplingParams, sample
+    from .runtime.tokenizer import Tokenizer
+
+    params = SamplingParams(temp, top_p, top_k, min_p).check()
+    if (prompt is None) == (tokens is None):
+        raise Ds4Error("give exactly one of -p/--prompt and --tokens")
+    if n_predict < 0:
+        raise Ds4Error(f"-n {n_predict}: expected a count >= 0")
+    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=not as_json)
+    tok = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model))
+    if tokens is not None:
+        ids = parse_ids(tokens, "--tokens")
+    elif tok.chat_template and not raw:
+        bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else ""
+        eos = tok.tokens[tok.eos_id] if tok.eos_id is not None else ""
+        text = ChatTemplate(tok.chat_template, bos, eos).render([{"role": "user", "content": prompt}])
+        ids = tok.encode(text, add_bos=False)
+    else:
+        ids = tok.encode(prompt)
+    if not ids:
+        raise Ds4Error("the prompt is empty")
+    if len(ids) >= engine.max_context:
+        raise Ds4Error(f"the prompt has {len(ids)} tokens; the compiled context holds {engine.max_context}")
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    logits = engine.prefill(ids)
+    t_prefill = time.perf_counter() - t0
+    out: list[int] = []
+    shown = ""
+    t1 = time.perf_counter()
+    budget = min(n_predict, engine.max_context - len(ids))
+    while len(out) < budget:
+        nxt = sample(logits, params, rng)
+        out.append(nxt)
+        if not as_json:
+            text = tok.decode(out)
+            if not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+        if tok.is_stop(nxt) or len(out) == budget:
+            break
+        logits = engine.decode(nxt)
+    t_decode = time.perf_counter() - t1
+    prefill_tps = len(ids) / t_prefill if t_prefill > 0 else 0.0
+    decode_tps = (len(out) - 1) / t_decode if len(out) > 1 and t_decode > 0 else 0.0
+    if as_json:
+        _echo_json({"tokens": out, "text": tok.decode(out), "n_prompt": len(ids), "n_generated": len(out),
+                    "prefill_tok_s": round(prefill_tps, 2), "decode_tok_s": round(decode_tps, 2)})
+    else:
+        sys.stdout.write(tok.decode(out)[len(shown):] + "\n")
+        if budget < n_predict:
+            print(f"ds4: stopped at the compiled context of {engine.max_context} tokens", file=sys.stderr)
+        print(f"ds4: prompt {len(ids)} tokens, {prefill_tps:.1f} tok/s; generated {len(out)} tokens, "
+              f"{decode_tps:.1f} tok/s", file=sys.stderr)
+
+
+@app.command()
+def logits(model: Path = typer.Option(..., "-m", "--model", help="artifact directory or GGUF"),
+           tokens: str = typer.Option(..., "--tokens", help="token ids, e.g. 1,2,3"),
+           mode: str = typer.Option("prefill", "--mode", help="prefill | decode | verify"),
+           out: Path = typer.Option(..., "--out", help="output .npy: float32 [tokens, vocab]"),
+           ctx: int = typer.Option(4096, "--ctx", help="context when compiling a GGUF on first use"),
+           target: str = typer.Option("cpu", "--target")):
+    """Logits of every input token, from one prefill, token-by-token decode, or verify calls."""
+    import numpy as np
+
+    from .runtime.loader import open_engine
+
+    if mode not in ("prefill", "decode", "verify"):
+        raise Ds4Error(f"--mode {mode!r}: expected prefill, decode or verify")
+    ids = parse_ids(tokens, "--tokens")
+    if not ids:
+        raise Ds4Error("--tokens: no token ids given")
+    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=False)
+    if len(ids) > engine.max_context:
+        raise Ds4Error(f"{len(ids)} tokens exceed the compiled context of {engine.max_context}")
+    if mode == "prefill":
+        rows = engine.prefill(ids, all_logits=True)
+    elif mode == "decode":
+        rows = np.stack([engine.decode(t) for t in ids])
+    else:
+        parts = []
+        for i in range(0, len(ids), engine.max_verify):
+            part = ids[i:i + engine.max_verify]
+            parts.append(engine.verify(part))
+            engine.commit(len(part))
+        rows = np.concatenate(parts)
+    np.save(out, rows.astype(np.float32))
+    typer.echo(f"wrote {out}: {rows.shape[0]} x {rows.shape[1]} float32 ({mode})")
+
+
 # ---------------------------------------------------------------------------- ds4-compile
 @compile_app.command()
 def compile_model(model: Path = typer.Argument(..., help="GGUF model"),
-                  target: str = typer.Option("cpu", "--target", help="llvm | cpu | ..."),
-                  out: Optional[Path] = typer.Option(None, "-o", "--out", help="artifact directory")):
-    """Validate MODEL and compile it for TARGET."""
-    from .families import load_model
-    from .gguf import open_gguf
+                  target: str = typer.Option("cpu", "--target", help="llvm | cpu"),
+                  out: Optional[Path] = typer.Option(None, "-o", "--out", help="artifact directory"),
+                  max_context: int = typer.Option(4096, "--max-context"),
+                  max_verify: int = typer.Option(16, "--max-verify"),
+                  prefill_chunk: int = typer.Option(256, "--prefill-chunk"),
+                  no_kv_rounding: bool = typer.Option(False, "--no-kv-rounding",
+                                                      help="skip the FP8/FP4 round trips (for oracle comparisons)"),
+                  quiet: bool = typer.Option(False, "--quiet", help="no progress bar")):
+    """Compile MODEL for TARGET into an artifact directory."""
+    from .compile.driver import compile_gguf
+    from .compile.targets import resolve
 
-    m = load_model(open_gguf(model))
-    raise Ds4Error(f"{model}: compiling the {m.family.name} family is not available in this build "
-                   f"of ds4tvm yet (the file itself is valid)")
+    resolve(target)  # a bad --target fails before any work
+    out = out or Path(f"{model.stem}-{target}.ds4tvm")
+    compile_gguf(model, target, out, _bounds(max_context, max_verify, prefill_chunk),
+                 kv_rounding=not no_kv_rounding, progress=not quiet)
+    typer.echo(f"wrote {out}")
 
 
 def _run(typer_app) -> None:

@@ -23,6 +23,12 @@ def run_ds4(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def run_ds4_compile(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs the real `ds4-compile` command line in a fresh process."""
+    return subprocess.run([sys.executable, "-c", "from ds4tvm.cli import compile_main; compile_main()",
+                           *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory):
     pytest.importorskip("transformers")

@@ -42,12 +42,13 @@ DEEPSEEK3 = [
 class PreTokenizer:
     regexes: tuple[str, ...]
     ignore_merges: bool = False  # llama3: a whole pre-token found in the vocab is kept as is
+    add_bos: bool = False        # llama.cpp's default when the GGUF has no add_bos_token key
 
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
-    "llama-bpe": PreTokenizer((LLAMA3,), True),
-    "llama3": PreTokenizer((LLAMA3,), True),
-    "llama-v3": PreTokenizer((LLAMA3,), True),
+    "llama-bpe": PreTokenizer((LLAMA3,), True, True),
+    "llama3": PreTokenizer((LLAMA3,), True, True),
+    "llama-v3": PreTokenizer((LLAMA3,), True, True),
     "qwen2": PreTokenizer((QWEN2,)),
     "deepseek-r1-qwen": PreTokenizer((QWEN2,)),
     "qwen35": PreTokenizer((QWEN35,)),
@@ -55,6 +56,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "default": PreTokenizer((GPT2,)),
     "deepseek-llm": PreTokenizer(tuple(DEEPSEEK_LLM)),
     "deepseek-v3": PreTokenizer(tuple(DEEPSEEK3)),
+    "joyai-llm": PreTokenizer(tuple(DEEPSEEK3)),  # what published DeepSeek-V4 GGUFs carry
     "glm4": PreTokenizer((LLAMA3,)),
     "chatglm-bpe": PreTokenizer((LLAMA3,)),
 }
@@ -110,6 +112,9 @@ class Tokenizer:
             if cut < 0:
                 raise Ds4Error(f"{source}: merge {m!r} in tokenizer.ggml.merges has no separator")
             pairs.append((m[:cut], m[cut + 1:]))
+        # The Rust BPE panics (not an Exception) on a merge whose result is not in the vocab;
+        # llama.cpp ignores such merges, and so do we.
+        pairs = [p for p in pairs if p[0] + p[1] in vocab and p[0] in vocab and p[1] in vocab]
         model = models.BPE(vocab=vocab, merges=pairs, byte_fallback=False,
                            ignore_merges=spec.ignore_merges)
         tok = HFTokenizer(model)
@@ -122,25 +127,45 @@ class Tokenizer:
         tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                         for i, t in enumerate(token_types) if t == USER_DEFINED])
         self._hf = tok
+        self.chat_template: str | None = None
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "Tokenizer":
         model = f.get("tokenizer.ggml.model", "str")
+        meta = {"tokenizer.ggml.model": model,
+                "tokenizer.ggml.tokens": _strings(f, "tokenizer.ggml.tokens"),
+                "tokenizer.ggml.merges": _strings(f, "tokenizer.ggml.merges")}
+        for key, kind in (("tokenizer.ggml.token_type", "ints"), ("tokenizer.ggml.pre", "str"),
+                          ("tokenizer.ggml.bos_token_id", "int"), ("tokenizer.ggml.eos_token_id", "int"),
+                          ("tokenizer.ggml.eot_token_id", "int"), ("tokenizer.ggml.eom_token_id", "int"),
+                          ("tokenizer.ggml.add_bos_token", "bool"), ("tokenizer.ggml.add_eos_token", "bool"),
+                          ("tokenizer.chat_template", "str")):
+            value = f.get(key, kind, default=None)
+            if value is not None:
+                meta[key] = value
+        return cls.from_metadata(meta, source=f.name)
+
+    @classmethod
+    def from_metadata(cls, meta: dict, source: str = "tokenizer") -> "Tokenizer":
+        """From `tokenizer.*` GGUF keys held in a dict (as artifacts store them)."""
+        model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":
-            raise Ds4Error(f"{f.name}: tokenizer.ggml.model is '{model}'; only byte-level BPE "
+            raise Ds4Error(f"{source}: tokenizer.ggml.model is {model!r}; only byte-level BPE "
                            f"('gpt2') is supported")
-        tokens = _strings(f, "tokenizer.ggml.tokens")
-        merges = _strings(f, "tokenizer.ggml.merges")
-        types = f.get("tokenizer.ggml.token_type", "ints", default=[NORMAL] * len(tokens))
-        pre = f.get("tokenizer.ggml.pre", "str", default="default")
-        bos = f.get("tokenizer.ggml.bos_token_id", "int", default=None)
-        eos = f.get("tokenizer.ggml.eos_token_id", "int", default=None)
-        eot = tuple(x for x in (f.get("tokenizer.ggml.eot_token_id", "int", default=None),
-                                f.get("tokenizer.ggml.eom_token_id", "int", default=None))
-                    if x is not None)
-        add_bos = f.get("tokenizer.ggml.add_bos_token", "bool", default=False)
-        add_eos = f.get("tokenizer.ggml.add_eos_token", "bool", default=False)
-        return cls(tokens, merges, types, pre, bos, eos, add_bos, add_eos, eot, source=f.name)
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise Ds4Error(f"{source}: missing tokenizer key tokenizer.ggml.tokens")
+        g = meta.get
+        eot = tuple(x for x in (g("tokenizer.ggml.eot_token_id"), g("tokenizer.ggml.eom_token_id")) if x is not None)
+        tok = cls(list(tokens), list(g("tokenizer.ggml.merges") or []),
+                  list(g("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)), g("tokenizer.ggml.pre", "default"),
+                  g("tokenizer.ggml.bos_token_id"), g("tokenizer.ggml.eos_token_id"),
+                  bool(g("tokenizer.ggml.add_bos_token",
+                        PRE_TOKENIZERS.get(g("tokenizer.ggml.pre", "default"), PreTokenizer(())).add_bos)),
+                  bool(g("tokenizer.ggml.add_eos_token", False)),
+                  eot, source=source)
+        tok.chat_template = g("tokenizer.chat_template")
+        return tok
 
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """Token ids of `text`. With `parse_special`, the text of control tokens (as written by a

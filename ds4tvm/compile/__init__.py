@@ -1,0 +1,1 @@
+"""GGUF -> config -> Relax module -> per-target pipeline -> artifact."""

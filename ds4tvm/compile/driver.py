@@ -1,0 +1,114 @@
+"""`ds4-compile`: read and validate a GGUF, build the family's module, compile it for a target
+and write the artifact directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ..artifact import Manifest, file_fingerprint, file_sha256
+from ..errors import Ds4Error
+from ..families import load_model
+from ..gguf import open_gguf
+from .targets import resolve
+
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                  "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                  "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id", "tokenizer.ggml.add_bos_token",
+                  "tokenizer.ggml.add_eos_token", "tokenizer.chat_template")
+
+
+class Phases:
+    """A progress bar over the compile phases (on stderr)."""
+
+    def __init__(self, names: list[str], enabled: bool):
+        self.names, self.p = names, None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+            self.p = Progress(TextColumn("ds4-compile"), BarColumn(), TextColumn("{task.description}"),
+                              TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self.p.start()
+            self.task = self.p.add_task(names[0], total=len(names))
+        self.times: dict[str, float] = {}
+        self._t = time.time()
+        self._i = 0
+
+    def next(self) -> None:
+        now = time.time()
+        self.times[self.names[self._i]] = round(now - self._t, 3)
+        self._t, self._i = now, self._i + 1
+        if self.p is not None:
+            self.p.update(self.task, advance=1,
+                          description=self.names[self._i] if self._i < len(self.names) else "done")
+
+    def close(self) -> None:
+        if self.p is not None:
+            self.p.stop()
+
+
+def _tokenizer_data(f) -> dict:
+    out = {}
+    for key in TOKENIZER_KEYS:
+        field = f._reader.get_field(key)
+        if field is not None:
+            value = field.contents()
+            out[key] = value
+    return out
+
+
+def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_rounding: bool = True,
+                 progress: bool = False) -> Path:
+    import tvm
+
+    from ..families.deepseek4.model import DeepSeekV4, parameter_sources, state_shapes, tensor_types
+
+    f = open_gguf(gguf_path)
+    m = load_model(f)
+    if m.family.role != "target":
+        raise Ds4Error(f"{gguf_path}: is a {m.family.name} {m.family.role} file; compile its target model "
+                       f"and pass it with --mtp")
+    if m.family.name != "deepseek4":
+        raise Ds4Error(f"{gguf_path}: compiling the {m.family.name} family is not supported yet")
+    if bounds.max_context % 128 or bounds.max_context <= 0:
+        raise Ds4Error(f"--max-context {bounds.max_context}: expected a positive multiple of 128")
+    if not 1 <= bounds.max_verify <= 64:
+        raise Ds4Error(f"--max-verify {bounds.max_verify}: expected 1..64")
+    if not 1 <= bounds.prefill_chunk <= bounds.max_context:
+        raise Ds4Error(f"--prefill-chunk {bounds.prefill_chunk}: expected 1..max-context")
+    target_name, target_json = resolve(target)
+    phases = Phases(["validate", "build module", "export", "compile", "write artifact"], progress)
+    try:
+        phases.next()
+        model = DeepSeekV4(m.config, tensor_types(f), bounds, kv_rounding=kv_rounding)
+        phases.next()
+        mod, named = model.export_tvm(spec=model.spec())
+        sources = parameter_sources(model)
+        params = [[name, *sources[id(p)]] for name, p in named]
+        phases.next()
+        tgt = tvm.target.Target(target_json)
+        with tgt:
+            ex = tvm.compile(mod, target=tgt)
+        phases.next()
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lib = f"lib-{target_name}.so"
+        ex.export_library(str(out_dir / lib))
+        (out_dir / "tokenizer.json").write_text(json.dumps(_tokenizer_data(f)))
+        gguf_path = Path(gguf_path).resolve()
+        manifest = Manifest(
+            family=m.family.name, architecture=f.architecture, target=target_json, target_name=target_name,
+            gguf_path=str(gguf_path), gguf_sha256=file_sha256(gguf_path), gguf_size=os.path.getsize(gguf_path),
+            gguf_fingerprint=file_fingerprint(gguf_path), bounds=asdict(bounds),
+            kv_rounding=kv_rounding, functions=["prefill", "prefill_all", "decode", "verify"], params=params,
+            states=[[n, list(s)] for n, s in state_shapes(m.config, bounds)], library=lib,
+            tvm_version=tvm.__version__)
+        phases.next()
+        manifest.extra["compile_seconds"] = phases.times
+        manifest.write(out_dir)
+        return out_dir
+    finally:
+        phases.close()

@@ -1,0 +1,125 @@
+"""The runtime engine: loads an artifact, binds the GGUF's weight planes once, owns the state
+tensors and the committed length, and exposes prefill / decode / verify / commit / rollback.
+
+State is append-only by position (see families/deepseek4/model.py): a verify writes rows for
+positions past the committed length, commit(k) keeps the first k of them and rollback() drops
+them, both by moving counters only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..artifact import Manifest
+from ..errors import Ds4Error
+from ..gguf import open_gguf
+from ..gguf.quant import to_planes
+
+
+class Engine:
+    def __init__(self, artifact_dir: str | Path, gguf_path: str | Path | None = None):
+        import tvm
+        import tvm_ffi
+        from tvm import relax
+
+        self._tvm, self._Shape = tvm, tvm_ffi.Shape
+        self.dir = Path(artifact_dir)
+        self.manifest = m = Manifest.read(self.dir)
+        m.check_runtime(self.dir)
+        gguf_path = Path(gguf_path or m.gguf_path)
+        if not gguf_path.is_file():
+            raise Ds4Error(f"{self.dir}: its GGUF {gguf_path} is missing; pass the model file with -m")
+        m.check_gguf(gguf_path, self.dir)
+        self.gguf = open_gguf(gguf_path)
+        self.dev = tvm.cpu()
+        lib = tvm.runtime.load_module(str(self.dir / m.library))
+        self.vm = relax.VirtualMachine(lib, self.dev)
+        self.params = self._bind_params()
+        self.states = [tvm.runtime.empty(tuple(shape), "float32", self.dev) for _, shape in m.states]
+        for s in self.states:
+            s.copyfrom(np.zeros(s.shape, np.float32))
+        b = m.bounds
+        self.max_context, self.max_verify, self.chunk = b["max_context"], b["max_verify"], b["prefill_chunk"]
+        self.n_vocab = int(self.gguf.tensors["token_embd.weight"].shape[1])
+        self.pos = 0          # committed tokens
+        self.pending = 0      # rows written by the last verify, not yet committed
+        self.tokenizer_data = json.loads((self.dir / m.tokenizer).read_text())
+
+    def _bind_params(self) -> list:
+        planes, out = {}, []
+        for _, tensor, field in self.manifest.params:
+            t = self.gguf.tensors[tensor]
+            if field is None:
+                out.append(self._tvm.runtime.tensor(np.ascontiguousarray(t.data), self.dev))
+                continue
+            if tensor not in planes:
+                planes[tensor] = to_planes(t.data, t.ggml_type, tuple(reversed(t.shape)))
+            out.append(self._tvm.runtime.tensor(np.ascontiguousarray(planes[tensor].fields[field]), self.dev))
+        return out
+
+    # ------------------------------------------------------------------ checks
+    def _ids(self, tokens) -> np.ndarray:
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        bad = ids[(ids < 0) | (ids >= self.n_vocab)]
+        if bad.size:
+            raise Ds4Error(f"token id {int(bad[0])} is outside the vocabulary of {self.n_vocab}")
+        return ids.astype(np.int32)
+
+    def _room(self, n: int) -> None:
+        if self.pos + n > self.max_context:
+            raise Ds4Error(f"{self.pos + n} tokens exceed the compiled context of {self.max_context} "
+                           f"(ds4-compile --max-context)")
+
+    def _call(self, fn: str, ids: np.ndarray) -> np.ndarray:
+        tvm = self._tvm
+        logits, states = self.vm[fn](tvm.runtime.tensor(ids, self.dev), self._Shape([self.pos]), self.states,
+                                     *self.params)
+        return logits.numpy()
+
+    # ------------------------------------------------------------------ API
+    def reset(self) -> None:
+        self.pos = self.pending = 0
+
+    def prefill(self, tokens, all_logits: bool = False) -> np.ndarray:
+        """Appends and commits the tokens in chunks; the last token's logits [V] (or every row)."""
+        ids = self._ids(tokens)
+        self._room(len(ids))
+        self.pending = 0
+        rows = []
+        for i in range(0, len(ids), self.chunk):
+            part = ids[i:i + self.chunk]
+            out = self._call("prefill_all" if all_logits else "prefill", part)
+            rows.append(out)
+            self.pos += len(part)
+        return np.concatenate(rows) if all_logits else rows[-1][-1]
+
+    def decode(self, token: int) -> np.ndarray:
+        ids = self._ids([token])
+        self._room(1)
+        self.pending = 0
+        out = self._call("decode", ids)[0]
+        self.pos += 1
+        return out
+
+    def verify(self, tokens) -> np.ndarray:
+        """Runs k <= max_verify tokens after the committed ones without committing them; the
+        logits of every row [k, V]. Follow with commit(j) for the accepted prefix, or rollback()."""
+        ids = self._ids(tokens)
+        if not 1 <= len(ids) <= self.max_verify:
+            raise Ds4Error(f"verify takes 1..{self.max_verify} tokens, got {len(ids)}")
+        self._room(len(ids))
+        out = self._call("verify", ids)
+        self.pending = len(ids)
+        return out
+
+    def commit(self, k: int) -> None:
+        if not 0 <= k <= self.pending:
+            raise Ds4Error(f"commit({k}): only {self.pending} verified rows are pending")
+        self.pos += k
+        self.pending = 0
+
+    def rollback(self) -> None:
+        self.pending = 0

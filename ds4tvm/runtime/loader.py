@@ -1,0 +1,45 @@
+"""`-m ARTIFACT_OR_GGUF`: an artifact directory is loaded as is; a GGUF is compiled for the host
+on first use and cached under ~/.cache/ds4tvm/artifacts, keyed by the GGUF's fingerprint, the
+target, the bounds and the versions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .. import __version__
+from ..artifact import MANIFEST, file_fingerprint
+from ..errors import Ds4Error
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DS4TVM_CACHE", Path.home() / ".cache" / "ds4tvm")) / "artifacts"
+
+
+def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding: bool = True,
+                progress: bool = True):
+    import tvm
+
+    from ..compile.driver import compile_gguf
+    from ..families.deepseek4.model import Bounds
+    from .engine import Engine
+
+    path = Path(model)
+    if path.is_dir():  # an artifact's bounds were fixed when it was compiled
+        return Engine(path)
+    if not path.exists():
+        raise Ds4Error(f"{path}: no such file or artifact directory")
+    bounds = bounds or Bounds()
+    key = json.dumps([file_fingerprint(path), os.path.getsize(path), target, bounds.max_context, bounds.max_verify,
+                      bounds.prefill_chunk, kv_rounding, tvm.__version__, __version__])
+    out = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24]
+    if not (out / MANIFEST).is_file():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        compile_gguf(path, target, tmp, bounds, kv_rounding=kv_rounding, progress=progress)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return Engine(out, gguf_path=path)

@@ -1,0 +1,126 @@
+"""DeepSeek-V4 compiled by TVM for llvm against transformers' DeepseekV4ForCausalLM.
+
+Fair-oracle configuration (reference/oracles.md): ratios 0, 0, 4, 128, 4 with a hash layer,
+16 indexer heads of width 64, YaRN on the compressed layers, every parameter randomised (1-D ones
+and tid2eid included), 300 tokens so the ratio-128 layer emits rows and the indexer selects.
+FP8/FP4 round trips, which transformers does not have, are compiled out (--no-kv-rounding).
+"""
+
+import numpy as np
+import pytest
+
+from conftest import run_ds4, run_ds4_compile
+
+pytestmark = [pytest.mark.oracle, pytest.mark.compile]
+N_TOKENS = 300
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", params=[8, 512], ids=["topk8-selecting", "topk512-all-rows"])
+def case(request, tmp_path_factory):
+    pytest.importorskip("transformers")
+    import torch
+    from hf_models import write_tiny_deepseek_v4
+    from transformers import DeepseekV4ForCausalLM
+
+    d = tmp_path_factory.mktemp(f"v4-topk{request.param}")
+    hf = write_tiny_deepseek_v4(d / "hf", seed=request.param, index_topk=request.param)
+    gguf = d / "tiny.gguf"
+    assert run_ds4("convert", hf, gguf, "--type", "f32", "--quiet").returncode == 0
+    art = d / "art"
+    r = run_ds4_compile(gguf, "--target", "llvm", "-o", art, "--max-context", "512", "--no-kv-rounding", "--quiet")
+    assert r.returncode == 0, r.stderr
+    ids = np.random.default_rng(request.param).integers(0, 512, N_TOKENS)
+    model = DeepseekV4ForCausalLM.from_pretrained(hf).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor(ids[None])).logits[0].float().numpy()
+    return art, ids, ref
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode", "verify"])
+def test_logits_match_transformers(case, mode, tmp_path):
+    art, ids, ref = case
+    out = tmp_path / f"{mode}.npy"
+    r = run_ds4("logits", "-m", art, "--tokens", ",".join(map(str, ids)), "--mode", mode, "--out", out)
+    assert r.returncode == 0, r.stderr
+    got = np.load(out)
+    assert got.shape == ref.shape == (N_TOKENS, 512)
+    err = np.abs(got - ref).max()
+    print(f"{art.parent.name} {mode}: max |delta| = {err:.3g} (logits up to {np.abs(ref).max():.2f})")
+    assert err <= TOLERANCE
+
+
+def test_verify_with_rejections_and_rollback(case):
+    """Verify blocks whose tails are rejected (commit of a prefix, or rollback) leave the state as
+    if only the committed tokens had been run: every committed row still matches transformers."""
+    from ds4tvm.runtime.engine import Engine
+
+    art, ids, ref = case
+    e = Engine(art)
+    rng = np.random.default_rng(7)
+    rows, i = [], 0
+    while i < len(ids):
+        k = min(int(rng.integers(1, e.max_verify + 1)), len(ids) - i)
+        drafts = ids[i:i + k].copy()
+        if k > 1 and rng.random() < 0.5:  # a wrong draft in the tail: its row and later are rejected
+            j = int(rng.integers(1, k))
+            drafts[j] = (drafts[j] + 1) % 512
+        else:
+            j = k
+        if rng.random() < 0.2:
+            e.verify(drafts)
+            e.rollback()  # the whole block rejected
+            continue
+        out = e.verify(drafts)
+        e.commit(j)
+        rows.append(out[:j])
+        i += j
+    got = np.concatenate(rows)
+    assert np.abs(got - ref).max() <= TOLERANCE
+
+
+def test_run_prints_text_and_speed(case):
+    art, _, _ = case
+    r = run_ds4("run", "-m", art, "-p", "Hello, world", "-n", "8", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert "tok/s" in r.stderr and r.stdout.strip()
+    import json
+    r = run_ds4("run", "-m", art, "--tokens", "5,6,7", "-n", "5", "--json", "--seed", "1")
+    info = json.loads(r.stdout)
+    assert info["n_prompt"] == 3 and info["n_generated"] == len(info["tokens"]) == 5
+    assert {"text", "prefill_tok_s", "decode_tok_s"} <= set(info)
+
+
+def test_run_errors_exit_2(case, tmp_path):
+    from ds4tvm.families.deepseek4.random_model import tiny_config
+    from ds4tvm.families.dspark.random_model import write_random_dspark
+
+    art, _, _ = case
+    too_long = ",".join(["5"] * 600)
+    checks = [
+        (["run", "-m", art, "--tokens", too_long, "-n", "1"], "compiled context"),
+        (["run", "-m", art, "--tokens", "1,2,512", "-n", "1"], "outside the vocabulary"),
+        (["run", "-m", art, "-p", "hi", "--temp", "-1"], "--temp"),
+        (["run", "-m", write_random_dspark(tmp_path / "support.gguf", tiny_config()), "-p", "hi"], "draft"),
+        (["run", "-m", tmp_path / "missing.gguf", "-p", "hi"], "no such file"),
+        (["logits", "-m", art, "--tokens", "1,2", "--mode", "sideways", "--out", tmp_path / "x.npy"], "--mode"),
+    ]
+    for args, expect in checks:
+        r = run_ds4(*args)
+        assert r.returncode == 2 and expect in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+
+
+def test_artifact_from_another_gguf(tmp_path):
+    """An artifact refuses to run on a GGUF other than the one it was compiled from."""
+    import shutil
+
+    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+
+    cfg = tiny_config(n_layers=2, compress_ratios=(0, 4))
+    model = write_random_deepseek4(tmp_path / "m.gguf", cfg, seed=1)
+    r = run_ds4_compile(model, "--target", "llvm", "-o", tmp_path / "art", "--max-context", "256", "--quiet")
+    assert r.returncode == 0, r.stderr
+    other = write_random_deepseek4(tmp_path / "other.gguf", cfg, seed=2)
+    shutil.copy(other, model)
+    r = run_ds4("run", "-m", tmp_path / "art", "-p", "hi", "-n", "1")
+    assert r.returncode == 2 and "different GGUF" in r.stderr, r.stderr
