@@ -20,6 +20,7 @@ from tvm.relax.frontend.nn import op
 from ...nn.blocks import (emit_rows, gather_context, hc_head, hc_post, hc_pre, indexer_select, pooled_window,
                           ring_write, rms, rope, rope_inv_freq, sparse_window_attention)
 from ...nn.qweight import QWeight
+from ...nn.rounding import fp8_round_rows, hadamard_fp4
 from .config import Config
 from .tensors import tensor_specs
 
@@ -100,18 +101,23 @@ class Block(nn.Module):
         freq = rope_comp if r else rope_main
         Q = rope(Q, start, freq)
         KV = rope(KV, start, freq)
+        if kv_rounding:  # the cache keeps FP8 values: the token attends to its rounded row too
+            KV = fp8_round_rows(KV, Dh - c.n_rot)
         ring = states["kv_ring"]
         ctx = gather_context(ring, KV, start, c.sliding_window - 1, name="kv_context")
         new_states = {}
         comp_rows = sel = None
         if r:
-            comp_rows, new_states = self._compress(N, start, states, "attn_compressor", "comp", Dh, rope_comp)
+            fp8 = (lambda rows: fp8_round_rows(rows, Dh - c.n_rot)) if kv_rounding else None
+            comp_rows, new_states = self._compress(N, start, states, "attn_compressor", "comp", Dh, rope_comp, fp8)
             if r == 4:
                 idx_rows, idx_states = self._compress(N, start, states, "indexer_compressor", "idx",
-                                                      c.idx_head_dim, rope_comp)
+                                                      c.idx_head_dim, rope_comp, hadamard_fp4 if kv_rounding else None)
                 new_states.update(idx_states)
                 iq = op.reshape(w["indexer.attn_q_b.weight"].linear(QR), (n, c.idx_n_head, c.idx_head_dim))
                 iq = rope(iq, start, rope_comp)
+                if kv_rounding:
+                    iq = hadamard_fp4(iq)
                 iw = w["indexer.proj.weight"].linear(N) * (1.0 / math.sqrt(c.idx_head_dim * c.idx_n_head))
                 sel = indexer_select(iq, iw, idx_rows, start, r, c.idx_top_k, name="indexer")
         attn = sparse_window_attention(Q, ctx, comp_rows, sel, self.v("attn_sinks"), start,
@@ -123,7 +129,7 @@ class Block(nn.Module):
         new_states["kv_ring"] = ring_write(ring, KV, start, after=attn, name="kv_ring_write")
         return hc_post(out, X, post, comb), new_states
 
-    def _compress(self, N, start, states, wname, sname, width, rope_comp):
+    def _compress(self, N, start, states, wname, sname, width, rope_comp, round_rows=None):
         """Projections of the new tokens, the pooled row of every window that ends among them
         (normalised, RoPE'd at the window start), written into the row table."""
         c, r, w = self.cfg, self.ratio, self.w
@@ -134,6 +140,8 @@ class Block(nn.Module):
         sc_ctx = gather_context(sc_front, score, start, 2 * r, name=f"{sname}_score_context")
         pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, name=f"{sname}_pool")
         cand = rope(rms(pooled, c.rms_eps, self.v(f"{wname}_norm")), start, rope_comp, offset=1 - r)
+        if round_rows is not None:
+            cand = round_rows(cand)
         rows = emit_rows(states[f"{sname}_rows"], cand, start, r, name=f"{sname}_emit")
         return rows, {f"{sname}_rows": rows,
                       f"{sname}_kv_front": ring_write(kv_front, kv, start, after=pooled, name=f"{sname}_kv_write"),

@@ -1,0 +1,106 @@
+"""ds4's low-precision round trips, which no oracle reproduces (ds4-spec §2):
+- FP8-E4M3 on the non-RoPE channels of every cached K=V row: blocks of 64 values, a power-of-two
+  scale 2^ceil(log2(amax/448)), values clamped to +-448, round to nearest even;
+- the indexer's keys and queries: a normalised Hadamard transform over the head, then FP4-E2M1
+  in blocks of 32 with a power-of-two scale 2^ceil(log2(amax/6)), range +-6.
+Values are rounded and kept in float32 (the cache holds what an FP8/FP4 cache would give back)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+F32, U32 = "float32", "uint32"
+
+
+def _bits(x):
+    return tirx.reinterpret(U32, x)
+
+
+def _from_bits(b):
+    return tirx.reinterpret(F32, b)
+
+
+def _exponent(x):
+    """floor(log2(|x|)) for normal float32 x != 0, from the bits."""
+    return ((_bits(x) >> tirx.const(23, U32)) & tirx.const(0xFF, U32)).astype("int32") - 127
+
+
+def _pow2(e):
+    """2^e as float32 for -126 <= e <= 127."""
+    return _from_bits((e + 127).astype(U32) << tirx.const(23, U32))
+
+
+def _pow2_ceil_scale(amax, top: float):
+    """2^ceil(log2(amax / top)); 1 when the block is all zeros."""
+    v = amax / tirx.const(top, F32)
+    e = _exponent(v)
+    exact = (_bits(v) & tirx.const(0x7FFFFF, U32)) == tirx.const(0, U32)
+    e = tirx.if_then_else(exact, e, e + 1)
+    return tirx.if_then_else(amax > tirx.const(0, F32), _pow2(tirx.max(e, -126)), tirx.const(1.0, F32))
+
+
+def _round_minifloat(y, mant_bits: int, min_exp: int, max_val: float):
+    """y (already scaled) to the nearest value with `mant_bits` mantissa bits, exponent >= min_exp
+    (smaller magnitudes are subnormal with the spacing of min_exp), clamped to +-max_val."""
+    a = tirx.min(tirx.abs(y), tirx.const(max_val, F32))
+    e = tirx.if_then_else(a > tirx.const(0, F32), tirx.max(_exponent(a), min_exp), min_exp)
+    step = _pow2(e - mant_bits)
+    q = tirx.min(tirx.nearbyint(a / step) * step, tirx.const(max_val, F32))
+    return tirx.if_then_else(y < tirx.const(0, F32), -q, q)
+
+
+def fp8_round_rows(x: nn.Tensor, n_plain: int, name: str = "fp8_round") -> nn.Tensor:
+    """E4M3 round trip of channels [0, n_plain) of each row of x [T, D] in blocks of 64."""
+    def f(x_te):
+        T, D = x_te.shape
+        nb = (n_plain + 63) // 64
+        j = te.reduce_axis((0, 64), name="j")
+        amax = te.compute((T, nb), lambda t, b: te.max(tirx.if_then_else(
+            b * 64 + j < n_plain, tirx.abs(x_te[t, tirx.min(b * 64 + j, D - 1)]), tirx.const(0, F32)), axis=j),
+            name=name + "_amax")
+
+        def body(t, d):
+            scale = _pow2_ceil_scale(amax[t, tirx.min(d // 64, nb - 1)], 448.0)
+            q = _round_minifloat(x_te[t, d] / scale, 3, -6, 448.0) * scale
+            return tirx.if_then_else(d < n_plain, q, x_te[t, d])
+
+        return te.compute((T, D), body, name=name)
+
+    return op.tensor_expr_op(f, name, [x])
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+    """Sylvester Hadamard matrix of order n (a power of two), scaled by 1/sqrt(n)."""
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / math.sqrt(n)).astype(np.float32)
+
+
+def hadamard_fp4(x: nn.Tensor, name: str = "hadamard_fp4") -> nn.Tensor:
+    """Normalised Hadamard transform over the last axis of x [T, (H,) D], then E2M1 in blocks of
+    32 with power-of-two scales (range +-6)."""
+    D = int(x.shape[-1])
+    h = nn.Tensor.from_const(hadamard_matrix(D))
+
+    def f(x_te, h_te):
+        k = te.reduce_axis((0, D), name="k")
+        y = te.compute(x_te.shape, lambda *i: te.sum(x_te[(*i[:-1], k)] * h_te[i[-1], k], axis=k), name=name + "_h")
+        j = te.reduce_axis((0, 32), name="j")
+        amax = te.compute((*x_te.shape[:-1], D // 32), lambda *i: te.max(
+            tirx.abs(y[(*i[:-1], i[-1] * 32 + j)]), axis=j), name=name + "_amax")
+
+        def body(*i):
+            scale = _pow2_ceil_scale(amax[(*i[:-1], i[-1] // 32)], 6.0)
+            return _round_minifloat(y[i] / scale, 1, 0, 6.0) * scale
+
+        return te.compute(x_te.shape, body, name=name)
+
+    return op.tensor_expr_op(f, name, [x, h])
