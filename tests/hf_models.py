@@ -46,3 +46,108 @@ def write_tiny_deepseek_v4(out_dir: Path, seed: int = 0, **overrides) -> Path:
                 b.copy_(ids)
     model.save_pretrained(out_dir)
     return Path(out_dir)
+
+
+# GGUF name -> transformers' in-memory parameter (its own module names, independent of the
+# on-disk names the converter reads). {L} is the layer.
+HF_PARAMS = {
+    "token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+    "output_norm.weight": "model.norm.weight", "output_hc_fn.weight": "model.hc_head.hc_fn",
+    "output_hc_base.weight": "model.hc_head.hc_base", "output_hc_scale.weight": "model.hc_head.hc_scale",
+    "blk.{L}.hc_attn_fn.weight": "model.layers.{L}.attn_hc.fn", "blk.{L}.hc_attn_base.weight": "model.layers.{L}.attn_hc.base",
+    "blk.{L}.hc_attn_scale.weight": "model.layers.{L}.attn_hc.scale", "blk.{L}.hc_ffn_fn.weight": "model.layers.{L}.ffn_hc.fn",
+    "blk.{L}.hc_ffn_base.weight": "model.layers.{L}.ffn_hc.base", "blk.{L}.hc_ffn_scale.weight": "model.layers.{L}.ffn_hc.scale",
+    "blk.{L}.attn_norm.weight": "model.layers.{L}.input_layernorm.weight",
+    "blk.{L}.ffn_norm.weight": "model.layers.{L}.post_attention_layernorm.weight",
+    "blk.{L}.attn_q_a.weight": "model.layers.{L}.self_attn.q_a_proj.weight",
+    "blk.{L}.attn_q_a_norm.weight": "model.layers.{L}.self_attn.q_a_norm.weight",
+    "blk.{L}.attn_q_b.weight": "model.layers.{L}.self_attn.q_b_proj.weight",
+    "blk.{L}.attn_kv.weight": "model.layers.{L}.self_attn.kv_proj.weight",
+    "blk.{L}.attn_kv_a_norm.weight": "model.layers.{L}.self_attn.kv_norm.weight",
+    "blk.{L}.attn_sinks.weight": "model.layers.{L}.self_attn.sinks",
+    "blk.{L}.attn_output_a.weight": "model.layers.{L}.self_attn.o_a_proj.weight",
+    "blk.{L}.attn_output_b.weight": "model.layers.{L}.self_attn.o_b_proj.weight",
+    "blk.{L}.attn_compressor_ape.weight": "model.layers.{L}.self_attn.compressor.position_bias",
+    "blk.{L}.attn_compressor_kv.weight": "model.layers.{L}.self_attn.compressor.kv_proj.weight",
+    "blk.{L}.attn_compressor_gate.weight": "model.layers.{L}.self_attn.compressor.gate_proj.weight",
+    "blk.{L}.attn_compressor_norm.weight": "model.layers.{L}.self_attn.compressor.kv_norm.weight",
+    "blk.{L}.indexer.attn_q_b.weight": "model.layers.{L}.self_attn.compressor.indexer.q_b_proj.weight",
+    "blk.{L}.indexer.proj.weight": "model.layers.{L}.self_attn.compressor.indexer.scorer.weights_proj.weight",
+    "blk.{L}.indexer_compressor_ape.weight": "model.layers.{L}.self_attn.compressor.indexer.position_bias",
+    "blk.{L}.indexer_compressor_kv.weight": "model.layers.{L}.self_attn.compressor.indexer.kv_proj.weight",
+    "blk.{L}.indexer_compressor_gate.weight": "model.layers.{L}.self_attn.compressor.indexer.gate_proj.weight",
+    "blk.{L}.indexer_compressor_norm.weight": "model.layers.{L}.self_attn.compressor.indexer.kv_norm.weight",
+    "blk.{L}.ffn_gate_inp.weight": "model.layers.{L}.mlp.gate.weight",
+    "blk.{L}.exp_probs_b.bias": "model.layers.{L}.mlp.gate.e_score_correction_bias",
+    "blk.{L}.ffn_gate_tid2eid.weight": "model.layers.{L}.mlp.gate.tid2eid",
+    "blk.{L}.ffn_gate_shexp.weight": "model.layers.{L}.mlp.shared_experts.gate_proj.weight",
+    "blk.{L}.ffn_up_shexp.weight": "model.layers.{L}.mlp.shared_experts.up_proj.weight",
+    "blk.{L}.ffn_down_shexp.weight": "model.layers.{L}.mlp.shared_experts.down_proj.weight",
+    "blk.{L}.ffn_down_exps.weight": "model.layers.{L}.mlp.experts.down_proj",
+}
+
+
+def hf_tensor(state, name, n_ff):
+    if name.startswith("blk."):
+        layer, rest = name.split(".", 2)[1:]
+        if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
+            gate_up = state[f"model.layers.{layer}.mlp.experts.gate_up_proj"].numpy()
+            return gate_up[:, :n_ff] if rest.startswith("ffn_gate") else gate_up[:, n_ff:]
+        return state[HF_PARAMS["blk.{L}." + rest].format(L=layer)].numpy()
+    return state[HF_PARAMS[name]].numpy()
+
+
+
+
+def hf_config_for(cfg, **extra):
+    """transformers config equal to a ds4tvm deepseek4 Config (for GGUFs written without HF)."""
+    from transformers import DeepseekV4Config
+
+    kinds = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+    return DeepseekV4Config(
+        vocab_size=cfg.n_vocab, hidden_size=cfg.n_embd, moe_intermediate_size=cfg.n_ff_exp,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_head, head_dim=cfg.head_dim,
+        q_lora_rank=cfg.q_lora_rank, partial_rotary_factor=cfg.n_rot / cfg.head_dim,
+        n_routed_experts=cfg.n_expert, num_experts_per_tok=cfg.n_expert_used, n_shared_experts=cfg.n_expert_shared,
+        o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, index_n_heads=cfg.idx_n_head,
+        index_head_dim=cfg.idx_head_dim, index_topk=cfg.idx_top_k, sliding_window=cfg.sliding_window,
+        layer_types=[kinds[r] for r in cfg.compress_ratios],
+        mlp_layer_types=["hash_moe"] * cfg.n_hash_layers + ["moe"] * (cfg.n_layers - cfg.n_hash_layers),
+        rope_theta=cfg.rope_base, compress_rope_theta=cfg.compress_rope_base,
+        rope_parameters={"rope_type": "yarn", "factor": cfg.yarn_factor,
+                         "original_max_position_embeddings": cfg.yarn_orig_ctx,
+                         "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow},
+        routed_scaling_factor=cfg.expert_weights_scale, rms_norm_eps=cfg.rms_eps, hc_eps=cfg.hc_eps,
+        swiglu_limit=cfg.swiglu_clamp[0], **extra)
+
+
+def hf_model_from_gguf(path):
+    """A transformers DeepseekV4ForCausalLM holding the GGUF's weights, dequantized with gguf-py."""
+    import numpy as np
+    import torch
+    from gguf import quants
+    from transformers import DeepseekV4ForCausalLM
+
+    from ds4tvm.families.deepseek4.config import Config
+    from ds4tvm.gguf import open_gguf
+
+    f = open_gguf(path)
+    cfg = Config.from_gguf(f)
+    model = DeepseekV4ForCausalLM(hf_config_for(cfg)).eval()
+    values = {}
+    for name, t in f.tensors.items():
+        data = np.asarray(t.data)
+        values[name] = data if t.ggml_type.name in ("I32",) else quants.dequantize(data, t.ggml_type)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    with torch.no_grad():
+        for name, v in values.items():
+            layer, rest = (name.split(".", 2)[1:] if name.startswith("blk.") else (None, name))
+            if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
+                continue
+            key = (HF_PARAMS["blk.{L}." + rest].format(L=layer) if layer is not None else HF_PARAMS[name])
+            state[key].copy_(torch.from_numpy(np.ascontiguousarray(v)).to(state[key].dtype))
+        for il in range(cfg.n_layers):
+            gate = values[f"blk.{il}.ffn_gate_exps.weight"]
+            up = values[f"blk.{il}.ffn_up_exps.weight"]
+            state[f"model.layers.{il}.mlp.experts.gate_up_proj"].copy_(torch.from_numpy(np.concatenate([gate, up], 1)))
+    return model

@@ -9,56 +9,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from conftest import run_ds4
+from hf_models import hf_tensor
 from ds4tvm.gguf import open_gguf
-
-# GGUF name -> transformers' in-memory parameter (its own module names, independent of the
-# on-disk names the converter reads). {L} is the layer.
-HF_PARAMS = {
-    "token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-    "output_norm.weight": "model.norm.weight", "output_hc_fn.weight": "model.hc_head.hc_fn",
-    "output_hc_base.weight": "model.hc_head.hc_base", "output_hc_scale.weight": "model.hc_head.hc_scale",
-    "blk.{L}.hc_attn_fn.weight": "model.layers.{L}.attn_hc.fn", "blk.{L}.hc_attn_base.weight": "model.layers.{L}.attn_hc.base",
-    "blk.{L}.hc_attn_scale.weight": "model.layers.{L}.attn_hc.scale", "blk.{L}.hc_ffn_fn.weight": "model.layers.{L}.ffn_hc.fn",
-    "blk.{L}.hc_ffn_base.weight": "model.layers.{L}.ffn_hc.base", "blk.{L}.hc_ffn_scale.weight": "model.layers.{L}.ffn_hc.scale",
-    "blk.{L}.attn_norm.weight": "model.layers.{L}.input_layernorm.weight",
-    "blk.{L}.ffn_norm.weight": "model.layers.{L}.post_attention_layernorm.weight",
-    "blk.{L}.attn_q_a.weight": "model.layers.{L}.self_attn.q_a_proj.weight",
-    "blk.{L}.attn_q_a_norm.weight": "model.layers.{L}.self_attn.q_a_norm.weight",
-    "blk.{L}.attn_q_b.weight": "model.layers.{L}.self_attn.q_b_proj.weight",
-    "blk.{L}.attn_kv.weight": "model.layers.{L}.self_attn.kv_proj.weight",
-    "blk.{L}.attn_kv_a_norm.weight": "model.layers.{L}.self_attn.kv_norm.weight",
-    "blk.{L}.attn_sinks.weight": "model.layers.{L}.self_attn.sinks",
-    "blk.{L}.attn_output_a.weight": "model.layers.{L}.self_attn.o_a_proj.weight",
-    "blk.{L}.attn_output_b.weight": "model.layers.{L}.self_attn.o_b_proj.weight",
-    "blk.{L}.attn_compressor_ape.weight": "model.layers.{L}.self_attn.compressor.position_bias",
-    "blk.{L}.attn_compressor_kv.weight": "model.layers.{L}.self_attn.compressor.kv_proj.weight",
-    "blk.{L}.attn_compressor_gate.weight": "model.layers.{L}.self_attn.compressor.gate_proj.weight",
-    "blk.{L}.attn_compressor_norm.weight": "model.layers.{L}.self_attn.compressor.kv_norm.weight",
-    "blk.{L}.indexer.attn_q_b.weight": "model.layers.{L}.self_attn.compressor.indexer.q_b_proj.weight",
-    "blk.{L}.indexer.proj.weight": "model.layers.{L}.self_attn.compressor.indexer.scorer.weights_proj.weight",
-    "blk.{L}.indexer_compressor_ape.weight": "model.layers.{L}.self_attn.compressor.indexer.position_bias",
-    "blk.{L}.indexer_compressor_kv.weight": "model.layers.{L}.self_attn.compressor.indexer.kv_proj.weight",
-    "blk.{L}.indexer_compressor_gate.weight": "model.layers.{L}.self_attn.compressor.indexer.gate_proj.weight",
-    "blk.{L}.indexer_compressor_norm.weight": "model.layers.{L}.self_attn.compressor.indexer.kv_norm.weight",
-    "blk.{L}.ffn_gate_inp.weight": "model.layers.{L}.mlp.gate.weight",
-    "blk.{L}.exp_probs_b.bias": "model.layers.{L}.mlp.gate.e_score_correction_bias",
-    "blk.{L}.ffn_gate_tid2eid.weight": "model.layers.{L}.mlp.gate.tid2eid",
-    "blk.{L}.ffn_gate_shexp.weight": "model.layers.{L}.mlp.shared_experts.gate_proj.weight",
-    "blk.{L}.ffn_up_shexp.weight": "model.layers.{L}.mlp.shared_experts.up_proj.weight",
-    "blk.{L}.ffn_down_shexp.weight": "model.layers.{L}.mlp.shared_experts.down_proj.weight",
-    "blk.{L}.ffn_down_exps.weight": "model.layers.{L}.mlp.experts.down_proj",
-}
-
-
-def hf_tensor(state, name, n_ff):
-    if name.startswith("blk."):
-        layer, rest = name.split(".", 2)[1:]
-        if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
-            gate_up = state[f"model.layers.{layer}.mlp.experts.gate_up_proj"].numpy()
-            return gate_up[:, :n_ff] if rest.startswith("ffn_gate") else gate_up[:, n_ff:]
-        return state[HF_PARAMS["blk.{L}." + rest].format(L=layer)].numpy()
-    return state[HF_PARAMS[name]].numpy()
-
 
 @pytest.fixture(scope="module")
 def hf_state(tiny_hf_dir):

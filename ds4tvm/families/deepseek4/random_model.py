@@ -63,7 +63,7 @@ def random_tensors(specs: list[TensorSpec], cfg: Config, rng: np.random.Generato
             if spec.types == NORM:
                 return (1.0 + 0.1 * sub.standard_normal(shape)).astype(np.float32)
             if qtype in (QT.Q4_K, QT.Q2_K, QT.Q6_K, QT.IQ2_XXS):
-                return random_blocks(qtype, shape, sub, scale=1.0 / (8 * np.sqrt(shape[-1])))
+                return random_blocks(qtype, shape, sub, scale=1.0 / (32 * np.sqrt(shape[-1])))
             values = sub.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1])
             return quantize(values, qtype)
 

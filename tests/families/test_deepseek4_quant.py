@@ -1,0 +1,74 @@
+"""Quantized DeepSeek-V4 GGUFs: the compiled model reads the planes directly, and its logits
+match transformers run on the same weights dequantized by gguf-py.
+
+Tolerance 1e-4 as for f32: the kernels' dequantized values are bit-exact (tests/unit/
+test_kernels.py), so what remains is the float32 summation order, the same as in the f32 oracle."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from conftest import run_ds4, run_ds4_compile
+
+pytestmark = [pytest.mark.oracle, pytest.mark.compile]
+N_TOKENS = 160
+
+
+def _random_blocks_gguf(path):
+    from ds4tvm.families.deepseek4.random_model import default_type, tiny_config, write_random_deepseek4
+    from ds4tvm.gguf.validate import DENSE
+
+    cfg = tiny_config(n_embd=256, n_ff_exp=256, q_lora_rank=256, o_lora_rank=256, head_dim=256, n_rot=64,
+                      n_vocab=768)
+    kinds = {"ffn_gate_exps": QT.IQ2_XXS, "ffn_up_exps": QT.IQ2_XXS, "ffn_down_exps": QT.Q2_K}
+
+    def type_of(spec):
+        for k, t in kinds.items():
+            if k in spec.name:
+                return t
+        if spec.types == DENSE and spec.shape[0] % 256 == 0:
+            return QT.Q4_K
+        return default_type(spec)
+
+    return write_random_deepseek4(path, cfg, seed=11, type_of=type_of)
+
+
+CASES = {
+    "f16": ("f16", "f16"),
+    "q8_0": ("q8_0", "q8_0"),
+    "q8_0+mxfp4-experts": ("q8_0", "mxfp4"),
+    "q4_k+iq2_xxs/q2_k-experts": None,
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_quantized_logits_match_transformers_on_dequantized_weights(case, tiny_hf_dir, tmp_path):
+    import torch
+    from hf_models import hf_model_from_gguf
+
+    from ds4tvm.gguf import open_gguf
+
+    gguf = tmp_path / "model.gguf"
+    if CASES[case] is None:
+        _random_blocks_gguf(gguf)
+    else:
+        dense, experts = CASES[case]
+        r = run_ds4("convert", tiny_hf_dir, gguf, "--type", dense, "--experts-type", experts, "--quiet")
+        assert r.returncode == 0, r.stderr
+    types = {t.ggml_type.name for t in open_gguf(gguf).tensors.values()}
+    print(case, sorted(types))
+    art = tmp_path / "art"
+    r = run_ds4_compile(gguf, "--target", "llvm", "-o", art, "--max-context", "256", "--no-kv-rounding", "--quiet")
+    assert r.returncode == 0, r.stderr
+    model = hf_model_from_gguf(gguf)
+    n_vocab = model.config.vocab_size
+    ids = np.random.default_rng(3).integers(0, n_vocab, N_TOKENS)
+    with torch.no_grad():
+        ref = model(torch.tensor(ids[None])).logits[0].float().numpy()
+    out = tmp_path / "logits.npy"
+    r = run_ds4("logits", "-m", art, "--tokens", ",".join(map(str, ids)), "--mode", "prefill", "--out", out)
+    assert r.returncode == 0, r.stderr
+    got = np.load(out)
+    err = np.abs(got - ref).max()
+    print(f"{case}: max |delta| {err:.3g}, logits up to {np.abs(ref).max():.2f}")
+    assert err <= 1e-4 * max(1.0, np.abs(ref).max())
