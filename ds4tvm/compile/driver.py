@@ -61,7 +61,7 @@ def _tokenizer_data(f) -> dict:
 
 
 def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_rounding: bool = True,
-                 progress: bool = False) -> Path:
+                 progress: bool = False, capture_layers: tuple[int, ...] = ()) -> Path:
     import tvm
 
     from ..families.deepseek4.model import DeepSeekV4, parameter_sources, state_shapes, tensor_types
@@ -79,11 +79,14 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         raise Ds4Error(f"--max-verify {bounds.max_verify}: expected 1..64")
     if not 1 <= bounds.prefill_chunk <= bounds.max_context:
         raise Ds4Error(f"--prefill-chunk {bounds.prefill_chunk}: expected 1..max-context")
+    bad = [i for i in capture_layers if not 0 <= i < m.config.n_layers]
+    if bad:
+        raise Ds4Error(f"capture layers {bad} are outside 0..{m.config.n_layers - 1}")
     target_name, target_json = resolve(target)
     phases = Phases(["validate", "build module", "export", "compile", "write artifact"], progress)
     try:
         phases.next()
-        model = DeepSeekV4(m.config, tensor_types(f), bounds, kv_rounding=kv_rounding)
+        model = DeepSeekV4(m.config, tensor_types(f), bounds, kv_rounding=kv_rounding, capture_layers=capture_layers)
         phases.next()
         mod, named = model.export_tvm(spec=model.spec())
         sources = parameter_sources(model)
@@ -103,7 +106,7 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
             family=m.family.name, architecture=f.architecture, target=target_json, target_name=target_name,
             gguf_path=str(gguf_path), gguf_sha256=file_sha256(gguf_path), gguf_size=os.path.getsize(gguf_path),
             gguf_fingerprint=file_fingerprint(gguf_path), bounds=asdict(bounds),
-            kv_rounding=kv_rounding, functions=["prefill", "prefill_all", "decode", "verify"], params=params,
+            kv_rounding=kv_rounding, extra={"capture_layers": list(capture_layers)}, functions=["prefill", "prefill_all", "decode", "verify"], params=params,
             states=[[n, list(s)] for n, s in state_shapes(m.config, bounds)], library=lib,
             tvm_version=tvm.__version__)
         phases.next()

@@ -44,6 +44,7 @@ class Engine:
         b = m.bounds
         self.max_context, self.max_verify, self.chunk = b["max_context"], b["max_verify"], b["prefill_chunk"]
         self.n_vocab = int(self.gguf.tensors["token_embd.weight"].shape[1])
+        self.captured = None  # [n, len(capture_layers), D] of the last call, when compiled with capture
         self.pos = 0          # committed tokens
         self.pending = 0      # rows written by the last verify, not yet committed
         self.tokenizer_data = json.loads((self.dir / m.tokenizer).read_text())
@@ -75,9 +76,10 @@ class Engine:
 
     def _call(self, fn: str, ids: np.ndarray) -> np.ndarray:
         tvm = self._tvm
-        logits, states = self.vm[fn](tvm.runtime.tensor(ids, self.dev), self._Shape([self.pos]), self.states,
-                                     *self.params)
-        return logits.numpy()
+        out = self.vm[fn](tvm.runtime.tensor(ids, self.dev), self._Shape([self.pos]), self.states, *self.params)
+        if len(out) == 3:  # artifacts paired with a drafter also return the captured layers [n, L, D]
+            self.captured = out[1].numpy()
+        return out[0].numpy()
 
     # ------------------------------------------------------------------ API
     def reset(self) -> None:

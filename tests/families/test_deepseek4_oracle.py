@@ -155,3 +155,31 @@ def test_fp8_fp4_rounding_stays_close_to_the_unrounded_model(case, tmp_path):
         greedy[name] = __import__("json").loads(r.stdout)["tokens"]
     print("greedy continuation, rounded:", greedy["rounded"])
     print("greedy continuation, plain:  ", greedy["plain"])
+
+
+def test_capture_of_layer_outputs(case, tmp_path):
+    """Artifacts compiled with capture layers also return the mean of the HC streams after those
+    layers (what a DSpark drafter reads); transformers exposes the same streams as hidden_states."""
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    from ds4tvm.compile.driver import compile_gguf
+    from ds4tvm.families.deepseek4.model import Bounds
+    from ds4tvm.runtime.engine import Engine
+
+    art, ids, ref = case
+    if "topk8" not in art.parent.name:
+        pytest.skip("one configuration is enough")
+    layers = (1, 2, 3)
+    out = compile_gguf(art.parent / "tiny.gguf", "llvm", tmp_path / "cap", Bounds(512, 16, 256),
+                       kv_rounding=False, capture_layers=layers)
+    e = Engine(out)
+    ids = ids[:200]  # one prefill chunk
+    logits = e.prefill(ids, all_logits=True)
+    assert np.abs(logits - ref[:200]).max() <= TOLERANCE
+    model = DeepseekV4ForCausalLM.from_pretrained(art.parent / "hf").eval()
+    with torch.no_grad():
+        hidden = model(torch.tensor(ids[None]), output_hidden_states=True).hidden_states
+    for j, il in enumerate(layers):
+        want = hidden[il + 1][0].float().numpy().mean(1)  # hidden_states[0] is the embedding
+        assert np.abs(e.captured[:, j] - want).max() <= TOLERANCE

@@ -186,8 +186,12 @@ class Block(nn.Module):
 
 
 class DeepSeekV4(nn.Module):
-    def __init__(self, cfg: Config, types: dict, bounds: Bounds = Bounds(), kv_rounding: bool = False):
+    def __init__(self, cfg: Config, types: dict, bounds: Bounds = Bounds(), kv_rounding: bool = False,
+                 capture_layers: tuple[int, ...] = ()):
         self.cfg, self.bounds, self.kv_rounding = cfg, bounds, kv_rounding
+        # Layers whose output (the mean of the HC streams) every call also returns: the hidden
+        # states a DSpark drafter reads (its target_layer_ids).
+        self.capture_layers = tuple(capture_layers)
         specs = {s.name: s for s in tensor_specs(cfg)}
         top = Weights(self, specs, types, "")
         self.token_embd = top("token_embd.weight")
@@ -209,19 +213,25 @@ class DeepSeekV4(nn.Module):
         emb = self.token_embd.rows(ids, name="embedding")
         X = op.broadcast_to(op.reshape(emb, (n, 1, c.n_embd)), (n, c.hc, c.n_embd))
         out_states = dict(named)
+        captured = []
         for il, layer in enumerate(self.layers):
             p = f"blk.{il}."
             mine = {k[len(p):]: v for k, v in named.items() if k.startswith(p)}
             X, new = layer.attention(X, start, mine, self.rope_main, self.rope_comp, self.bounds, self.kv_rounding)
             X = layer.moe(X, ids)
             out_states.update({p + k: v for k, v in new.items()})
+            if il in self.capture_layers:
+                captured.append(op.reshape(op.sum(X, axis=1) * (1.0 / c.hc), (n, 1, c.n_embd)))
         if last_only:
             X = op.tensor_expr_op(lambda x: te.compute((1, c.hc, c.n_embd), lambda _, i, d: x[x.shape[0] - 1, i, d],
                                                        name="last_row"), "last_row", [X])
         h = hc_head(X, self.output_hc_fn, self.output_hc_scale.values(name="hc_head_scale"),
                     self.output_hc_base.values(name="hc_head_base"), c.rms_eps, c.hc_eps)
         logits = self.output.linear(rms(h, c.rms_eps, self.output_norm.values(name="output_norm")), name="lm_head")
-        return logits, tuple(out_states[k] for k in self.state_names)
+        states = tuple(out_states[k] for k in self.state_names)
+        if captured:
+            return logits, op.concat(captured, dim=1), states
+        return logits, states
 
     def prefill(self, ids: nn.Tensor, start, states):
         """A chunk of the prompt; logits of its last token [1, V]."""
