@@ -93,8 +93,10 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         params = [[name, *sources[id(p)]] for name, p in named]
         phases.next()
         tgt = tvm.target.Target(target_json)
+        from ..schedules.llvm import pipeline
+
         with tgt:
-            ex = tvm.compile(mod, target=tgt)
+            ex = tvm.compile(mod, target=tgt, relax_pipeline=pipeline(tgt))
         phases.next()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -183,3 +183,38 @@ def test_capture_of_layer_outputs(case, tmp_path):
     for j, il in enumerate(layers):
         want = hidden[il + 1][0].float().numpy().mean(1)  # hidden_states[0] is the embedding
         assert np.abs(e.captured[:, j] - want).max() <= TOLERANCE
+
+
+def test_artifact_from_another_tvm_version(case, tmp_path):
+    import json
+    import shutil
+
+    art, _, _ = case
+    copy = tmp_path / "art"
+    shutil.copytree(art, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["tvm_version"] = "0.0.1"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    r = run_ds4("run", "-m", copy, "-p", "hi", "-n", "1")
+    assert r.returncode == 2 and "TVM 0.0.1" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_run_compiles_a_gguf_on_first_use_and_caches_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+
+    model = write_random_deepseek4(tmp_path / "m.gguf", tiny_config(n_layers=2, compress_ratios=(0, 4)), seed=4)
+    env = {**os.environ, "DS4TVM_CACHE": str(tmp_path / "cache")}
+    args = [sys.executable, "-m", "ds4tvm.cli", "run", "-m", str(model), "--tokens", "3,4,5", "-n", "4",
+            "--temp", "0", "--json", "--ctx", "256"]
+    first = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert first.returncode == 0, first.stderr
+    cached = list((tmp_path / "cache" / "artifacts").iterdir())
+    assert len(cached) == 1 and (cached[0] / "manifest.json").is_file()
+    second = subprocess.run(args, capture_output=True, text=True, env=env)
+    tokens = [__import__("json").loads(r.stdout)["tokens"] for r in (first, second)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 4
+    assert len(list((tmp_path / "cache" / "artifacts").iterdir())) == 1

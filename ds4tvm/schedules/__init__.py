@@ -1,0 +1,1 @@
+"""Per-target compile pipelines and schedules (never imports a family)."""
