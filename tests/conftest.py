@@ -35,3 +35,16 @@ def tiny_hf_dir(tmp_path_factory):
     from hf_models import write_tiny_deepseek_v4
 
     return write_tiny_deepseek_v4(tmp_path_factory.mktemp("hf") / "tiny-v4")
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory):
+    """A small random DeepSeek-V4 (every layer kind) compiled for llvm, shared by runtime tests."""
+    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+
+    d = tmp_path_factory.mktemp("tiny-art")
+    model = write_random_deepseek4(d / "tiny.gguf", tiny_config(), seed=21)
+    r = run_ds4_compile(model, "--target", "llvm", "-o", d / "art", "--max-context", "512", "--max-verify", "8",
+                        "--quiet")
+    assert r.returncode == 0, r.stderr
+    return d / "art"

@@ -125,3 +125,10 @@ class Engine:
 
     def rollback(self) -> None:
         self.pending = 0
+
+    def rewind(self, n: int) -> None:
+        """Un-commits the last n tokens (n <= max_verify, which the rings keep room for)."""
+        if not 0 <= n <= min(self.pos, self.max_verify):
+            raise Ds4Error(f"rewind({n}): at most {min(self.pos, self.max_verify)} tokens can be rewound")
+        self.pos -= n
+        self.pending = 0

@@ -1,0 +1,77 @@
+"""Test doubles for the speculative loop: a numpy target with the Engine interface whose next-token
+logits depend on the last two tokens, and a drafter that proposes a scripted continuation."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds4tvm.runtime.speculative import Proposal
+
+
+class TableEngine:
+    """logits(next | ..., a, b) = table[a, b]: small, exact, and cheap enough for 20k runs."""
+
+    def __init__(self, vocab: int = 6, seed: int = 0, max_context: int = 64, max_verify: int = 8, sharp: float = 1.0):
+        rng = np.random.default_rng(seed)
+        self.table = rng.standard_normal((vocab, vocab, vocab)) * sharp
+        self.max_context, self.max_verify = max_context, max_verify
+        self.tokens: list[int] = []
+        self.pos = self.pending = 0
+        self._pending_tokens: list[int] = []
+
+    def _row(self, seq):
+        return self.table[seq[-2] if len(seq) > 1 else 0, seq[-1]].copy()
+
+    def reset(self):
+        self.tokens, self.pos, self.pending = [], 0, 0
+
+    def prefill(self, ids):
+        self.tokens = list(ids)
+        self.pos = len(self.tokens)
+        return self._row(self.tokens)
+
+    def decode(self, token):
+        self.tokens = self.tokens[:self.pos] + [token]
+        self.pos += 1
+        return self._row(self.tokens)
+
+    def verify(self, drafts):
+        base = self.tokens[:self.pos]
+        self._pending_tokens = list(drafts)
+        self.pending = len(drafts)
+        return np.stack([self._row(base + list(drafts[:i + 1])) for i in range(len(drafts))])
+
+    def commit(self, k):
+        assert 0 <= k <= self.pending
+        self.tokens = self.tokens[:self.pos] + self._pending_tokens[:k]
+        self.pos += k
+        self.pending = 0
+
+    def rollback(self):
+        self.pending = 0
+
+
+class ScriptedDrafter:
+    """Proposes script[len(committed) - len(prompt) ...]: the continuation a test wants, optionally
+    wrong at block index `wrong_at` (replaced by another token)."""
+
+    def __init__(self, script: list[int], block_size: int = 5, wrong_at: int | None = None, vocab: int = 512,
+                 empty: bool = False):
+        self.script, self.block_size, self.wrong_at, self.vocab, self.empty = script, block_size, wrong_at, vocab, empty
+        self.observed: list[int] = []
+
+    def begin(self, engine, prompt):
+        self.n_prompt = len(prompt)
+        self.observed = []
+
+    def observe(self, engine, tokens, speculative):
+        self.observed += list(tokens)
+
+    def draft(self, engine, anchor, max_tokens):
+        if self.empty:
+            return Proposal([], first_confidence=0.1)
+        i = len(self.observed)
+        toks = list(self.script[i:i + min(self.block_size, max_tokens)])
+        if self.wrong_at is not None and self.wrong_at < len(toks):
+            toks[self.wrong_at] = (toks[self.wrong_at] + 1) % self.vocab
+        return Proposal(toks, first_confidence=0.9)

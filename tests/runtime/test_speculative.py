@@ -1,0 +1,154 @@
+"""The speculative loop: identity, rollback, exactness of exact sampling, opportunistic bias,
+and the DSpark scheduler's back-off rules."""
+
+import numpy as np
+import pytest
+from fakes import ScriptedDrafter, TableEngine
+
+from ds4tvm.runtime.sampler import SamplingParams
+from ds4tvm.runtime.speculative import Scheduler, generate
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_artifact):
+    from ds4tvm.runtime.engine import Engine
+
+    return Engine(tiny_artifact), Engine(tiny_artifact)
+
+
+PROMPT = [7, 8, 9, 10, 11]
+
+
+def _plain(engine, n):
+    engine.reset()
+    return generate(engine, PROMPT, n, GREEDY, np.random.default_rng(0))[0]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("block", [1, 2, 3, 4, 5])
+def test_identity_agreeing_drafter_accepts_everything(engines, block):
+    spec_engine, plain_engine = engines
+    want = _plain(plain_engine, 200)
+    spec_engine.reset()
+    got, stats = generate(spec_engine, PROMPT, 200, GREEDY, np.random.default_rng(0),
+                          drafter=ScriptedDrafter(want, block_size=block), stop_ids=frozenset())
+    assert got == want
+    assert stats.proposed > 0 and stats.accepted_draft == stats.proposed and stats.miss_first == 0
+    assert stats.partial == 0 and stats.full == sum(stats.depth.values())
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("wrong_at", [0, 1, 2, 3, 4])
+def test_rollback_disagreeing_drafter_equals_target_only(engines, wrong_at):
+    spec_engine, plain_engine = engines
+    want = _plain(plain_engine, 60)
+    spec_engine.reset()
+    got, stats = generate(spec_engine, PROMPT, 60, GREEDY, np.random.default_rng(0),
+                          drafter=ScriptedDrafter(want, block_size=5, wrong_at=wrong_at),
+                          scheduler=Scheduler(enabled=False))
+    assert got == want
+    if wrong_at == 0:
+        assert stats.miss_first > 0 and stats.accepted_draft == 0
+    else:
+        assert stats.partial > 0 and stats.accepted_draft < stats.proposed
+    # The state after speculation equals the state reached without it: the next row is the same.
+    assert spec_engine.pos == plain_engine.pos
+    nxt = want[-1]
+    np.testing.assert_array_equal(spec_engine.decode(nxt), plain_engine.decode(nxt))
+
+
+def _law(params, runs, drafter_factory, exact, seed0):
+    counts = {}
+    for s in range(runs):
+        eng = TableEngine(vocab=6, seed=3)
+        out, _ = generate(eng, [1, 2], 2, params, np.random.default_rng(seed0 + s),
+                          drafter=drafter_factory() if drafter_factory else None, exact=exact,
+                          scheduler=Scheduler(enabled=False, tail_min_tokens=0))
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    return counts
+
+
+def _exact_law(params):
+    from ds4tvm.runtime.sampler import filtered_probs
+
+    eng = TableEngine(vocab=6, seed=3)
+    p1 = filtered_probs(eng.prefill([1, 2]), params)
+    law = {}
+    for a in range(6):
+        p2 = filtered_probs(eng.table[2, a], params)
+        for b in range(6):
+            if p1[a] * p2[b] > 0:
+                law[(a, b)] = p1[a] * p2[b]
+    return law
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7, top_p=0.9, min_p=0.0), SamplingParams(0.7, min_p=0.1)],
+                         ids=["temp0.7-top_p0.9", "temp0.7-min_p0.1"])
+def test_exact_sampling_keeps_the_law_of_plain_sampling(params):
+    from scipy.stats import chisquare
+
+    runs = 20000
+    law = _exact_law(params)
+    # Drafts that are sometimes right and sometimes wrong: a fixed scripted pair.
+    spec = _law(params, runs, lambda: ScriptedDrafter([3, 1, 4, 1, 5], block_size=2, vocab=6), True, 1)
+    plain = _law(params, runs, None, False, 10 ** 6)
+    keys = sorted(law)
+    assert set(spec) <= set(keys) and set(plain) <= set(keys)
+    expected = np.array([law[k] for k in keys]) * runs
+    for counts in (spec, plain):
+        observed = np.array([counts.get(k, 0) for k in keys])
+        p = chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+        assert p > 0.01, (p, params)
+
+
+def test_opportunistic_mode_is_biased_toward_greedy():
+    """Opportunistic acceptance (the default at temp > 0) takes drafts equal to the argmax, so an
+    argmax-proposing drafter makes greedy tokens more frequent than plain sampling does."""
+    params = SamplingParams(1.0, min_p=0.0)
+    eng = TableEngine(vocab=6, seed=3)
+    greedy_first = int(np.argmax(eng.prefill([1, 2])))
+    runs = 4000
+    spec = _law(params, runs, lambda: ScriptedDrafter([greedy_first] * 5, block_size=1, vocab=6), False, 7)
+    plain = _law(params, runs, None, False, 7)
+    f_spec = sum(v for k, v in spec.items() if k[0] == greedy_first) / runs
+    f_plain = sum(v for k, v in plain.items() if k[0] == greedy_first) / runs
+    assert f_spec == 1.0 and f_plain < 0.9
+
+
+def test_scheduler_backoff_rules():
+    s = Scheduler()
+    assert not s.should_propose(9) and s.should_propose(10)            # never in the last 10 tokens
+    s.record(None, first_confidence=0.9)                               # empty proposal: skip 3
+    assert [s.should_propose(100) for _ in range(4)] == [False, False, False, True]
+    cold = Scheduler()
+    cold.record(None, first_confidence=0.4)                            # nothing ever accepted, c0 <= 0.5: 7
+    assert sum(not cold.should_propose(100) for _ in range(10)) == 7
+    short = Scheduler()
+    short.record(2)                                                    # accepted, never more than 2 at once
+    short.record(None, first_confidence=0.9)                           # empty: skip 4
+    assert sum(not short.should_propose(100) for _ in range(10)) == 4
+    slow = Scheduler()
+    for a in (1, 1, 2, 1):                                             # mean 1.25 < 1.5 over a window of 4
+        slow.record(a)
+    assert sum(not slow.should_propose(100) for _ in range(10)) == 2
+    fine = Scheduler()
+    for a in (3, 2, 2, 1):                                             # mean 2.0: no back-off
+        fine.record(a)
+    assert fine.should_propose(100)
+    empty = Scheduler(no_draft_skip=0)
+    for a in (None, 5, None, 5):                                       # half the attempts empty: 4
+        empty.record(a, 0.9)
+    assert sum(not empty.should_propose(100) for _ in range(10)) == 4
+    off = Scheduler(enabled=False)
+    off.record(None, 0.1)
+    assert off.should_propose(100)
+
+
+def test_scheduler_counts_skips_in_stats():
+    eng = TableEngine(vocab=6, seed=3)
+    out, stats = generate(eng, [1, 2], 40, GREEDY, np.random.default_rng(0),
+                          drafter=ScriptedDrafter([], empty=True, vocab=6))
+    assert len(out) == 40 and stats.no_draft > 0 and stats.scheduler_skips > 0
+    assert "scheduler_skips=" in stats.line() and stats.line().startswith("ds4: DSpark stats cycles=")
