@@ -149,25 +149,89 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
         top_k: int = typer.Option(0, "--top-k", help="0: off"),
         min_p: float = typer.Option(0.05, "--min-p"),
         seed: int = typer.Option(0, "--seed"),
+        mtp: Optional[Path] = typer.Option(None, "--mtp", "--mtp-model", help="DSpark support GGUF"),
+        dspark: bool = typer.Option(False, "--dspark", help="speculate with the DSpark drafter"),
+        dspark_confidence: Optional[float] = typer.Option(
+            None, "--dspark-confidence", help="confidence threshold (default 0.7, 0.8 with exact sampling; 0: full "
+                                               "blocks); implies --dspark"),
+        dspark_strict: bool = typer.Option(False, "--dspark-strict", help="load and check the drafter, decode "
+                                                                           "target-only"),
+        quality: bool = typer.Option(False, "--quality", help="target-only decoding (no speculative acceptance)"),
+        exact_sampling: bool = typer.Option(False, "--mtp-exact-sampling", help="exact speculative sampling"),
+        verify_depth: bool = typer.Option(False, "--dspark-verify-depth", help="print the accepted-length "
+                                                                                "histogram"),
         ctx: int = typer.Option(4096, "--ctx", help="context when compiling a GGUF on first use"),
         target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use"),
         as_json: bool = typer.Option(False, "--json", help="print tokens, text and speeds as JSON")):
-    """Generate text from a prompt."""
-    import time
-
+    """Generate text from a prompt, optionally with DSpark speculative decoding."""
     import numpy as np
 
-    from .runtime.chat import ChatTemplate
     from .runtime.loader import open_engine
-    from .runtime.sampler import SamplingParams, sample
-    from .runtime.tokenizer import Tokenizer
+    from .runtime.sampler import SamplingParams
+    from .runtime.speculative import generate
 
     params = SamplingParams(temp, top_p, top_k, min_p).check()
     if (prompt is None) == (tokens is None):
         raise Ds4Error("give exactly one of -p/--prompt and --tokens")
     if n_predict < 0:
         raise Ds4Error(f"-n {n_predict}: expected a count >= 0")
-    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=not as_json)
+    speculate = dspark or dspark_confidence is not None or dspark_strict
+    if speculate and mtp is None and not model.is_dir():
+        raise Ds4Error("--dspark needs the DSpark support file: pass --mtp SUPPORT.gguf")
+    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=not as_json, support=mtp)
+    if speculate and engine.draft is None:
+        raise Ds4Error(f"{model}: the artifact has no DSpark drafter; compile it with --mtp SUPPORT.gguf")
+    ids, tok = _prompt_ids(engine, model, prompt, tokens, raw)
+    drafter = None
+    if speculate:
+        from .runtime.drafters.dspark import DEFAULT_THETA, EXACT_DEFAULT_THETA, DSparkDrafter
+
+        theta = dspark_confidence if dspark_confidence is not None else (
+            EXACT_DEFAULT_THETA if exact_sampling else DEFAULT_THETA)
+        drafter = DSparkDrafter(engine, theta)  # built (and so checked) under --dspark-strict too
+        if dspark_strict or quality:
+            drafter = None
+    shown = [""]
+    out_so_far: list[int] = []
+
+    def on_token(t):
+        out_so_far.append(t)
+        if not as_json:
+            text = tok.decode(out_so_far)
+            if not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(shown[0]):])
+                sys.stdout.flush()
+                shown[0] = text
+
+    import time
+
+    t0 = time.perf_counter()
+    out, stats = generate(engine, ids, n_predict, params, np.random.default_rng(seed), drafter=drafter,
+                          exact=exact_sampling, stop_ids=tok.stop_ids, on_token=on_token)
+    elapsed = time.perf_counter() - t0
+    tps = len(out) / stats.seconds if stats.seconds > 0 else 0.0
+    prefill_s = max(elapsed - stats.seconds, 1e-9)
+    if as_json:
+        info = {"tokens": out, "text": tok.decode(out), "n_prompt": len(ids), "n_generated": len(out),
+                "prefill_tok_s": round(len(ids) / prefill_s, 2), "decode_tok_s": round(tps, 2)}
+        if drafter is not None:
+            info["spec"] = stats.as_dict()
+        _echo_json(info)
+        return
+    sys.stdout.write(tok.decode(out)[len(shown[0]):] + "\n")
+    print(f"ds4: prompt {len(ids)} tokens, {len(ids) / prefill_s:.1f} tok/s; generated {len(out)} tokens, "
+          f"{tps:.1f} tok/s", file=sys.stderr)
+    if drafter is not None:
+        print(stats.line(), file=sys.stderr)
+        if verify_depth:
+            print("ds4: DSpark verify depth " + " ".join(f"{k}:{v}" for k, v in sorted(stats.depth.items())),
+                  file=sys.stderr)
+
+
+def _prompt_ids(engine, model, prompt, tokens, raw):
+    from .runtime.chat import ChatTemplate
+    from .runtime.tokenizer import Tokenizer
+
     tok = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model))
     if tokens is not None:
         ids = parse_ids(tokens, "--tokens")
@@ -182,38 +246,7 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
         raise Ds4Error("the prompt is empty")
     if len(ids) >= engine.max_context:
         raise Ds4Error(f"the prompt has {len(ids)} tokens; the compiled context holds {engine.max_context}")
-    rng = np.random.default_rng(seed)
-    t0 = time.perf_counter()
-    logits = engine.prefill(ids)
-    t_prefill = time.perf_counter() - t0
-    out: list[int] = []
-    shown = ""
-    t1 = time.perf_counter()
-    budget = min(n_predict, engine.max_context - len(ids))
-    while len(out) < budget:
-        nxt = sample(logits, params, rng)
-        out.append(nxt)
-        if not as_json:
-            text = tok.decode(out)
-            if not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
-        if tok.is_stop(nxt) or len(out) == budget:
-            break
-        logits = engine.decode(nxt)
-    t_decode = time.perf_counter() - t1
-    prefill_tps = len(ids) / t_prefill if t_prefill > 0 else 0.0
-    decode_tps = (len(out) - 1) / t_decode if len(out) > 1 and t_decode > 0 else 0.0
-    if as_json:
-        _echo_json({"tokens": out, "text": tok.decode(out), "n_prompt": len(ids), "n_generated": len(out),
-                    "prefill_tok_s": round(prefill_tps, 2), "decode_tok_s": round(decode_tps, 2)})
-    else:
-        sys.stdout.write(tok.decode(out)[len(shown):] + "\n")
-        if budget < n_predict:
-            print(f"ds4: stopped at the compiled context of {engine.max_context} tokens", file=sys.stderr)
-        print(f"ds4: prompt {len(ids)} tokens, {prefill_tps:.1f} tok/s; generated {len(out)} tokens, "
-              f"{decode_tps:.1f} tok/s", file=sys.stderr)
+    return ids, tok
 
 
 @app.command()
@@ -261,15 +294,17 @@ def compile_model(model: Path = typer.Argument(..., help="GGUF model"),
                   prefill_chunk: int = typer.Option(256, "--prefill-chunk"),
                   no_kv_rounding: bool = typer.Option(False, "--no-kv-rounding",
                                                       help="skip the FP8/FP4 round trips (for oracle comparisons)"),
+                  mtp: Optional[Path] = typer.Option(None, "--mtp", "--mtp-model",
+                                                     help="DSpark support GGUF compiled into the same artifact"),
                   quiet: bool = typer.Option(False, "--quiet", help="no progress bar")):
-    """Compile MODEL for TARGET into an artifact directory."""
+    """Compile MODEL (and its DSpark drafter) for TARGET into an artifact directory."""
     from .compile.driver import compile_gguf
     from .compile.targets import resolve
 
     resolve(target)  # a bad --target fails before any work
     out = out or Path(f"{model.stem}-{target}.ds4tvm")
     compile_gguf(model, target, out, _bounds(max_context, max_verify, prefill_chunk),
-                 kv_rounding=not no_kv_rounding, progress=not quiet)
+                 kv_rounding=not no_kv_rounding, progress=not quiet, support=mtp)
     typer.echo(f"wrote {out}")
 
 
@@ -285,6 +320,9 @@ def _run(typer_app) -> None:
 
 
 def main() -> None:
+    # `ds4 -m MODEL -p PROMPT` (no subcommand) is `ds4 run`, as in the reference engine's command lines.
+    if len(sys.argv) > 1 and sys.argv[1].startswith("-") and sys.argv[1] not in ("--help", "-h"):
+        sys.argv.insert(1, "run")
     _run(app)
 
 

@@ -61,7 +61,7 @@ def _tokenizer_data(f) -> dict:
 
 
 def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_rounding: bool = True,
-                 progress: bool = False, capture_layers: tuple[int, ...] = ()) -> Path:
+                 progress: bool = False, capture_layers: tuple[int, ...] = (), support: Path | None = None) -> Path:
     import tvm
 
     from ..families.deepseek4.model import DeepSeekV4, parameter_sources, state_shapes, tensor_types
@@ -79,6 +79,17 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         raise Ds4Error(f"--max-verify {bounds.max_verify}: expected 1..64")
     if not 1 <= bounds.prefill_chunk <= bounds.max_context:
         raise Ds4Error(f"--prefill-chunk {bounds.prefill_chunk}: expected 1..max-context")
+    draft = None
+    if support is not None:
+        from ..families.dspark.config import paired_with
+
+        sf = open_gguf(support)
+        dm = load_model(sf)
+        if dm.family.name != "dspark":
+            raise Ds4Error(f"{support}: --mtp expects a DSpark support file (deepseek4-dspark), got "
+                           f"{dm.family.name} ({sf.architecture})")
+        draft = (sf, paired_with(dm.config, m.config))
+        capture_layers = draft[1].target_layer_ids
     bad = [i for i in capture_layers if not 0 <= i < m.config.n_layers]
     if bad:
         raise Ds4Error(f"capture layers {bad} are outside 0..{m.config.n_layers - 1}")
@@ -86,11 +97,20 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
     phases = Phases(["validate", "build module", "export", "compile", "write artifact"], progress)
     try:
         phases.next()
-        model = DeepSeekV4(m.config, tensor_types(f), bounds, kv_rounding=kv_rounding, capture_layers=capture_layers)
+        if draft is not None:
+            from ..families.dspark.model import ring_shapes, with_dspark
+
+            model = with_dspark(DeepSeekV4)(m.config, tensor_types(f), bounds, kv_rounding, draft[1],
+                                            tensor_types(draft[0]))
+        else:
+            model = DeepSeekV4(m.config, tensor_types(f), bounds, kv_rounding=kv_rounding,
+                               capture_layers=capture_layers)
         phases.next()
         mod, named = model.export_tvm(spec=model.spec())
         sources = parameter_sources(model)
-        params = [[name, *sources[id(p)]] for name, p in named]
+        # [argument, GGUF tensor, plane field, file]: drafter tensors ("mtp.*") live in the support file
+        params = [[name, *sources[id(p)], "draft" if sources[id(p)][0].startswith("mtp.") else "target"]
+                  for name, p in named]
         phases.next()
         tgt = tvm.target.Target(target_json)
         from ..schedules.llvm import pipeline
@@ -113,6 +133,17 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
             tvm_version=tvm.__version__)
         phases.next()
         manifest.extra["compile_seconds"] = phases.times
+        if draft is not None:
+            sf, dc = draft
+            spath = Path(support).resolve()
+            manifest.extra["draft"] = {
+                "family": "dspark", "gguf_path": str(spath), "gguf_size": os.path.getsize(spath),
+                "gguf_sha256": file_sha256(spath), "gguf_fingerprint": file_fingerprint(spath),
+                "block_size": dc.block_size, "markov_rank": dc.markov_rank, "noise_token_id": dc.noise_token_id,
+                "target_layer_ids": list(dc.target_layer_ids), "n_stages": dc.n_stages,
+                "rings": [[n, list(s)] for n, s in ring_shapes(dc)],
+                "functions": ["dspark_observe", "dspark_observe_direct", "dspark_block", "dspark_logits",
+                              "dspark_markov"]}
         manifest.write(out_dir)
         return out_dir
     finally:

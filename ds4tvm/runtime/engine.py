@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact import Manifest
+from ..artifact import Manifest, file_fingerprint
 from ..errors import Ds4Error
 from ..gguf import open_gguf
 from ..gguf.quant import to_planes
@@ -34,12 +34,24 @@ class Engine:
             raise Ds4Error(f"{self.dir}: its GGUF {gguf_path} is missing; pass the model file with -m")
         m.check_gguf(gguf_path, self.dir)
         self.gguf = open_gguf(gguf_path)
+        self.draft = m.extra.get("draft")
+        self.draft_gguf = None
+        if self.draft is not None:
+            dpath = Path(self.draft["gguf_path"])
+            if not dpath.is_file():
+                raise Ds4Error(f"{self.dir}: its DSpark support file {dpath} is missing")
+            if (dpath.stat().st_size != self.draft["gguf_size"]
+                    or file_fingerprint(dpath) != self.draft["gguf_fingerprint"]):
+                raise Ds4Error(f"{self.dir}: was compiled with a different support file than {dpath}")
+            self.draft_gguf = open_gguf(dpath)
         self.dev = tvm.cpu()
         lib = tvm.runtime.load_module(str(self.dir / m.library))
         self.vm = relax.VirtualMachine(lib, self.dev)
         self.params = self._bind_params()
         self.states = [tvm.runtime.empty(tuple(shape), "float32", self.dev) for _, shape in m.states]
-        for s in self.states:
+        self.rings = [tvm.runtime.empty(tuple(shape), "float32", self.dev)
+                      for _, shape in (self.draft["rings"] if self.draft else [])]
+        for s in self.states + self.rings:
             s.copyfrom(np.zeros(s.shape, np.float32))
         b = m.bounds
         self.max_context, self.max_verify, self.chunk = b["max_context"], b["max_verify"], b["prefill_chunk"]
@@ -51,8 +63,8 @@ class Engine:
 
     def _bind_params(self) -> list:
         planes, out = {}, []
-        for _, tensor, field in self.manifest.params:
-            t = self.gguf.tensors[tensor]
+        for _, tensor, field, source in self.manifest.params:
+            t = (self.draft_gguf if source == "draft" else self.gguf).tensors[tensor]
             if field is None:
                 out.append(self._tvm.runtime.tensor(np.ascontiguousarray(t.data), self.dev))
                 continue
@@ -90,12 +102,16 @@ class Engine:
         ids = self._ids(tokens)
         self._room(len(ids))
         self.pending = 0
-        rows = []
+        rows, captured = [], []
         for i in range(0, len(ids), self.chunk):
             part = ids[i:i + self.chunk]
             out = self._call("prefill_all" if all_logits else "prefill", part)
             rows.append(out)
+            if self.captured is not None:
+                captured.append(self.captured)
             self.pos += len(part)
+        if captured:
+            self.captured = np.concatenate(captured)
         return np.concatenate(rows) if all_logits else rows[-1][-1]
 
     def decode(self, token: int) -> np.ndarray:
@@ -132,3 +148,25 @@ class Engine:
             raise Ds4Error(f"rewind({n}): at most {min(self.pos, self.max_verify)} tokens can be rewound")
         self.pos -= n
         self.pending = 0
+
+    # ------------------------------------------------------------------ DSpark drafter
+    def dspark_observe(self, captured: np.ndarray, start: int, direct: bool) -> None:
+        """Writes the drafter's context rows for committed positions start.. (captured rows)."""
+        fn = "dspark_observe_direct" if direct else "dspark_observe"
+        self.vm[fn](self._tvm.runtime.tensor(np.ascontiguousarray(captured, np.float32), self.dev),
+                    self._Shape([start]), self.rings, *self.params)
+
+    def dspark_block(self, captured_row: np.ndarray, tokens: list[int], start: int) -> np.ndarray:
+        out = self.vm["dspark_block"](self._tvm.runtime.tensor(np.ascontiguousarray(captured_row[None], np.float32),
+                                                               self.dev),
+                                      self._tvm.runtime.tensor(self._ids(tokens), self.dev), self._Shape([start]),
+                                      self.rings, *self.params)
+        return out.numpy()
+
+    def dspark_logits(self, r: np.ndarray) -> np.ndarray:
+        return self.vm["dspark_logits"](self._tvm.runtime.tensor(np.ascontiguousarray(r, np.float32), self.dev),
+                                        *self.params).numpy()
+
+    def dspark_markov(self, prev: int) -> tuple[np.ndarray, np.ndarray]:
+        m, bias = self.vm["dspark_markov"](self._tvm.runtime.tensor(self._ids([prev]), self.dev), *self.params)
+        return m.numpy()[0], bias.numpy()[0]

@@ -20,7 +20,7 @@ def cache_root() -> Path:
 
 
 def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding: bool = True,
-                progress: bool = True):
+                progress: bool = True, support: str | Path | None = None):
     import tvm
 
     from ..compile.driver import compile_gguf
@@ -28,18 +28,25 @@ def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding
     from .engine import Engine
 
     path = Path(model)
-    if path.is_dir():  # an artifact's bounds were fixed when it was compiled
-        return Engine(path)
+    if path.is_dir():  # an artifact's bounds and drafter were fixed when it was compiled
+        engine = Engine(path)
+        if support is not None and (engine.draft is None or
+                                    Path(engine.draft["gguf_path"]).resolve() != Path(support).resolve()):
+            raise Ds4Error(f"{path}: the artifact was not compiled with the support file {support}")
+        return engine
     if not path.exists():
         raise Ds4Error(f"{path}: no such file or artifact directory")
     bounds = bounds or Bounds()
+    if support is not None and not Path(support).is_file():
+        raise Ds4Error(f"{support}: no such support file")
     key = json.dumps([file_fingerprint(path), os.path.getsize(path), target, bounds.max_context, bounds.max_verify,
-                      bounds.prefill_chunk, kv_rounding, tvm.__version__, __version__])
+                      bounds.prefill_chunk, kv_rounding, tvm.__version__, __version__,
+                      file_fingerprint(Path(support)) if support else None])
     out = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24]
     if not (out / MANIFEST).is_file():
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        compile_gguf(path, target, tmp, bounds, kv_rounding=kv_rounding, progress=progress)
+        compile_gguf(path, target, tmp, bounds, kv_rounding=kv_rounding, progress=progress, support=support)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return Engine(out, gguf_path=path)

@@ -39,9 +39,12 @@ CASES = {
     "q8_0+mxfp4-experts": ("q8_0", "mxfp4"),
     "q4_k+iq2_xxs/q2_k-experts": None,
 }
+# The default run keeps the two cases that cover every format (Q8_0 dense, MXFP4, Q4_K, IQ2_XXS,
+# Q2_K, F16 HC functions); all-F16 and all-Q8_0 run with `pytest -m slow`.
+SLOW = {"f16", "q8_0"}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
 def test_quantized_logits_match_transformers_on_dequantized_weights(case, tiny_hf_dir, tmp_path):
     import torch
     from hf_models import hf_model_from_gguf

@@ -73,13 +73,15 @@ class Weights:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, il: int, specs: dict, types: dict):
+    def __init__(self, cfg: Config, il: int, specs: dict, types: dict, prefix: str | None = None):
         self.cfg, self.il, self.ratio = cfg, il, cfg.ratio(il)
-        W = Weights(self, specs, types, f"blk.{il}.")
-        names = [s[len(f"blk.{il}."):] for s in specs if s.startswith(f"blk.{il}.")]
+        prefix = prefix or f"blk.{il}."
+        W = Weights(self, specs, types, prefix)
+        names = [s[len(prefix):] for s in specs if s.startswith(prefix)]
         self.w = {}
         for short in names:
             if short == "ffn_gate_tid2eid.weight":
+                self.tid2eid_name = prefix + short
                 self.tid2eid = nn.Parameter((cfg.n_vocab, cfg.n_expert_used), "int32")
             else:
                 self.w[short] = W(short)
@@ -274,7 +276,7 @@ def parameter_sources(model: DeepSeekV4) -> dict[int, tuple[str, str | None]]:
                 out[id(getattr(m, f"plane_{f}"))] = (m.gguf_name, f)
             continue
         if isinstance(m, Block) and hasattr(m, "tid2eid"):
-            out[id(m.tid2eid)] = (f"blk.{m.il}.ffn_gate_tid2eid.weight", None)
+            out[id(m.tid2eid)] = (m.tid2eid_name, None)
         for v in vars(m).values():
             if isinstance(v, nn.ModuleList):
                 stack.extend(v)

@@ -47,8 +47,15 @@ def default_type(spec: TensorSpec) -> QT:
     return QT.F16
 
 
+# Projections that write into the residual streams; scaling them down makes the next token mostly a
+# function of the current one (a near-bigram model), which lets tests and the demo build drafters
+# that agree with the target.
+RESIDUAL_WRITERS = ("attn_output_b.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+
+
 def random_tensors(specs: list[TensorSpec], cfg: Config, rng: np.random.Generator,
-                   type_of: Callable[[TensorSpec], QT] = default_type) -> list[TensorOut]:
+                   type_of: Callable[[TensorSpec], QT] = default_type,
+                   residual_scale: float = 1.0) -> list[TensorOut]:
     """Lazily produced random tensors for a tensor table; I32 tensors are tid2eid tables."""
     tensors = []
     for spec in specs:
@@ -56,15 +63,17 @@ def random_tensors(specs: list[TensorSpec], cfg: Config, rng: np.random.Generato
         shape = tuple(reversed(spec.shape))
         sub = np.random.default_rng(rng.integers(1 << 62))
 
-        def produce(spec=spec, qtype=qtype, shape=shape, sub=sub):
+        scale = residual_scale if spec.name.endswith(RESIDUAL_WRITERS) else 1.0
+
+        def produce(spec=spec, qtype=qtype, shape=shape, sub=sub, scale=scale):
             if qtype == QT.I32:  # tid2eid: distinct experts per token
                 return np.stack([sub.permutation(cfg.n_expert)[:cfg.n_expert_used]
                                  for _ in range(shape[0])]).astype(np.int32)
             if spec.types == NORM:
                 return (1.0 + 0.1 * sub.standard_normal(shape)).astype(np.float32)
             if qtype in (QT.Q4_K, QT.Q2_K, QT.Q6_K, QT.IQ2_XXS):
-                return random_blocks(qtype, shape, sub, scale=1.0 / (32 * np.sqrt(shape[-1])))
-            values = sub.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1])
+                return random_blocks(qtype, shape, sub, scale=scale / (32 * np.sqrt(shape[-1])))
+            values = sub.standard_normal(shape).astype(np.float32) * (scale / np.sqrt(shape[-1]))
             return quantize(values, qtype)
 
         tensors.append(TensorOut(spec.name, qtype, shape, produce))
@@ -74,14 +83,15 @@ def random_tensors(specs: list[TensorSpec], cfg: Config, rng: np.random.Generato
 def write_random_deepseek4(path: str | Path, cfg: Config, seed: int = 0,
                            type_of: Callable[[TensorSpec], QT] = default_type,
                            progress: bool = False, metadata: dict | None = None,
-                           edit_specs: Callable[[list[TensorSpec]], list[TensorSpec]] | None = None) -> Path:
+                           edit_specs: Callable[[list[TensorSpec]], list[TensorSpec]] | None = None,
+                           residual_scale: float = 1.0) -> Path:
     """Writes a GGUF with random weights of roughly unit-variance activations. `type_of` picks
     each tensor's GGML type; block types without a quantizer get random valid blocks.
     `metadata` overrides keys (None deletes one) and `edit_specs` changes the tensor list: both
     exist to build malformed files for the tests."""
     specs = tensor_specs(cfg)
     tensors = random_tensors(edit_specs(specs) if edit_specs else specs, cfg,
-                             np.random.default_rng(seed), type_of)
+                             np.random.default_rng(seed), type_of, residual_scale)
     meta = {"general.architecture": ARCH, "general.name": "ds4tvm random deepseek4"}
     meta.update(cfg.to_metadata())
     meta.update(synthetic_vocab(cfg.n_vocab))

@@ -1,0 +1,204 @@
+"""The DSpark drafter as a TVM module beside its DeepSeek-V4 target (ds4 behaviour,
+dspark-crosscheck.md §2).
+
+- main_x = RMSNorm(main_proj · concat(captured target layers)) · main_norm, one row per position;
+- one ring per stage of context rows K=V for committed positions: rows from prefill and accepted
+  verifies take the stage's HC-pre + attn_norm path, rows of plain decode steps (scheduler skips)
+  the direct attn_kv path; both end with kv_a_norm, RoPE (base 1e4, no YaRN) and FP8;
+- a proposal after anchor t at P: rows [main_x(P), embed(t), embed(noise) x (B-1)] at positions
+  [P, P, P+1, ...]; each stage is a V4 block whose queries are the token rows, attending without a
+  causal mask over the 127 ring rows before P and every block row, with sinks; row 0 is rebuilt
+  from main_x in every stage; then hc_head and norm give r_i, and the target's output head the
+  base logits. The Markov and confidence heads run per step from the runtime.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from ...nn.blocks import F32, NEG_INF, gather_context, hc_head, hc_post, hc_pre, ring_write, rms, rope, rope_inv_freq
+from ...nn.rounding import fp8_round_rows
+from ..deepseek4.model import Block, Weights
+from .config import Config
+from .tensors import tensor_specs
+
+WINDOW = 128  # context rows: the 127 positions before the anchor, plus the anchor's own main row
+
+
+def ring_shapes(cfg: Config) -> list[tuple[str, tuple[int, int]]]:
+    return [(f"mtp.{s}.kv_ring", (WINDOW, cfg.block.head_dim)) for s in range(cfg.n_stages)]
+
+
+def block_attention(q: nn.Tensor, keys: nn.Tensor, sinks: nn.Tensor, start, n_context: int, name: str):
+    """q [B, H, D] over keys [n_context + R, D] (the first n_context are ring rows for positions
+    start-n_context.., valid when >= 0; the rest are block rows, all valid), with sinks."""
+    D = int(q.shape[2])
+    scale = 1.0 / math.sqrt(D)
+
+    def f(q_te, k_te, sk, s):
+        B, H = q_te.shape[0], q_te.shape[1]
+        A = k_te.shape[0]
+
+        def valid(a):
+            return tirx.Or(a >= n_context, s - n_context + a >= 0)
+
+        d = te.reduce_axis((0, D), name="d")
+        qk = te.compute((B, H, A), lambda b, h, a: te.sum(q_te[b, h, d] * k_te[a, d], axis=d), name=name + "_qk")
+        lg = te.compute((B, H, A), lambda b, h, a: tirx.if_then_else(
+            valid(a), qk[b, h, a] * tirx.const(scale, F32), tirx.const(NEG_INF, F32)), name=name + "_masked")
+        a1 = te.reduce_axis((0, A), name="a1")
+        mrow = te.compute((B, H), lambda b, h: te.max(lg[b, h, a1], axis=a1), name=name + "_rowmax")
+        mx = te.compute((B, H), lambda b, h: tirx.max(mrow[b, h], sk[h]), name=name + "_max")
+        e = te.compute((B, H, A), lambda b, h, a: tirx.if_then_else(
+            valid(a), te.exp(lg[b, h, a] - mx[b, h]), tirx.const(0, F32)), name=name + "_exp")
+        a2 = te.reduce_axis((0, A), name="a2")
+        srow = te.compute((B, H), lambda b, h: te.sum(e[b, h, a2], axis=a2), name=name + "_rowsum")
+        den = te.compute((B, H), lambda b, h: srow[b, h] + te.exp(sk[h] - mx[b, h]), name=name + "_den")
+        a3 = te.reduce_axis((0, A), name="a3")
+        num = te.compute((B, H, D), lambda b, h, dd: te.sum(e[b, h, a3] * k_te[a3, dd], axis=a3), name=name + "_pv")
+        return te.compute((B, H, D), lambda b, h, dd: num[b, h, dd] / den[b, h], name=name)
+
+    return op.tensor_expr_op(f, name, [q, keys, sinks, start])
+
+
+def _rows(x: nn.Tensor, lo: int, hi: int, name: str) -> nn.Tensor:
+    def f(t):
+        return te.compute((hi - lo, *t.shape[1:]), lambda i, *rest: t[(i + lo, *rest)], name=name)
+    return op.tensor_expr_op(f, name, [x])
+
+
+class DSparkDrafter(nn.Module):
+    def __init__(self, cfg: Config, types: dict, kv_rounding: bool):
+        self.cfg, self.kv_rounding = cfg, kv_rounding
+        b = cfg.block
+        specs = {s.name: s for s in tensor_specs(cfg)}
+        self.stages = nn.ModuleList([Block(b, s, specs, types, prefix=f"mtp.{s}.") for s in range(cfg.n_stages)])
+        last = f"mtp.{cfg.n_stages - 1}."
+        top = Weights(self, specs, types, "")
+        self.main_proj = top("mtp.0.main_proj.weight")
+        self.main_norm = top("mtp.0.main_norm.weight")
+        self.norm = top(last + "norm.weight")
+        self.hc_head_fn = top(last + "hc_head_fn.weight")
+        self.hc_head_base = top(last + "hc_head_base.weight")
+        self.hc_head_scale = top(last + "hc_head_scale.weight")
+        self.markov_w1 = top(last + "markov_head.markov_w1.weight")
+        self.markov_w2 = top(last + "markov_head.markov_w2.weight")
+        self.rope = rope_inv_freq(b.n_rot, 10000.0, None)  # drafter RoPE: plain base 1e4, no YaRN
+
+    def main_x(self, captured: nn.Tensor) -> nn.Tensor:
+        n, L, D = captured.shape
+        b = self.cfg.block
+        h = self.main_proj.linear(op.reshape(captured, (n, L * D)), name="main_proj")
+        return rms(h, b.rms_eps, self.main_norm.values(name="main_norm"))
+
+    def _kv(self, stage: Block, n_in: nn.Tensor, start, offset_rows: int = 0) -> nn.Tensor:
+        b = self.cfg.block
+        kv = rms(stage.w["attn_kv.weight"].linear(n_in), b.rms_eps, stage.v("attn_kv_a_norm"))
+        kv = rope(kv, start, self.rope, offset=offset_rows)
+        return fp8_round_rows(kv, b.head_dim - b.n_rot) if self.kv_rounding else kv
+
+    def _normed_attn_input(self, stage: Block, X: nn.Tensor):
+        b = self.cfg.block
+        x, post, comb = hc_pre(X, stage.w["hc_attn_fn.weight"], stage.v("hc_attn_scale"), stage.v("hc_attn_base"),
+                               b.hc, b.rms_eps, b.hc_eps, b.hc_sinkhorn_iters)
+        return rms(x, b.rms_eps, stage.v("attn_norm")), post, comb
+
+    def observe(self, captured, start, rings, direct: bool):
+        """Context rows for n committed positions start..: written into every stage's ring."""
+        b = self.cfg.block
+        mx = self.main_x(captured)
+        n = captured.shape[0]
+        out = []
+        for stage, ring in zip(self.stages, rings):
+            if direct:
+                kv = self._kv(stage, mx, start)
+            else:
+                X = op.broadcast_to(op.reshape(mx, (n, 1, b.n_embd)), (n, b.hc, b.n_embd))
+                kv = self._kv(stage, self._normed_attn_input(stage, X)[0], start)
+            out.append(ring_write(ring, kv, start, after=kv, name="dspark_ring_write"))
+        return tuple(out)
+
+    def block(self, captured, tokens_embedded, start, rings):
+        """r [B, D] for the B token rows of a proposal anchored at position start."""
+        c, b = self.cfg, self.cfg.block
+        B = int(tokens_embedded.shape[0])
+        mx = self.main_x(captured)                                        # [1, D]
+        row0 = op.broadcast_to(op.reshape(mx, (1, 1, b.n_embd)), (1, b.hc, b.n_embd))
+        T = op.broadcast_to(op.reshape(tokens_embedded, (B, 1, b.n_embd)), (B, b.hc, b.n_embd))
+        H, Dh = b.n_head, b.head_dim
+        for stage, ring in zip(self.stages, rings):
+            X = op.concat([row0, T], dim=0)                               # [B+1, hc, D]
+            N, post, comb = self._normed_attn_input(stage, X)
+            kv0 = self._kv(stage, _rows(N, 0, 1, "row0"), start)          # row 0 at P
+            kvt = self._kv(stage, _rows(N, 1, B + 1, "token_rows"), start)  # token rows at P..P+B-1
+            keys = gather_context(ring, op.concat([kv0, kvt], dim=0), start, WINDOW - 1, name="dspark_keys")
+            Nt = _rows(N, 1, B + 1, "token_rows_q")
+            QR = rms(stage.w["attn_q_a.weight"].linear(Nt), b.rms_eps, stage.v("attn_q_a_norm"))
+            Q = rms(op.reshape(stage.w["attn_q_b.weight"].linear(QR), (B, H, Dh)), b.rms_eps)
+            Q = rope(Q, start, self.rope)
+            attn = block_attention(Q, keys, stage.v("attn_sinks"), start, WINDOW - 1, name="dspark_attention")
+            attn = rope(attn, start, self.rope, inverse=True)
+            g = b.o_groups
+            low = stage.w["attn_output_a.weight"].grouped_linear(op.reshape(attn, (B, g, H // g * Dh)), g)
+            out = stage.w["attn_output_b.weight"].linear(op.reshape(low, (B, g * b.o_lora_rank)))
+            post_t, comb_t = _rows(post, 1, B + 1, "post_t"), _rows(comb, 1, B + 1, "comb_t")
+            T = hc_post(out, T, post_t, comb_t)
+            T = stage.moe(T, None)
+        h = hc_head(T, self.hc_head_fn, self.hc_head_scale.values(name="dspark_hc_scale"),
+                    self.hc_head_base.values(name="dspark_hc_base"), b.rms_eps, b.hc_eps)
+        return rms(h, b.rms_eps, self.norm.values(name="dspark_norm"))
+
+    def markov(self, prev: nn.Tensor):
+        """m = w1[prev] (rank values) and its vocabulary bias w2 · m."""
+        m = self.markov_w1.rows(prev, name="markov_w1")
+        return m, self.markov_w2.linear(m, name="markov_w2")
+
+
+def with_dspark(target_cls):
+    """The target module class extended with the drafter's functions (one artifact, shared
+    embedding and output head)."""
+
+    class TargetWithDSpark(target_cls):
+        def __init__(self, cfg, types: dict, bounds, kv_rounding: bool, draft_cfg: Config, draft_types: dict):
+            super().__init__(cfg, types, bounds, kv_rounding=kv_rounding, capture_layers=draft_cfg.target_layer_ids)
+            self.draft_cfg = draft_cfg
+            self.drafter = DSparkDrafter(draft_cfg, draft_types, kv_rounding)
+
+        def dspark_observe(self, captured, start, rings):
+            return self.drafter.observe(captured, start, rings, direct=False)
+
+        def dspark_observe_direct(self, captured, start, rings):
+            return self.drafter.observe(captured, start, rings, direct=True)
+
+        def dspark_block(self, captured, tokens, start, rings):
+            return self.drafter.block(captured, self.token_embd.rows(tokens, name="dspark_embedding"), start, rings)
+
+        def dspark_logits(self, r):
+            return self.output.linear(r, name="dspark_lm_head")
+
+        def dspark_markov(self, prev):
+            return self.drafter.markov(prev)
+
+        def spec(self) -> dict:
+            spec = super().spec()
+            d, b = self.draft_cfg, self.draft_cfg.block
+            rings = [nn.spec.Tensor(list(shape), "float32") for _, shape in ring_shapes(d)]
+            L = len(d.target_layer_ids)
+            mode = {"param_mode": "plain", "effect_mode": "none"}
+            cap = nn.spec.Tensor(["n", L, b.n_embd], "float32")
+            spec.update({
+                "dspark_observe": {"captured": cap, "start": int, "rings": rings, "$": mode},
+                "dspark_observe_direct": {"captured": cap, "start": int, "rings": rings, "$": mode},
+                "dspark_block": {"captured": nn.spec.Tensor([1, L, b.n_embd], "float32"),
+                                 "tokens": nn.spec.Tensor([d.block_size], "int32"), "start": int, "rings": rings,
+                                 "$": mode},
+                "dspark_logits": {"r": nn.spec.Tensor(["m", b.n_embd], "float32"), "$": mode},
+                "dspark_markov": {"prev": nn.spec.Tensor([1], "int32"), "$": mode},
+            })
+            return spec
+
+    return TargetWithDSpark

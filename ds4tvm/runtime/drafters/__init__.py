@@ -1,0 +1,1 @@
+"""Drafters for the speculative loop (runtime/speculative.py)."""
