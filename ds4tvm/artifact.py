@@ -12,7 +12,7 @@ from pathlib import Path
 from . import __version__
 from .errors import Ds4Error
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: params carry the file they come from (target or DSpark support)
 MANIFEST = "manifest.json"
 _FINGERPRINT_SPAN = 8 << 20
 

@@ -16,6 +16,8 @@ from tvm.relax.frontend.nn import op
 from ..gguf.quant import MXFP4_VALUES, _iq2_tables, plane_format
 
 F32 = "float32"
+# Block names the CPU schedule looks for (schedules/llvm.py).
+DEQUANT_ROW, ROW_MATMUL = "dequant_row", "row_matmul"
 
 
 def _f32(x):
@@ -141,9 +143,12 @@ class QWeight(nn.Module):
 
         def f(x_te, *ps):
             P = dict(zip(names, ps))
+            # Row n is dequantized once (schedules/llvm.py computes it inside the n loop, into a
+            # K-value buffer) and used by every token: a verify or prefill reads each weight once.
+            w = te.compute((N, K), lambda n, k: deq(P, (n,), k), name=DEQUANT_ROW)
             kk = te.reduce_axis((0, K), name="k")
-            return te.compute((x_te.shape[0], N), lambda t, n: te.sum(x_te[t, kk] * deq(P, (n,), kk), axis=kk),
-                              name="qlinear")
+            return te.compute((x_te.shape[0], N), lambda t, n: te.sum(x_te[t, kk] * w[n, kk], axis=kk),
+                              name=ROW_MATMUL)
 
         return op.tensor_expr_op(f, name, [x, *args])
 
@@ -156,10 +161,11 @@ class QWeight(nn.Module):
 
         def f(x_te, *ps):
             P = dict(zip(names, ps))
+            w = te.compute((groups, No, K), lambda g, o, k: deq(P, (g * No + o,), k), name=DEQUANT_ROW)
             kk = te.reduce_axis((0, K), name="k")
             return te.compute((x_te.shape[0], groups, No),
-                              lambda t, g, o: te.sum(x_te[t, g, kk] * deq(P, (g * No + o,), kk), axis=kk),
-                              name="qlinear_grouped")
+                              lambda t, g, o: te.sum(x_te[t, g, kk] * w[g, o, kk], axis=kk),
+                              name=ROW_MATMUL)
 
         return op.tensor_expr_op(f, name, [x, *args])
 
