@@ -145,7 +145,7 @@ def hf_model_from_gguf(path):
             if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
                 continue
             key = (HF_PARAMS["blk.{L}." + rest].format(L=layer) if layer is not None else HF_PARAMS[name])
-            state[key].copy_(torch.from_numpy(np.ascontiguousarray(v)).to(state[key].dtype))
+            state[key].copy_(torch.from_numpy(np.array(v)).to(state[key].dtype))
         for il in range(cfg.n_layers):
             gate = values[f"blk.{il}.ffn_gate_exps.weight"]
             up = values[f"blk.{il}.ffn_up_exps.weight"]

@@ -15,22 +15,9 @@ N_TOKENS = 160
 
 
 def _random_blocks_gguf(path):
-    from ds4tvm.families.deepseek4.random_model import default_type, tiny_config, write_random_deepseek4
-    from ds4tvm.gguf.validate import DENSE
+    from ds4tvm.families.deepseek4.random_model import k_quant_config, published_recipe_type, write_random_deepseek4
 
-    cfg = tiny_config(n_embd=256, n_ff_exp=256, q_lora_rank=256, o_lora_rank=256, head_dim=256, n_rot=64,
-                      n_vocab=768)
-    kinds = {"ffn_gate_exps": QT.IQ2_XXS, "ffn_up_exps": QT.IQ2_XXS, "ffn_down_exps": QT.Q2_K}
-
-    def type_of(spec):
-        for k, t in kinds.items():
-            if k in spec.name:
-                return t
-        if spec.types == DENSE and spec.shape[0] % 256 == 0:
-            return QT.Q4_K
-        return default_type(spec)
-
-    return write_random_deepseek4(path, cfg, seed=11, type_of=type_of)
+    return write_random_deepseek4(path, k_quant_config(n_vocab=768), seed=11, type_of=published_recipe_type)
 
 
 CASES = {

@@ -9,13 +9,13 @@ from conftest import run_ds4
 from ds4tvm.errors import Ds4Error
 from ds4tvm.families import REGISTRY, load_model
 from ds4tvm.families.deepseek4.config import Config
-from ds4tvm.families.deepseek4.random_model import default_type, tiny_config, write_random_deepseek4
+from ds4tvm.families.deepseek4.random_model import (k_quant_config, published_recipe_type, tiny_config,
+                                                   write_random_deepseek4)
 from ds4tvm.families.dspark.config import Config as DSparkConfig
 from ds4tvm.families.dspark.config import paired_with
 from ds4tvm.families.dspark.random_model import write_random_dspark
 from ds4tvm.gguf import open_gguf
 from ds4tvm.gguf.quant import to_planes
-from ds4tvm.gguf.validate import DENSE, ROUTED
 from ds4tvm.gguf.writer import write_gguf
 
 
@@ -54,20 +54,9 @@ def test_real_size_tensor_table():
 
 
 def test_random_block_gguf_planes(tmp_path):
-    """GGUFs whose expert and dense tensors are random valid Q4_K / Q2_K / IQ2_XXS / MXFP4 blocks:
-    every tensor read back through planes equals gguf's dequantizer on the file bytes."""
-    cfg = tiny_config(n_embd=256, n_ff_exp=256, q_lora_rank=256, o_lora_rank=256, head_dim=256, n_rot=64)
-    kinds = {"ffn_gate_exps": QT.IQ2_XXS, "ffn_up_exps": QT.IQ2_XXS, "ffn_down_exps": QT.Q2_K}
-
-    def type_of(spec):
-        for k, t in kinds.items():
-            if k in spec.name:
-                return t
-        if spec.types == DENSE and spec.shape[0] % 256 == 0:
-            return QT.Q4_K
-        return QT.MXFP4 if spec.types == ROUTED else default_type(spec)
-
-    path = write_random_deepseek4(tmp_path / "blocks.gguf", cfg, type_of=type_of)
+    """GGUFs whose expert and dense tensors are random valid Q4_K / Q2_K / IQ2_XXS blocks: every
+    tensor read back through planes equals gguf's dequantizer on the file bytes."""
+    path = write_random_deepseek4(tmp_path / "blocks.gguf", k_quant_config(), type_of=published_recipe_type)
     m = load_model(open_gguf(path))
     seen = set()
     for t in m.gguf.tensors.values():

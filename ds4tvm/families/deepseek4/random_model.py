@@ -11,7 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ...gguf.quant import quantize, random_blocks
-from ...gguf.validate import INDEX, NORM, TensorSpec
+from ...gguf.validate import DENSE, INDEX, NORM, TensorSpec
 from ...gguf.vocab import synthetic_vocab
 from ...gguf.writer import TensorOut, write_gguf
 from .config import ARCH, Config
@@ -37,6 +37,23 @@ def tiny_config(**overrides) -> Config:
     cfg = Config(**base)
     cfg.validate()
     return cfg
+
+
+def k_quant_config(**overrides) -> Config:
+    """tiny_config with every projection a multiple of 256 wide, as K- and IQ-quant blocks need."""
+    return tiny_config(**{**dict(n_embd=256, n_ff_exp=256, q_lora_rank=256, o_lora_rank=256, head_dim=256,
+                                 n_rot=64), **overrides})
+
+
+def published_recipe_type(spec: TensorSpec) -> QT:
+    """Types in the shape of the published Q2 recipe, with random blocks where no quantizer exists:
+    IQ2_XXS gate/up experts, Q2_K down experts, Q4_K dense projections (the "AProjQ4" builds)."""
+    for part, qtype in (("ffn_gate_exps", QT.IQ2_XXS), ("ffn_up_exps", QT.IQ2_XXS), ("ffn_down_exps", QT.Q2_K)):
+        if part in spec.name:
+            return qtype
+    if spec.types == DENSE and spec.shape[0] % 256 == 0:
+        return QT.Q4_K
+    return default_type(spec)
 
 
 def default_type(spec: TensorSpec) -> QT:
