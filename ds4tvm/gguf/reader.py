@@ -166,9 +166,6 @@ class GGUFFile:
     def has(self, name: str) -> bool:
         return self._reader.get_field(name) is not None
 
-    def keys(self) -> list[str]:
-        return list(self._reader.fields)
-
     def get(self, name: str, kind: str, default: Any = _MISSING, aliases: Iterable[str] = ()) -> Any:
         """Typed value of a key. `kind` is int, float, bool, str, or one of those plus "s" for an
         array (`ints`, `floats`, `strs`). Aliases are tried in order after the first name; names

@@ -183,9 +183,3 @@ class Tokenizer:
             if not 0 <= i < self.n_vocab:
                 raise Ds4Error(f"token id {i} is outside the vocabulary of {self.n_vocab}")
         return self._hf.decode(list(ids), skip_special_tokens=skip_special)
-
-    def token_text(self, i: int) -> str:
-        return self.decode([i])
-
-    def is_stop(self, i: int) -> bool:
-        return i in self.stop_ids
