@@ -17,7 +17,24 @@ from ..gguf.quant import MXFP4_VALUES, _iq2_tables, plane_format
 
 F32 = "float32"
 # Block names the CPU schedule looks for (schedules/llvm.py).
-DEQUANT_ROW, ROW_MATMUL = "dequant_row", "row_matmul"
+DEQUANT_ROW, ROW_PARTIAL, ROW_MATMUL = "dequant_row", "row_partial", "row_matmul"
+EXPERT_PARTIAL, EXPERT_MATMUL = "expert_partial", "expert_matmul"
+LANES = 16  # partial sums per output, a 512-bit vector of float32
+
+
+def _row_matmul(x_te, w, rows: tuple, K: int, x_at):
+    """y[t, rows...] = sum_k x_at(t, rows, k) * w[rows..., k] in two stages: LANES partial sums over
+    strided k (a vectorisable inner loop), then their sum."""
+    lanes = LANES if K % LANES == 0 else 1
+    ko = te.reduce_axis((0, K // lanes), name="ko")
+
+    def partial(t, *r):
+        k = ko * lanes + r[-1]
+        return te.sum(x_at(t, r[:-1], k) * w[(*r[:-1], k)], axis=ko)
+
+    part = te.compute((x_te.shape[0], *rows, lanes), partial, name=ROW_PARTIAL)
+    li = te.reduce_axis((0, lanes), name="li")
+    return te.compute((x_te.shape[0], *rows), lambda t, *r: te.sum(part[(t, *r, li)], axis=li), name=ROW_MATMUL)
 
 
 def _f32(x):
@@ -146,9 +163,7 @@ class QWeight(nn.Module):
             # Row n is dequantized once (schedules/llvm.py computes it inside the n loop, into a
             # K-value buffer) and used by every token: a verify or prefill reads each weight once.
             w = te.compute((N, K), lambda n, k: deq(P, (n,), k), name=DEQUANT_ROW)
-            kk = te.reduce_axis((0, K), name="k")
-            return te.compute((x_te.shape[0], N), lambda t, n: te.sum(x_te[t, kk] * w[n, kk], axis=kk),
-                              name=ROW_MATMUL)
+            return _row_matmul(x_te, w, (N,), K, lambda t, r, k: x_te[t, k])
 
         return op.tensor_expr_op(f, name, [x, *args])
 
@@ -162,10 +177,7 @@ class QWeight(nn.Module):
         def f(x_te, *ps):
             P = dict(zip(names, ps))
             w = te.compute((groups, No, K), lambda g, o, k: deq(P, (g * No + o,), k), name=DEQUANT_ROW)
-            kk = te.reduce_axis((0, K), name="k")
-            return te.compute((x_te.shape[0], groups, No),
-                              lambda t, g, o: te.sum(x_te[t, g, kk] * w[g, o, kk], axis=kk),
-                              name=ROW_MATMUL)
+            return _row_matmul(x_te, w, (groups, No), K, lambda t, r, k: x_te[t, r[0], k])
 
         return op.tensor_expr_op(f, name, [x, *args])
 
@@ -179,13 +191,18 @@ class QWeight(nn.Module):
 
         def f(x_te, ids, *ps):
             P = dict(zip(names, ps))
-            kk = te.reduce_axis((0, K), name="k")
+            lanes = LANES if K % LANES == 0 else 1
+            ko = te.reduce_axis((0, K // lanes), name="ko")
 
-            def body(t, j, n):
-                xv = x_te[t, j, kk] if per_expert_input else x_te[t, kk]
-                return te.sum(xv * deq(P, (ids[t, j], n), kk), axis=kk)
+            def partial(t, j, n, lane):
+                k = ko * lanes + lane
+                xv = x_te[t, j, k] if per_expert_input else x_te[t, k]
+                return te.sum(xv * deq(P, (ids[t, j], n), k), axis=ko)
 
-            return te.compute((ids.shape[0], ids.shape[1], N), body, name="qlinear_experts")
+            part = te.compute((ids.shape[0], ids.shape[1], N, lanes), partial, name=EXPERT_PARTIAL)
+            li = te.reduce_axis((0, lanes), name="li")
+            return te.compute((ids.shape[0], ids.shape[1], N), lambda t, j, n: te.sum(part[t, j, n, li], axis=li),
+                              name=EXPERT_MATMUL)
 
         return op.tensor_expr_op(f, name, [x, experts, *args])
 

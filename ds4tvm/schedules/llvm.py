@@ -1,11 +1,14 @@
 """The CPU (llvm) pipeline: TVM's default CPU build passes, spelled out so that schedules and
 tuning records have their place in it.
 
-Quantized linears are scheduled so that every weight row is dequantized once per call and reused
-by all the call's tokens (verify and prefill cost about one decode in weight traffic). Measured on
-the 127M-parameter benchmark model (2 cores): parallelising every kernel's outer spatial loops made
-decode slower (19 -> 15 tok/s; hundreds of tiny kernels per token pay the thread-pool launch), so
-the rest runs as written until per-format GEMV schedules land.
+Quantized linears (the bulk of the work) are scheduled: dense ones dequantize each weight row
+once per call into a one-row buffer shared by all the call's tokens; dense and expert products keep
+16 partial sums per output in one AVX-512 vector (the reduction split into strided lanes) and sum
+them at the end. On a Q8_0 4096x4096 GEMV this took one core from 0.59 to 9.4 GB/s; on the
+127M-parameter benchmark model decode went from 19 to 112 tok/s and prefill from 28 to 194 tok/s.
+The other kernels (attention, indexer, norms) run as written. Parallelising every kernel's outer
+spatial loops made decode slower (19 -> 15 tok/s; hundreds of tiny kernels per token pay the
+thread-pool launch), so threads are left for per-kernel decisions in the performance work.
 Operator fusion is left out on purpose: FuseTIR fails on these kernels (RenewDefs), and TVM's own
 CPU default omits it because it may drop side-effecting calls."""
 
@@ -15,7 +18,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from ..errors import Ds4Error
-from ..nn.qweight import DEQUANT_ROW, ROW_MATMUL
+from ..nn.qweight import DEQUANT_ROW, EXPERT_MATMUL, EXPERT_PARTIAL, ROW_MATMUL, ROW_PARTIAL
 
 
 def _schedule_row_matmul(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
@@ -25,13 +28,36 @@ def _schedule_row_matmul(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     sch = s_tir.Schedule(func)
     try:
         mm = sch.get_sblock(ROW_MATMUL)
+        part = sch.get_sblock(ROW_PARTIAL)
         deq = sch.get_sblock(DEQUANT_ROW)
     except Exception:  # noqa: BLE001 - not one of ours
         return None
-    loops = sch.get_loops(mm)           # t, (g,) n, k
-    t, rows = loops[0], loops[1:-1]
-    sch.reorder(*rows, t, loops[-1])
-    sch.compute_at(deq, rows[-1])
+    loops = sch.get_loops(mm)           # t, (g,) n, lane
+    t, rows, lane = loops[0], loops[1:-1], loops[-1]
+    sch.reorder(*rows, t, lane)
+    sch.compute_at(part, rows[-1])      # per output row: the partial sums of every token ...
+    sch.compute_at(deq, rows[-1])       # ... from that row, dequantized once
+    pl = sch.get_loops(part)            # rows..., t, lane, ko
+    sch.reorder(pl[-1], pl[-2])         # lanes innermost: one vector of partial sums
+    sch.vectorize(sch.get_loops(part)[-1])
+    dl = sch.get_loops(deq)[-1]
+    if (sch.get(dl).extent.value if hasattr(sch.get(dl).extent, "value") else 0) % 16 == 0:
+        sch.vectorize(sch.split(dl, [None, 16])[1])
+    return sch.mod["main"]
+
+
+def _schedule_expert_matmul(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """Routed experts: the partial sums of one output row in a vector, the lanes innermost."""
+    sch = s_tir.Schedule(func)
+    try:
+        mm = sch.get_sblock(EXPERT_MATMUL)
+        part = sch.get_sblock(EXPERT_PARTIAL)
+    except Exception:  # noqa: BLE001 - not one of ours
+        return None
+    sch.compute_at(part, sch.get_loops(mm)[2])   # under t, j, n
+    pl = sch.get_loops(part)                     # t, j, n, lane, ko
+    sch.reorder(pl[-1], pl[-2])
+    sch.vectorize(sch.get_loops(part)[-1])
     return sch.mod["main"]
 
 
@@ -41,7 +67,7 @@ def schedule_row_matmul(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         if not isinstance(func, tirx.PrimFunc):
             continue
         try:
-            new = _schedule_row_matmul(func)
+            new = _schedule_row_matmul(func) or _schedule_expert_matmul(func)
         except Exception as e:  # noqa: BLE001 - unscheduled, this kernel would write a whole fp32 weight
             raise Ds4Error(f"could not schedule {gv.name_hint}: {e}") from None
         if new is not None:
