@@ -284,6 +284,50 @@ def logits(model: Path = typer.Option(..., "-m", "--model", help="artifact direc
     typer.echo(f"wrote {out}: {rows.shape[0]} x {rows.shape[1]} float32 ({mode})")
 
 
+@app.command()
+def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact directory or GGUF"),
+          mtp: Optional[Path] = typer.Option(None, "--mtp", "--mtp-model", help="DSpark support GGUF"),
+          dspark: bool = typer.Option(False, "--dspark", help="also measure DSpark speculative decoding"),
+          prompt_len: int = typer.Option(128, "--prompt-len"),
+          gen: int = typer.Option(64, "--gen"),
+          verify_k: int = typer.Option(6, "--verify-k", help="measure verify(k) for k = 1..K"),
+          repeats: int = typer.Option(3, "--repeats"),
+          ctx: int = typer.Option(4096, "--ctx", help="context when compiling a GGUF on first use"),
+          target: str = typer.Option("cpu", "--target"),
+          as_json: bool = typer.Option(False, "--json"),
+          plot_file: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of verify cost vs k")):
+    """Prefill / decode speed, verify cost per k, and speculative speed with acceptance."""
+    from .runtime import bench as b
+    from .runtime.loader import open_engine
+
+    for flag, v, lo in (("--prompt-len", prompt_len, 1), ("--gen", gen, 1), ("--verify-k", verify_k, 1),
+                        ("--repeats", repeats, 1)):
+        if v < lo:
+            raise Ds4Error(f"{flag} {v}: expected a value >= {lo}")
+    if verify_k > 16:
+        raise Ds4Error(f"--verify-k {verify_k}: expected 1..16")
+    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=not as_json, support=mtp)
+    if prompt_len + 16 >= engine.max_context:
+        raise Ds4Error(f"--prompt-len {prompt_len} leaves no room in the compiled context of {engine.max_context}")
+    factory = None
+    if dspark:
+        if engine.draft is None:
+            raise Ds4Error(f"{model}: the artifact has no DSpark drafter; compile it with --mtp SUPPORT.gguf")
+        from .runtime.drafters.dspark import DSparkDrafter
+
+        factory = DSparkDrafter
+    from .runtime.tokenizer import Tokenizer
+
+    stops = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model)).stop_ids
+    r = b.bench(engine, prompt_len, gen, verify_k, repeats, factory, stops)
+    if plot_file is not None:
+        b.plot(r, plot_file)
+    if as_json:
+        _echo_json(r)
+    else:
+        typer.echo(b.table(r))
+
+
 # ---------------------------------------------------------------------------- ds4-compile
 @compile_app.command()
 def compile_model(model: Path = typer.Argument(..., help="GGUF model"),

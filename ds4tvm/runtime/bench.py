@@ -1,0 +1,91 @@
+"""`ds4 bench`: prefill and decode speed, the cost of verify(k) against one decode, and speculative
+speed with acceptance when a drafter is compiled in. Medians over repeats after a warm-up; the
+plain and speculative runs alternate so that a noisy machine's drift hits both alike."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from .sampler import SamplingParams, argmax
+from .speculative import generate, verify_cost
+
+
+def _median_rate(n: int, seconds: list[float]) -> float:
+    return n / statistics.median(seconds) if seconds else 0.0
+
+
+def bench(engine, prompt_len: int = 128, gen: int = 64, verify_k: int = 6, repeats: int = 3,
+          drafter_factory=None, stop_ids=frozenset()) -> dict:
+    rng = np.random.default_rng(0)
+    vocab = engine.n_vocab
+    prompt = [int(t) for t in rng.integers(0, vocab, prompt_len) if int(t) not in stop_ids][:prompt_len]
+    gen = max(1, min(gen, engine.max_context - len(prompt) - engine.max_verify))
+    engine.reset()
+    engine.decode(int(argmax(engine.prefill(prompt[:8]))))  # warm-up
+    prefill_s, decode_s = [], []
+    for _ in range(repeats):
+        engine.reset()
+        t = time.perf_counter()
+        logits = engine.prefill(prompt)
+        prefill_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in range(gen):
+            logits = engine.decode(argmax(logits))
+        decode_s.append(time.perf_counter() - t)
+    out = {"prompt_len": len(prompt), "gen": gen, "repeats": repeats,
+           "prefill_tok_s": round(_median_rate(len(prompt), prefill_s), 2),
+           "decode_tok_s": round(_median_rate(gen, decode_s), 2),
+           "verify_cost": {str(k): round(v, 3) for k, v in
+                           verify_cost(engine, min(verify_k, engine.max_verify), repeats=max(3, repeats)).items()}}
+    if drafter_factory is not None:
+        greedy = SamplingParams(temperature=0.0)
+        plain_tps, spec_tps, rates = [], [], []
+        for _ in range(repeats):
+            engine.reset()
+            _, s = generate(engine, prompt, gen, greedy, np.random.default_rng(0), stop_ids=stop_ids)
+            plain_tps.append(s.generated / s.seconds)
+            engine.reset()
+            _, s = generate(engine, prompt, gen, greedy, np.random.default_rng(0), drafter=drafter_factory(engine),
+                            stop_ids=stop_ids)
+            spec_tps.append(s.generated / s.seconds)
+            rates.append(s.as_dict()["accept_rate"])
+        out["speculative"] = {"plain_tok_s": round(statistics.median(plain_tps), 2),
+                              "spec_tok_s": round(statistics.median(spec_tps), 2),
+                              "ratio": round(statistics.median(spec_tps) / statistics.median(plain_tps), 3),
+                              "accept_rate": round(statistics.median(rates), 4)}
+    return out
+
+
+def table(r: dict) -> str:
+    lines = [f"prefill  {r['prefill_tok_s']:>10.1f} tok/s   ({r['prompt_len']} tokens, median of {r['repeats']})",
+             f"decode   {r['decode_tok_s']:>10.1f} tok/s   ({r['gen']} tokens)",
+             "verify(k) / decode  " + "  ".join(f"k={k}: {v:.2f}" for k, v in r["verify_cost"].items())]
+    if "speculative" in r:
+        s = r["speculative"]
+        lines.append(f"speculative {s['spec_tok_s']:.1f} tok/s vs {s['plain_tok_s']:.1f} plain "
+                     f"(x{s['ratio']:.2f}), accept rate {100 * s['accept_rate']:.1f}%")
+    return "\n".join(lines)
+
+
+def plot(r: dict, path) -> None:
+    from ..errors import Ds4Error
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise Ds4Error("--plot needs matplotlib (pip install matplotlib)") from None
+    ks = [int(k) for k in r["verify_cost"]]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(ks, [r["verify_cost"][str(k)] for k in ks], marker="o", label="verify(k) / decode")
+    ax.plot(ks, ks, linestyle="--", color="gray", label="k decodes")
+    ax.set_xlabel("k (tokens verified at once)")
+    ax.set_ylabel("time relative to one decode")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
