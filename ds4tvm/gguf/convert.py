@@ -83,7 +83,8 @@ def config_from_hf(hf: dict, where: str) -> Config:
         yarn_orig_ctx=int(comp.get("original_max_position_embeddings", hf.get("max_position_embeddings", 65536))),
         expert_weights_scale=float(hf.get("routed_scaling_factor", 1.5)),
         expert_weights_norm=bool(hf.get("norm_topk_prob", True)), rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        compress_ratios=tuple(ratios), swiglu_clamp=(float(hf.get("swiglu_limit", 10.0)),) * n)
+        compress_ratios=tuple(ratios), swiglu_clamp=(float(hf.get("swiglu_limit", 10.0)),) * n,
+        context_length=int(hf.get("max_position_embeddings", 1048576)))
 
 
 # GGUF tensor -> checkpoint tensor, in the original DeepSeek naming that checkpoints (and

@@ -8,6 +8,8 @@ from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
+from gguf import GGUFValueType
+
 from ..errors import Ds4Error
 
 BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
@@ -92,7 +94,7 @@ def synthetic_vocab(n_vocab: int) -> dict:
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "deepseek-v3",
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.token_type": (types, GGUFValueType.INT32),  # llama.cpp reads it as int32
         "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.bos_token_id": 0,
         "tokenizer.ggml.eos_token_id": 1,
@@ -129,7 +131,7 @@ def hf_vocab(hf_dir: Path, n_vocab: int, pre: str) -> dict | None:
         types[i] = NORMAL if t is None else (CONTROL if t.get("special") else USER_DEFINED)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges}
+            "tokenizer.ggml.token_type": (types, GGUFValueType.INT32), "tokenizer.ggml.merges": merges}
     cfg_path = hf_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
     for name in ("bos", "eos"):

@@ -50,7 +50,8 @@ def _value_type(value: Any) -> tuple[GGUFValueType, GGUFValueType | None]:
 def write_gguf(path: str | os.PathLike, architecture: str, metadata: dict[str, Any],
                tensors: Iterable[TensorOut], progress: bool = False, description: str = "writing") -> Path:
     """Writes a GGUF v3 file. `metadata` maps full key names to values; a value may be given as
-    (value, GGUFValueType) to force its type. Tensor data are produced lazily, one at a time."""
+    (value, GGUFValueType) to force its type (for a list: its element type). Tensor data are
+    produced lazily, one at a time."""
     path = Path(path)
     tensors = list(tensors)
     w = GGUFWriter(path, architecture)
@@ -60,8 +61,8 @@ def write_gguf(path: str | os.PathLike, architecture: str, metadata: dict[str, A
         if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], GGUFValueType):
             value, vtype = value
             sub = None
-            if vtype == GGUFValueType.ARRAY:
-                raise TypeError("give arrays as plain lists")
+            if isinstance(value, (list, np.ndarray)):  # (values, element type): a typed array
+                vtype, sub = GGUFValueType.ARRAY, vtype
         else:
             vtype, sub = _value_type(value)
         if vtype == GGUFValueType.ARRAY:

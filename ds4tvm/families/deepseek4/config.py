@@ -45,6 +45,9 @@ class Config:
     rms_eps: float
     compress_ratios: tuple[int, ...]
     swiglu_clamp: tuple[float, ...]
+    # The trained context; informational here (ds4tvm's bound is --max-context), but llama.cpp
+    # requires the key, so GGUFs we write carry it. Flash: 1048576.
+    context_length: int = 1048576
 
     def ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
@@ -99,6 +102,7 @@ class Config:
                     values[field] = emb.shape[1]
                     continue
             values[field] = f.get(f.key(key), kind)
+        values["context_length"] = f.get(f.key("context_length"), "int", default=cls.context_length)
         values["compress_ratios"] = tuple(values["compress_ratios"])
         values["swiglu_clamp"] = tuple(values["swiglu_clamp"])
         cfg = cls(**values)
@@ -158,6 +162,9 @@ class Config:
         """GGUF metadata (full key names) for this config, the inverse of `from_gguf`."""
         d = asdict(self)
         meta = {f"{ARCH}.{key}": d[field] for field, (key, _) in self.KEYS.items()}
+        meta[f"{ARCH}.context_length"] = self.context_length
+        # ds4 implies YaRN on the compressed layers; llama.cpp needs the type spelled out.
+        meta[f"{ARCH}.rope.scaling.type"] = "yarn" if self.yarn_factor != 1.0 else "none"
         meta[f"{ARCH}.attention.head_count_kv"] = 1
         meta[f"{ARCH}.attention.value_length"] = self.head_dim
         meta[f"{ARCH}.expert_gating_func"] = SQRT_SOFTPLUS_GATING
