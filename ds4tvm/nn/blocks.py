@@ -144,12 +144,12 @@ def _ring_write_func(size: int, width: int):
     return ring_write.with_attr("global_symbol", f"ring_write_{size}x{width}")
 
 
-def ring_write(ring: nn.Tensor, rows: nn.Tensor, start, after: nn.Tensor, name: str) -> nn.Tensor:
-    """Writes rows for positions start.. into the ring in place. `after` is a value computed from
-    the ring's old content: passing it orders the write after those reads."""
+def ring_write(ring: nn.Tensor, rows: nn.Tensor, start, name: str) -> nn.Tensor:
+    """Writes rows for positions start.. into the ring in place. Callers emit it after every read
+    of the ring's old rows (gather_context): the VM runs bindings in order, and the CPU pipeline
+    does not fuse (schedules/llvm.py), so no read can move past the write."""
     size, width = ring.shape
     func = _ring_write_func(int(size), int(width))
-    del after  # the dependency is the binding order below; `after` documents the read it follows
     return op.tensor_ir_inplace_op(func, f"ring_write_{size}x{width}", args=[ring, rows, start], inplace_indices=[0],
                                    out=nn.Tensor.placeholder(ring.shape, ring.dtype))
 

@@ -90,7 +90,7 @@ class Block(nn.Module):
     def v(self, short: str) -> nn.Tensor:
         return self.w[short + ".weight"].values(name=short.replace(".", "_"))
 
-    def attention(self, X, start, states, rope_main, rope_comp, bounds: Bounds, kv_rounding: bool):
+    def attention(self, X, start, states, rope_main, rope_comp, kv_rounding: bool):
         c, r, w = self.cfg, self.ratio, self.w
         n = X.shape[0]
         H, Dh = c.n_head, c.head_dim
@@ -128,7 +128,7 @@ class Block(nn.Module):
         groups = c.o_groups
         low = w["attn_output_a.weight"].grouped_linear(op.reshape(attn, (n, groups, H // groups * Dh)), groups)
         out = w["attn_output_b.weight"].linear(op.reshape(low, (n, groups * c.o_lora_rank)))
-        new_states["kv_ring"] = ring_write(ring, KV, start, after=attn, name="kv_ring_write")
+        new_states["kv_ring"] = ring_write(ring, KV, start, name="kv_ring_write")
         return hc_post(out, X, post, comb), new_states
 
     def _compress(self, N, start, states, wname, sname, width, rope_comp, round_rows=None):
@@ -146,8 +146,8 @@ class Block(nn.Module):
             cand = round_rows(cand)
         rows = emit_rows(states[f"{sname}_rows"], cand, start, r, name=f"{sname}_emit")
         return rows, {f"{sname}_rows": rows,
-                      f"{sname}_kv_front": ring_write(kv_front, kv, start, after=pooled, name=f"{sname}_kv_write"),
-                      f"{sname}_score_front": ring_write(sc_front, score, start, after=pooled,
+                      f"{sname}_kv_front": ring_write(kv_front, kv, start, name=f"{sname}_kv_write"),
+                      f"{sname}_score_front": ring_write(sc_front, score, start,
                                                          name=f"{sname}_score_write")}
 
     def moe(self, X, ids):
@@ -219,7 +219,7 @@ class DeepSeekV4(nn.Module):
         for il, layer in enumerate(self.layers):
             p = f"blk.{il}."
             mine = {k[len(p):]: v for k, v in named.items() if k.startswith(p)}
-            X, new = layer.attention(X, start, mine, self.rope_main, self.rope_comp, self.bounds, self.kv_rounding)
+            X, new = layer.attention(X, start, mine, self.rope_main, self.rope_comp, self.kv_rounding)
             X = layer.moe(X, ids)
             out_states.update({p + k: v for k, v in new.items()})
             if il in self.capture_layers:

@@ -119,7 +119,7 @@ class DSparkDrafter(nn.Module):
             else:
                 X = op.broadcast_to(op.reshape(mx, (n, 1, b.n_embd)), (n, b.hc, b.n_embd))
                 kv = self._kv(stage, self._normed_attn_input(stage, X)[0], start)
-            out.append(ring_write(ring, kv, start, after=kv, name="dspark_ring_write"))
+            out.append(ring_write(ring, kv, start, name="dspark_ring_write"))
         return tuple(out)
 
     def block(self, captured, tokens_embedded, start, rings):
