@@ -65,6 +65,7 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
     import tvm
 
     from ..families.deepseek4.model import DeepSeekV4, parameter_sources, state_shapes, tensor_types
+    from ..schedules.llvm import pipeline
 
     f = open_gguf(gguf_path)
     m = load_model(f)
@@ -113,8 +114,6 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
                   for name, p in named]
         phases.next()
         tgt = tvm.target.Target(target_json)
-        from ..schedules.llvm import pipeline
-
         with tgt:
             ex = tvm.compile(mod, target=tgt, relax_pipeline=pipeline(tgt))
         phases.next()

@@ -226,14 +226,35 @@ def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width
     return op.tensor_expr_op(f, name, [kv_ctx, sc_ctx, start])
 
 
+def attend_with_sinks(q_te, key, valid, A, sinks, name: str):
+    """TE softmax attention of q [T, H, D] over A key slots, key(t, a, d) giving slot a's row for
+    token t and valid(t, a) whether it is visible; values are the keys (K = V); one learned sink
+    logit per head joins the denominator. Scale 1/sqrt(D)."""
+    n, H, D = q_te.shape
+    scale = tirx.const(1.0 / math.sqrt(int(D)), F32)
+    k = te.reduce_axis((0, D), name="k")
+    qk = te.compute((n, H, A), lambda t, h, a: te.sum(q_te[t, h, k] * key(t, a, k), axis=k), name=name + "_qk")
+    masked = te.compute((n, H, A), lambda t, h, a: tirx.if_then_else(
+        valid(t, a), qk[t, h, a] * scale, tirx.const(NEG_INF, F32)), name=name + "_masked")
+    a1 = te.reduce_axis((0, A), name="a1")
+    mx_rows = te.compute((n, H), lambda t, h: te.max(masked[t, h, a1], axis=a1), name=name + "_rowmax")
+    mx = te.compute((n, H), lambda t, h: tirx.max(mx_rows[t, h], sinks[h]), name=name + "_max")
+    e = te.compute((n, H, A), lambda t, h, a: tirx.if_then_else(
+        valid(t, a), te.exp(masked[t, h, a] - mx[t, h]), tirx.const(0, F32)), name=name + "_exp")
+    a2 = te.reduce_axis((0, A), name="a2")
+    den_rows = te.compute((n, H), lambda t, h: te.sum(e[t, h, a2], axis=a2), name=name + "_rowsum")
+    den = te.compute((n, H), lambda t, h: den_rows[t, h] + te.exp(sinks[h] - mx[t, h]), name=name + "_den")
+    a3 = te.reduce_axis((0, A), name="a3")
+    num = te.compute((n, H, D), lambda t, h, d: te.sum(e[t, h, a3] * key(t, a3, d), axis=a3), name=name + "_pv")
+    return te.compute((n, H, D), lambda t, h, d: num[t, h, d] / den[t, h], name=name)
+
+
 def sparse_window_attention(q: nn.Tensor, kv_ctx: nn.Tensor, comp: nn.Tensor | None, sel: nn.Tensor | None,
                             sinks: nn.Tensor, start, window: int, ratio: int, name: str) -> nn.Tensor:
     """Softmax attention of q [T, H, D] over, for token t at position p = start + t:
     - the raw window: positions p-window+1..p, rows of kv_ctx (row j = position start-window+1+j);
     - compressed rows c < (p+1)//ratio of `comp`: all of them, or those listed in sel [T, M];
     - one learned sink logit per head in the denominator. Values are the keys (K = V)."""
-    D = int(q.shape[2])
-    scale = 1.0 / math.sqrt(D)
     has_comp = comp is not None
     use_sel = sel is not None
     args = [q, kv_ctx, sinks, start] + ([comp] if has_comp else []) + ([sel] if use_sel else [])
@@ -262,22 +283,7 @@ def sparse_window_attention(q: nn.Tensor, kv_ctx: nn.Tensor, comp: nn.Tensor | N
             return tirx.if_then_else(a < window, ctx[tirx.min(t + a, ctx.shape[0] - 1), d],
                                      comp_te[tirx.max(tirx.min(row_index(t, a), comp_te.shape[0] - 1), 0), d])
 
-        k = te.reduce_axis((0, D), name="k")
-        logits = te.compute((n, H, A), lambda t, h, a: te.sum(q_te[t, h, k] * key(t, a, k), axis=k),
-                            name=name + "_qk")
-        a1 = te.reduce_axis((0, A), name="a1")
-        masked = te.compute((n, H, A), lambda t, h, a: tirx.if_then_else(
-            valid(t, a), logits[t, h, a] * tirx.const(scale, F32), tirx.const(NEG_INF, F32)), name=name + "_masked")
-        mx_rows = te.compute((n, H), lambda t, h: te.max(masked[t, h, a1], axis=a1), name=name + "_rowmax")
-        mx = te.compute((n, H), lambda t, h: tirx.max(mx_rows[t, h], sk[h]), name=name + "_max")
-        e = te.compute((n, H, A), lambda t, h, a: tirx.if_then_else(
-            valid(t, a), te.exp(masked[t, h, a] - mx[t, h]), tirx.const(0, F32)), name=name + "_exp")
-        a2 = te.reduce_axis((0, A), name="a2")
-        den_rows = te.compute((n, H), lambda t, h: te.sum(e[t, h, a2], axis=a2), name=name + "_rowsum")
-        den = te.compute((n, H), lambda t, h: den_rows[t, h] + te.exp(sk[h] - mx[t, h]), name=name + "_den")
-        a3 = te.reduce_axis((0, A), name="a3")
-        num = te.compute((n, H, D), lambda t, h, d: te.sum(e[t, h, a3] * key(t, a3, d), axis=a3), name=name + "_pv")
-        return te.compute((n, H, D), lambda t, h, d: num[t, h, d] / den[t, h], name=name)
+        return attend_with_sinks(q_te, key, valid, A, sk, name)
 
     return op.tensor_expr_op(f, name, args)
 

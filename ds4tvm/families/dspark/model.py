@@ -14,13 +14,12 @@ dspark-crosscheck.md §2).
 
 from __future__ import annotations
 
-import math
-
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...nn.blocks import F32, NEG_INF, gather_context, hc_head, hc_post, hc_pre, ring_write, rms, rope, rope_inv_freq
+from ...nn.blocks import (attend_with_sinks, gather_context, hc_head, hc_post, hc_pre, ring_write, rms, rope,
+                          rope_inv_freq)
 from ...nn.rounding import fp8_round_rows
 from ..deepseek4.model import Block, Weights
 from .config import Config
@@ -35,32 +34,11 @@ def ring_shapes(cfg: Config) -> list[tuple[str, tuple[int, int]]]:
 
 def block_attention(q: nn.Tensor, keys: nn.Tensor, sinks: nn.Tensor, start, n_context: int, name: str):
     """q [B, H, D] over keys [n_context + R, D] (the first n_context are ring rows for positions
-    start-n_context.., valid when >= 0; the rest are block rows, all valid), with sinks."""
-    D = int(q.shape[2])
-    scale = 1.0 / math.sqrt(D)
-
+    start-n_context.., visible when >= 0; the rest are block rows, all visible: no causal mask)."""
     def f(q_te, k_te, sk, s):
-        B, H = q_te.shape[0], q_te.shape[1]
-        A = k_te.shape[0]
-
-        def valid(a):
-            return tirx.Or(a >= n_context, s - n_context + a >= 0)
-
-        d = te.reduce_axis((0, D), name="d")
-        qk = te.compute((B, H, A), lambda b, h, a: te.sum(q_te[b, h, d] * k_te[a, d], axis=d), name=name + "_qk")
-        lg = te.compute((B, H, A), lambda b, h, a: tirx.if_then_else(
-            valid(a), qk[b, h, a] * tirx.const(scale, F32), tirx.const(NEG_INF, F32)), name=name + "_masked")
-        a1 = te.reduce_axis((0, A), name="a1")
-        mrow = te.compute((B, H), lambda b, h: te.max(lg[b, h, a1], axis=a1), name=name + "_rowmax")
-        mx = te.compute((B, H), lambda b, h: tirx.max(mrow[b, h], sk[h]), name=name + "_max")
-        e = te.compute((B, H, A), lambda b, h, a: tirx.if_then_else(
-            valid(a), te.exp(lg[b, h, a] - mx[b, h]), tirx.const(0, F32)), name=name + "_exp")
-        a2 = te.reduce_axis((0, A), name="a2")
-        srow = te.compute((B, H), lambda b, h: te.sum(e[b, h, a2], axis=a2), name=name + "_rowsum")
-        den = te.compute((B, H), lambda b, h: srow[b, h] + te.exp(sk[h] - mx[b, h]), name=name + "_den")
-        a3 = te.reduce_axis((0, A), name="a3")
-        num = te.compute((B, H, D), lambda b, h, dd: te.sum(e[b, h, a3] * k_te[a3, dd], axis=a3), name=name + "_pv")
-        return te.compute((B, H, D), lambda b, h, dd: num[b, h, dd] / den[b, h], name=name)
+        return attend_with_sinks(q_te, lambda t, a, d: k_te[a, d],
+                                 lambda t, a: tirx.Or(a >= n_context, s - n_context + a >= 0),
+                                 k_te.shape[0], sk, name)
 
     return op.tensor_expr_op(f, name, [q, keys, sinks, start])
 
