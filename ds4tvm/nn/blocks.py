@@ -70,7 +70,9 @@ def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, i
 
         return te.compute(x_te.shape, body, name=name)
 
-    return op.tensor_expr_op(f, name, [x, freq, positions_start])
+    # Opaque to FuseOps: fused into its neighbours, this kernel makes FuseTIR fail (s_tir RenewDefs,
+    # "VarRemapGet(source) == nullptr"; found by marking kernel families opaque one at a time).
+    return op.tensor_expr_op(f, name, [x, freq, positions_start], attrs={"op_pattern": 8})
 
 
 # ---------------------------------------------------------------------------- hyper-connections
