@@ -39,6 +39,18 @@ def file_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
+def file_identity(path: Path) -> dict:
+    """How an artifact refers to a GGUF it was compiled from (the model, or a support file)."""
+    path = Path(path).resolve()
+    return {"gguf_path": str(path), "gguf_size": os.path.getsize(path), "gguf_sha256": file_sha256(path),
+            "gguf_fingerprint": file_fingerprint(path)}
+
+
+def same_file(path: Path, identity: dict) -> bool:
+    """Whether path is the file `identity` describes (size and fingerprint; no full hash)."""
+    return os.path.getsize(path) == identity["gguf_size"] and file_fingerprint(path) == identity["gguf_fingerprint"]
+
+
 @dataclass
 class Manifest:
     family: str
@@ -52,7 +64,7 @@ class Manifest:
     bounds: dict
     kv_rounding: bool
     functions: list[str]
-    params: list[list]                 # [argument name, GGUF tensor, plane field or null]
+    params: list[list]                 # [argument, GGUF tensor, plane field or null, "target"|"draft"]
     states: list[list]                 # [name, shape]
     library: str
     tokenizer: str = "tokenizer.json"
@@ -94,7 +106,6 @@ class Manifest:
                            f"recompile the artifact")
 
     def check_gguf(self, gguf_path: Path, art_dir: Path) -> None:
-        size = os.path.getsize(gguf_path)
-        if size != self.gguf_size or file_fingerprint(gguf_path) != self.gguf_fingerprint:
+        if not same_file(gguf_path, asdict(self)):
             raise Ds4Error(f"{art_dir}: was compiled from a different GGUF than {gguf_path} "
                            f"(expected sha256 {self.gguf_sha256[:16]}..., {self.gguf_size} bytes)")

@@ -4,12 +4,11 @@ and write the artifact directory."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..artifact import Manifest, file_fingerprint, file_sha256
+from ..artifact import Manifest, file_identity
 from ..errors import Ds4Error
 from ..families import load_model
 from ..gguf import open_gguf
@@ -122,22 +121,18 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         lib = f"lib-{target_name}.so"
         ex.export_library(str(out_dir / lib))
         (out_dir / "tokenizer.json").write_text(json.dumps(_tokenizer_data(f)))
-        gguf_path = Path(gguf_path).resolve()
         manifest = Manifest(
             family=m.family.name, architecture=f.architecture, target=target_json, target_name=target_name,
-            gguf_path=str(gguf_path), gguf_sha256=file_sha256(gguf_path), gguf_size=os.path.getsize(gguf_path),
-            gguf_fingerprint=file_fingerprint(gguf_path), bounds=asdict(bounds),
+            **file_identity(gguf_path), bounds=asdict(bounds),
             kv_rounding=kv_rounding, extra={"capture_layers": list(capture_layers)}, functions=["prefill", "prefill_all", "decode", "verify"], params=params,
             states=[[n, list(s)] for n, s in state_shapes(m.config, bounds)], library=lib,
             tvm_version=tvm.__version__)
         phases.next()
         manifest.extra["compile_seconds"] = phases.times
         if draft is not None:
-            sf, dc = draft
-            spath = Path(support).resolve()
+            dc = draft[1]
             manifest.extra["draft"] = {
-                "family": "dspark", "gguf_path": str(spath), "gguf_size": os.path.getsize(spath),
-                "gguf_sha256": file_sha256(spath), "gguf_fingerprint": file_fingerprint(spath),
+                "family": "dspark", **file_identity(support),
                 "block_size": dc.block_size, "markov_rank": dc.markov_rank, "noise_token_id": dc.noise_token_id,
                 "target_layer_ids": list(dc.target_layer_ids), "n_stages": dc.n_stages,
                 "rings": [[n, list(s)] for n, s in ring_shapes(dc)],

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact import Manifest, file_fingerprint
+from ..artifact import Manifest, same_file
 from ..errors import Ds4Error
 from ..gguf import open_gguf
 from ..gguf.quant import to_planes
@@ -40,8 +40,7 @@ class Engine:
             dpath = Path(self.draft["gguf_path"])
             if not dpath.is_file():
                 raise Ds4Error(f"{self.dir}: its DSpark support file {dpath} is missing")
-            if (dpath.stat().st_size != self.draft["gguf_size"]
-                    or file_fingerprint(dpath) != self.draft["gguf_fingerprint"]):
+            if not same_file(dpath, self.draft):
                 raise Ds4Error(f"{self.dir}: was compiled with a different support file than {dpath}")
             self.draft_gguf = open_gguf(dpath)
         self.dev = tvm.cpu()

@@ -119,8 +119,7 @@ class Scheduler:
 
 @dataclass
 class SpecStats:
-    cycles: int = 0            # cycles that proposed (or tried to)
-    first_tokens: int = 0
+    cycles: int = 0            # cycles that proposed (or tried to); each has one first token
     proposed: int = 0
     accepted_draft: int = 0
     full: int = 0
@@ -133,8 +132,9 @@ class SpecStats:
     depth: dict = field(default_factory=dict)   # accepted drafts per cycle -> count
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("cycles", "first_tokens", "proposed", "accepted_draft", "full",
-                                           "partial", "miss_first", "no_draft", "scheduler_skips")}
+        d = {k: getattr(self, k) for k in ("cycles", "proposed", "accepted_draft", "full", "partial", "miss_first",
+                                           "no_draft", "scheduler_skips")}
+        d["first_tokens"] = self.cycles
         d["accept_rate"] = self.accepted_draft / self.proposed if self.proposed else 0.0
         d["avg_accept"] = self.accepted_draft / self.cycles if self.cycles else 0.0
         d["tok_s"] = self.generated / self.seconds if self.seconds > 0 else 0.0
@@ -198,7 +198,6 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
                 stats.cycles += 1
                 proposal = drafter.draft(engine, out[-1] if out else prompt[-1],
                                          min(drafter.block_size, engine.max_verify, room))
-                stats.first_tokens += 1
             elif remaining >= sched.tail_min_tokens:
                 stats.scheduler_skips += 1
         drafts = proposal.tokens if proposal is not None else []

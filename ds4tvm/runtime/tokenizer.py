@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gguf import GGUFValueType
+
 from ..errors import Ds4Error
 from ..gguf.reader import GGUFFile
 
@@ -71,7 +73,9 @@ def _strings(f: GGUFFile, key: str, required: bool = True) -> list[str] | None:
         if required:
             raise Ds4Error(f"{f.name}: missing tokenizer key {key}")
         return None
-    f.get(key, "strs")  # type check with a clear error
+    if field.types[:1] != [GGUFValueType.ARRAY] or field.types[-1] not in (GGUFValueType.STRING,
+                                                                          GGUFValueType.ARRAY):
+        f.get(key, "strs")  # not an array of strings: raises the typed one-line error
     parts = field.parts
     try:
         return [bytes(parts[i]).decode("utf-8") for i in field.data]
