@@ -166,7 +166,6 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
     """Generate text from a prompt, optionally with DSpark speculative decoding."""
     import numpy as np
 
-    from .runtime.loader import open_engine
     from .runtime.sampler import SamplingParams
     from .runtime.speculative import generate
 
@@ -175,33 +174,18 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
         raise Ds4Error("give exactly one of -p/--prompt and --tokens")
     if n_predict < 0:
         raise Ds4Error(f"-n {n_predict}: expected a count >= 0")
-    speculate = dspark or dspark_confidence is not None or dspark_strict
-    if speculate and mtp is None and not model.is_dir():
-        raise Ds4Error("--dspark needs the DSpark support file: pass --mtp SUPPORT.gguf")
-    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=not as_json, support=mtp)
-    if speculate and engine.draft is None:
-        raise Ds4Error(f"{model}: the artifact has no DSpark drafter; compile it with --mtp SUPPORT.gguf")
+    engine, drafter = _speculative_engine(model, mtp, dspark, dspark_confidence, dspark_strict, quality,
+                                          exact_sampling, target, ctx, progress=not as_json)
     ids, tok = _prompt_ids(engine, model, prompt, tokens, raw)
-    drafter = None
-    if speculate:
-        from .runtime.drafters.dspark import DEFAULT_THETA, EXACT_DEFAULT_THETA, DSparkDrafter
+    from .runtime.textstream import TextStream
 
-        theta = dspark_confidence if dspark_confidence is not None else (
-            EXACT_DEFAULT_THETA if exact_sampling else DEFAULT_THETA)
-        drafter = DSparkDrafter(engine, theta)  # built (and so checked) under --dspark-strict too
-        if dspark_strict or quality:
-            drafter = None
-    shown = [""]
-    out_so_far: list[int] = []
+    stream = TextStream(tok, tok.stop_ids)
 
     def on_token(t):
-        out_so_far.append(t)
-        if not as_json:
-            text = tok.decode(out_so_far)
-            if not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(shown[0]):])
-                sys.stdout.flush()
-                shown[0] = text
+        piece = stream.push(t)
+        if piece and not as_json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
 
     import time
 
@@ -211,14 +195,15 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
     elapsed = time.perf_counter() - t0
     tps = len(out) / stats.seconds if stats.seconds > 0 else 0.0
     prefill_s = max(elapsed - stats.seconds, 1e-9)
+    rest = stream.finish()
     if as_json:
-        info = {"tokens": out, "text": tok.decode(out), "n_prompt": len(ids), "n_generated": len(out),
+        info = {"tokens": out, "text": stream.content(), "n_prompt": len(ids), "n_generated": len(out),
                 "prefill_tok_s": round(len(ids) / prefill_s, 2), "decode_tok_s": round(tps, 2)}
         if drafter is not None:
             info["spec"] = stats.as_dict()
         _echo_json(info)
         return
-    sys.stdout.write(tok.decode(out)[len(shown[0]):] + "\n")
+    sys.stdout.write(rest + "\n")
     print(f"ds4: prompt {len(ids)} tokens, {len(ids) / prefill_s:.1f} tok/s; generated {len(out)} tokens, "
           f"{tps:.1f} tok/s", file=sys.stderr)
     if drafter is not None:
@@ -228,18 +213,91 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
                   file=sys.stderr)
 
 
+@app.command()
+def serve(model: Path = typer.Option(..., "-m", "--model", help="artifact, package or GGUF (compiled on first use)"),
+          host: str = typer.Option("127.0.0.1", "--host", help="address to bind (loopback unless told otherwise)"),
+          port: int = typer.Option(8000, "--port"),
+          ctx: int = typer.Option(4096, "--ctx", help="context per request (and when compiling a GGUF on first use)"),
+          alias: Optional[str] = typer.Option(None, "--alias", help="model id clients use (default: the file name)"),
+          temp: float = typer.Option(1.0, "--temp", help="default temperature; 0 is greedy"),
+          top_p: float = typer.Option(1.0, "--top-p"),
+          top_k: int = typer.Option(0, "--top-k", help="0: off"),
+          min_p: float = typer.Option(0.05, "--min-p"),
+          mtp: Optional[Path] = typer.Option(None, "--mtp", "--mtp-model", help="DSpark support GGUF"),
+          dspark: bool = typer.Option(False, "--dspark", help="speculate with the DSpark drafter"),
+          dspark_confidence: Optional[float] = typer.Option(None, "--dspark-confidence",
+                                                            help="confidence threshold; implies --dspark"),
+          dspark_strict: bool = typer.Option(False, "--dspark-strict", help="check the drafter, decode target-only"),
+          quality: bool = typer.Option(False, "--quality", help="target-only decoding"),
+          exact_sampling: bool = typer.Option(False, "--mtp-exact-sampling", help="exact speculative sampling"),
+          keepalive: float = typer.Option(5.0, "--keepalive", help="seconds between SSE keep-alives"),
+          target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use")):
+    """OpenAI- and Anthropic-compatible HTTP server (chat/completions, completions, messages)."""
+    from .runtime.sampler import SamplingParams
+    from .runtime.tokenizer import Tokenizer
+
+    SamplingParams(temp, top_p, top_k, min_p).check()
+    if not 0 < port < 65536:
+        raise Ds4Error(f"--port {port}: expected 1..65535")
+    if ctx < 2:
+        raise Ds4Error(f"--ctx {ctx}: expected at least 2 tokens")
+    if keepalive <= 0:
+        raise Ds4Error(f"--keepalive {keepalive}: expected seconds > 0")
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:  # fail before the (possibly long) model load, not after it
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+        except OSError as e:
+            raise Ds4Error(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    engine, drafter = _speculative_engine(model, mtp, dspark, dspark_confidence, dspark_strict, quality,
+                                          exact_sampling, target, ctx, progress=True)
+    import uvicorn
+
+    from .server.api import Defaults
+    from .server.app import create_app
+    from .server.service import Service
+
+    tok = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model))
+    service = Service(engine, tok, drafter, exact=exact_sampling, ctx=ctx)
+    served = alias or (model.name if model.is_dir() else model.stem)
+    application = create_app(service, served, Defaults(temp, top_p, top_k, min_p), keepalive=keepalive)
+    print(f"ds4 serve: {served} on http://{host}:{port}/v1 (context {service.ctx}, "
+          f"{'DSpark' if drafter is not None else 'target-only'} decoding)", file=sys.stderr, flush=True)
+    uvicorn.run(application, host=host, port=port, log_level="warning")
+
+
+def _speculative_engine(model, mtp, dspark, dspark_confidence, dspark_strict, quality, exact_sampling, target,
+                        ctx, progress):
+    """The engine, and the drafter the speculation flags ask for (None: target-only decoding)."""
+    from .runtime.loader import open_engine
+
+    speculate = dspark or dspark_confidence is not None or dspark_strict
+    if speculate and mtp is None and model.suffix == ".gguf":
+        raise Ds4Error("--dspark needs the DSpark support file: pass --mtp SUPPORT.gguf")
+    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=progress, support=mtp)
+    if not speculate:
+        return engine, None
+    if engine.draft is None:
+        raise Ds4Error(f"{model}: the artifact has no DSpark drafter; compile it with --mtp SUPPORT.gguf")
+    from .runtime.drafters.dspark import DEFAULT_THETA, EXACT_DEFAULT_THETA, DSparkDrafter
+
+    theta = dspark_confidence if dspark_confidence is not None else (
+        EXACT_DEFAULT_THETA if exact_sampling else DEFAULT_THETA)
+    drafter = DSparkDrafter(engine, theta)  # built (and so checked) under --dspark-strict too
+    return engine, (None if dspark_strict or quality else drafter)
+
+
 def _prompt_ids(engine, model, prompt, tokens, raw):
-    from .runtime.chat import ChatTemplate
+    from .runtime.chat import chat_prompt_ids
     from .runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model))
     if tokens is not None:
         ids = parse_ids(tokens, "--tokens")
     elif tok.chat_template and not raw:
-        bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else ""
-        eos = tok.tokens[tok.eos_id] if tok.eos_id is not None else ""
-        text = ChatTemplate(tok.chat_template, bos, eos).render([{"role": "user", "content": prompt}])
-        ids = tok.encode(text, add_bos=False)
+        ids = chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
     else:
         ids = tok.encode(prompt)
     if not ids:

@@ -15,13 +15,24 @@ from ..errors import Ds4Error
 BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 
-# A DeepSeek-style template, small enough for tiny models: system text, then User/Assistant turns.
+# A DeepSeek-style template, small enough for tiny models: tool schemas, then User/Assistant turns;
+# assistant tool calls and tool results in DeepSeek-V4's DSML layout (runtime/tools.py parses it).
+_DSML = "｜DSML｜"
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{{ bos_token }}{% if tools %}{{ '## Tools\\n' }}{% for t in tools %}{{ t['function'] | tojson }}{{ '\\n' }}"
+    "{% endfor %}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
     "{% elif m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + (m['content'] or '') + '<｜end▁of▁sentence｜>' }}"
-    "{% elif m['role'] == 'tool' %}{{ '<｜User｜>[tool result] ' + m['content'] }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+    "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + (m['content'] or '') }}"
+    "{% if m['tool_calls'] %}{{ '\\n\\n<" + _DSML + "tool_calls>\\n' }}{% for c in m['tool_calls'] %}"
+    "{{ '<" + _DSML + "invoke name=\"' + c['function']['name'] + '\">\\n' }}"
+    "{% for k, v in c['function']['arguments'].items() %}{% if v is string %}"
+    "{{ '<" + _DSML + "parameter name=\"' + k + '\" string=\"true\">' + v + '</" + _DSML + "parameter>\\n' }}"
+    "{% else %}{{ '<" + _DSML + "parameter name=\"' + k + '\" string=\"false\">' + (v | tojson) + '</" + _DSML
+    + "parameter>\\n' }}{% endif %}{% endfor %}{{ '</" + _DSML + "invoke>\\n' }}{% endfor %}"
+    "{{ '</" + _DSML + "tool_calls>' }}{% endif %}{{ '<｜end▁of▁sentence｜>' }}"
+    "{% elif m['role'] == 'tool' %}{{ '<｜User｜><tool_result>' + m['content'] + '</tool_result>' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
 )
 
 CORPUS = """The quick brown fox jumps over the lazy dog. Speculative decoding drafts several tokens

@@ -12,6 +12,12 @@ Acceptance: greedy at temperature 0; opportunistic (drafts accepted when they eq
 argmax, ordinary tokens sampled; biased toward greedy text, as in ds4); exact (the draft is a point
 mass, accepted with its probability under the filtered target distribution, else the replacement
 is drawn from the renormalised remainder, so the output law is that of plain sampling).
+
+Sampling modes (ds4-spec §6, the server's tool boundary): `mode(out)` may change the sampling
+parameters after any emitted token (the server switches to greedy inside tool-call syntax). When
+an accepted block crosses such a boundary, the block is cut back to the boundary (the state rewinds
+to the block start plus the tokens before the boundary: with append-only state that is commit(j))
+and the boundary token is evaluated again under the new mode from the verifier row before it.
 """
 
 from __future__ import annotations
@@ -167,10 +173,10 @@ def _residual(logits: np.ndarray, draft: int, params: SamplingParams, rng) -> in
 
 def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, rng: np.random.Generator,
              drafter: Drafter | None = None, exact: bool = False, stop_ids=frozenset(),
-             scheduler: Scheduler | None = None, on_token=None) -> tuple[list[int], SpecStats]:
-    """Generates up to n_tokens after `prompt`; stops after a token in stop_ids. With a drafter,
-    speculates as described above; without one, plain decoding."""
-    exact = exact and params.temperature > 0
+             scheduler: Scheduler | None = None, on_token=None, mode=None) -> tuple[list[int], SpecStats]:
+    """Generates up to n_tokens after `prompt`; stops after a token in stop_ids, or when on_token(t)
+    returns True. With a drafter, speculates as described above; without one, plain decoding.
+    mode(out) -> SamplingParams, when given, is asked for the parameters after every emitted token."""
     stats, sched = SpecStats(), scheduler or Scheduler.from_env()
     out: list[int] = []
     budget = min(n_tokens, engine.max_context - len(prompt))
@@ -178,20 +184,22 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
     if drafter is not None:
         drafter.begin(engine, prompt)
     t0 = time.perf_counter()
+    current = params
 
-    def emit(tokens: list[int]) -> bool:
-        for t in tokens:
-            out.append(t)
-            if on_token is not None:
-                on_token(t)
-            if t in stop_ids or len(out) >= budget:
-                return True
-        return False
+    def emit(t: int) -> bool:
+        """Appends t; True when generation must end. Updates the sampling mode."""
+        nonlocal current
+        out.append(t)
+        stop = on_token is not None and on_token(t)
+        if mode is not None:
+            current = mode(out)
+        return bool(stop) or t in stop_ids or len(out) >= budget
 
     done = budget <= 0
     while not done:
         remaining = budget - len(out)
         room = min(remaining, engine.max_context - engine.pos)
+        exact_now = exact and current.temperature > 0
         proposal = None
         if drafter is not None:
             if sched.should_propose(remaining):
@@ -208,34 +216,39 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
         if proposal is not None and not drafts:
             stats.no_draft += 1
             sched.record(None, proposal.first_confidence)
-        if drafts and _accept(drafts[0], logits, params, exact, rng):
+        if drafts and _accept(drafts[0], logits, current, exact_now, rng):
             stats.proposed += len(drafts)
             rows = engine.verify(drafts)
             k = 1
-            while k < len(drafts) and _accept(drafts[k], rows[k - 1], params, exact, rng):
+            while k < len(drafts) and _accept(drafts[k], rows[k - 1], current, exact_now, rng):
                 k += 1
-            engine.commit(k)
             stats.accepted_draft += k
             stats.depth[k] = stats.depth.get(k, 0) + 1
             stats.full += k == len(drafts)
             stats.partial += k < len(drafts)
             sched.record(k)
-            done = emit(drafts[:k])
+            block_params, kept = current, 0
+            while kept < k and not done:
+                done = emit(drafts[kept])
+                kept += 1
+                if current != block_params:
+                    break  # the block crossed a mode boundary: keep it up to here
+            engine.commit(kept)
             if drafter is not None:
-                drafter.observe(engine, drafts[:k], speculative=True)
-            logits = rows[k - 1]
-            if done or k == len(drafts) or not exact:
+                drafter.observe(engine, drafts[:kept], speculative=True)
+            logits = rows[kept - 1]
+            if done or kept == len(drafts) or current != block_params or not exact_now:
                 continue
-            token = _residual(logits, drafts[k], params, rng)   # exact: the rejected draft's residual
+            token = _residual(logits, drafts[kept], current, rng)   # exact: the rejected draft's residual
         elif drafts:
             stats.proposed += len(drafts)
             stats.miss_first += 1
             stats.depth[0] = stats.depth.get(0, 0) + 1
             sched.record(0)
-            token = _residual(logits, drafts[0], params, rng) if exact else sample(logits, params, rng)
+            token = _residual(logits, drafts[0], current, rng) if exact_now else sample(logits, current, rng)
         else:
-            token = sample(logits, params, rng)
-        if emit([token]):
+            token = sample(logits, current, rng)
+        if emit(token):
             break
         logits = engine.decode(token)
         if drafter is not None:

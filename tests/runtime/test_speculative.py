@@ -152,3 +152,56 @@ def test_scheduler_counts_skips_in_stats():
                           drafter=ScriptedDrafter([], empty=True, vocab=6))
     assert len(out) == 40 and stats.no_draft > 0 and stats.scheduler_skips > 0
     assert "scheduler_skips=" in stats.line() and stats.line().startswith("ds4: DSpark stats cycles=")
+
+
+def _boundary_engine():
+    """Next-token law set by the last token: 0 -> mostly 2, 2 -> mostly 5, 5 -> 1 (argmax, 0.5)
+    or 2 (0.45). Token 5 is the mode boundary (think: the token that opens a tool-call block)."""
+    eng = TableEngine(vocab=6, max_context=64, max_verify=8)
+    by_last = {0: [.05, .05, .6, .1, .1, .1], 2: [.05, .2, .05, .05, .05, .6],
+               5: [.0125, .5, .45, .0125, .0125, .0125]}
+    for b in range(6):
+        eng.table[:, b] = np.log(by_last.get(b, [.1, .3, .2, .1, .1, .2]))
+    return eng
+
+
+def test_tool_boundary_rewinds_the_block_and_resamples_the_boundary_token_greedily():
+    """Exact sampling accepts a block [2, 5, 2, ...]; token 5 switches to greedy mode, so the 2
+    after it (not the argmax of its row) must not stand: the block is cut after 5, and the token
+    there is evaluated again under greedy sampling (-> 1), as the server does at a tool call."""
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
+    script = [2, 5] * 16
+    prompt = [0, 0]
+
+    def mode(out):
+        return GREEDY if 5 in out else params
+
+    crossed_without_mode, rewound = 0, 0
+    for seed in range(40):
+        control, _ = generate(_boundary_engine(), prompt, 12, params, np.random.default_rng(seed),
+                              drafter=ScriptedDrafter(script, block_size=5), exact=True,
+                              scheduler=Scheduler(enabled=False))
+        if 5 in control:
+            crossed_without_mode += control[control.index(5) + 1:][:1] == [2]
+        engine, drafter = _boundary_engine(), ScriptedDrafter(script, block_size=5)
+        kept = []
+        commit = engine.commit
+        engine.commit = lambda k: (kept.append(k), commit(k))
+        out, stats = generate(engine, prompt, 12, params, np.random.default_rng(seed), drafter=drafter,
+                              exact=True, scheduler=Scheduler(enabled=False), mode=mode)
+        # accepted drafts that were not committed: a block was cut back at the boundary
+        rewound += stats.accepted_draft > sum(kept)
+        if 5 not in out:
+            continue
+        b = out.index(5)
+        seq = prompt + out
+        for i in range(len(prompt) + b + 1, len(seq)):   # greedy from the boundary on
+            assert seq[i] == int(np.argmax(engine.table[seq[i - 2], seq[i - 1]])), (seed, out)
+        # the engine and the drafter hold exactly the emitted tokens (the rest was rolled back)
+        n = engine.pos - len(prompt)
+        assert engine.tokens[:engine.pos] == seq[:engine.pos] and len(out) - 1 <= n <= len(out)
+        assert drafter.observed == out[:len(drafter.observed)] and len(out) - 1 <= len(drafter.observed)
+    # without the mode, exact sampling keeps a non-greedy 2 after the boundary in many runs; with
+    # it, accepted blocks were cut back at the boundary in many runs
+    print(f"non-greedy after the boundary without the mode: {crossed_without_mode}/40, rewound: {rewound}/40")
+    assert crossed_without_mode >= 5 and rewound >= 5

@@ -1,0 +1,1 @@
+"""`ds4 serve`: OpenAI- and Anthropic-compatible HTTP server."""

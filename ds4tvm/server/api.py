@@ -1,0 +1,361 @@
+"""Request bodies of the OpenAI (chat/completions, completions) and Anthropic (messages) APIs ->
+validated generation jobs, and results -> response bodies. Every user mistake is an ApiError that
+names the field at fault; the HTTP layer turns it into a 4xx in the API's own error shape."""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+from dataclasses import dataclass
+
+from ..errors import Ds4Error
+from ..runtime.chat import chat_prompt_ids
+from ..runtime.sampler import SamplingParams
+from .service import Job, Result
+
+MAX_STOP = 16
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def openai(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def anthropic(self) -> dict:
+        kind = {404: "not_found_error", 413: "request_too_large"}.get(self.status, self.kind)
+        if self.status >= 500:
+            kind = "api_error"
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+@dataclass
+class Defaults:
+    """The server's sampling defaults (the `ds4 run` flags given to `ds4 serve`)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.05
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+# ---------------------------------------------------------------------------- field checks
+_TYPES = {"string": str, "object": dict, "array": list, "boolean": bool}
+
+
+def field(body: dict, key: str, kind: str, default=None, required: bool = False):
+    """body[key] checked against kind: string, object, array, boolean, integer or number."""
+    if key not in body or body[key] is None:
+        if required:
+            raise ApiError(400, f"'{key}' is required", key)
+        return default
+    v = body[key]
+    if kind == "integer":
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    elif kind == "number":
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    else:
+        ok = isinstance(v, _TYPES[kind])
+    if not ok:
+        raise ApiError(400, f"'{key}' must be {'an' if kind[0] in 'aeio' else 'a'} {kind}, got {json.dumps(v)[:60]}",
+                       key)
+    return v
+
+
+def sampling(body: dict, d: Defaults, top_p_key: str = "top_p") -> SamplingParams:
+    t = field(body, "temperature", "number", d.temperature)
+    if t < 0:
+        raise ApiError(400, f"'temperature' must be >= 0, got {t}", "temperature")
+    top_p = field(body, top_p_key, "number", d.top_p)
+    if not 0 < top_p <= 1:
+        raise ApiError(400, f"'{top_p_key}' must be in (0, 1], got {top_p}", top_p_key)
+    top_k = field(body, "top_k", "integer", d.top_k)
+    if top_k < 0:
+        raise ApiError(400, f"'top_k' must be >= 0, got {top_k}", "top_k")
+    min_p = field(body, "min_p", "number", d.min_p)
+    if not 0 <= min_p <= 1:
+        raise ApiError(400, f"'min_p' must be in [0, 1], got {min_p}", "min_p")
+    return SamplingParams(float(t), float(top_p), int(top_k), float(min_p))
+
+
+def stop_strings(body: dict, key: str = "stop") -> tuple[str, ...]:
+    v = body.get(key)
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items) or len(items) > MAX_STOP:
+        raise ApiError(400, f"'{key}' must be a non-empty string or a list of at most {MAX_STOP} non-empty strings",
+                       key)
+    return tuple(items)
+
+
+def check_model(body: dict, served: str) -> None:
+    name = field(body, "model", "string", required=True)
+    if name != served:
+        raise ApiError(404, f"The model '{name}' does not exist; this server serves '{served}'", "model",
+                       "model_not_found")
+
+
+def budget(service, prompt: list[int], max_tokens: int | None, key: str) -> int:
+    """The tokens a job may generate: what was asked for, within the context (--ctx)."""
+    room = service.ctx - len(prompt)
+    if room < 1:
+        raise ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {service.ctx} "
+                            f"(prompt plus at least one generated token)", "messages", "context_length_exceeded")
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"'{key}' must be >= 1, got {max_tokens}", key)
+    return room if max_tokens is None else min(max_tokens, room)
+
+
+def _text(content, where: str) -> str:
+    """Message content: a string, null, or a list of text parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ApiError(400, f"'{where}.content' must be a string or a list of content parts", where)
+    out = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ApiError(400, f"'{where}.content[{i}]' must be an object with a 'type'", where)
+        if part["type"] != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"'{where}.content[{i}]': only text parts are supported, got "
+                                f"type {part['type']!r}", where)
+        out.append(part["text"])
+    return "".join(out)
+
+
+def _prompt(service, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    try:
+        ids = chat_prompt_ids(service.tok, messages, tools)
+    except Ds4Error as e:
+        raise ApiError(400, e.message, "messages") from None
+    if not ids:
+        raise ApiError(400, "the rendered prompt is empty", "messages")
+    return ids
+
+
+# ---------------------------------------------------------------------------- OpenAI
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def openai_tools(body: dict) -> list[dict] | None:
+    tools = field(body, "tools", "array")
+    if not tools or body.get("tool_choice") == "none":
+        return None
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(400, f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                           "tools")
+    return tools
+
+
+def chat_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
+    check_model(body, served)
+    messages = field(body, "messages", "array", required=True)
+    if not messages:
+        raise ApiError(400, "'messages' must not be empty", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"'{where}.role' must be one of {', '.join(ROLES)}", "messages")
+        msg = {"role": m["role"], "content": _text(m.get("content"), where)}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = m["tool_calls"]
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                      and isinstance(c["function"].get("name"), str) for c in calls):
+                raise ApiError(400, f"'{where}.tool_calls' must be a list of {{\"function\": {{\"name\", "
+                                    f"\"arguments\"}}}}", "messages")
+            msg["tool_calls"] = calls
+        if m["role"] == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        clean.append(msg)
+    if field(body, "n", "integer", 1) != 1:
+        raise ApiError(400, "'n' must be 1 (one choice per request)", "n")
+    tools = openai_tools(body)
+    params = sampling(body, d)
+    prompt = _prompt(service, clean, tools)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    job = Job(prompt, budget(service, prompt, field(body, key, "integer"), key), params,
+              seed=field(body, "seed", "integer"), stop=stop_strings(body), tools=tools is not None)
+    stream_opts = field(body, "stream_options", "object", {})
+    return job, {"stream": field(body, "stream", "boolean", False),
+                 "include_usage": bool(stream_opts.get("include_usage"))}
+
+
+def completion_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
+    check_model(body, served)
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]   # a batch of one
+    if isinstance(p, str):
+        prompt = service.tok.encode(p)
+    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        bad = [t for t in p if not 0 <= t < service.tok.n_vocab]
+        if bad:
+            raise ApiError(400, f"'prompt': token id {bad[0]} is outside the vocabulary of {service.tok.n_vocab}",
+                           "prompt")
+        prompt = list(p)
+    else:
+        raise ApiError(400, "'prompt' must be a string, or a non-empty list of token ids (one prompt per request)",
+                       "prompt")
+    if not prompt:
+        raise ApiError(400, "'prompt' is empty", "prompt")
+    if field(body, "n", "integer", 1) != 1:
+        raise ApiError(400, "'n' must be 1 (one choice per request)", "n")
+    params = sampling(body, d)
+    job = Job(prompt, budget(service, prompt, field(body, "max_tokens", "integer", 16), "max_tokens"), params,
+              seed=field(body, "seed", "integer"), stop=stop_strings(body))
+    stream_opts = field(body, "stream_options", "object", {})
+    return job, {"stream": field(body, "stream", "boolean", False),
+                 "include_usage": bool(stream_opts.get("include_usage"))}
+
+
+def openai_usage(r: Result) -> dict:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens}
+
+
+def openai_tool_calls(r: Result) -> list[dict]:
+    return [{"id": new_id("call_"), "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+            for c in r.tool_calls]
+
+
+def chat_response(r: Result, rid: str, created: int, served: str) -> dict:
+    msg = {"role": "assistant", "content": r.content}
+    if r.tool_calls:
+        msg["tool_calls"] = openai_tool_calls(r)
+    out = {"id": rid, "object": "chat.completion", "created": created, "model": served,
+           "choices": [{"index": 0, "message": msg, "finish_reason": r.finish_reason, "logprobs": None}],
+           "usage": openai_usage(r)}
+    if r.spec is not None:
+        out["ds4_speculation"] = r.spec
+    return out
+
+
+def chat_chunk(rid: str, created: int, served: str, delta: dict, finish: str | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+
+def completion_response(r: Result, rid: str, created: int, served: str) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": served,
+            "choices": [{"index": 0, "text": r.content, "finish_reason": r.finish_reason, "logprobs": None}],
+            "usage": openai_usage(r)}
+
+
+def completion_chunk(rid: str, created: int, served: str, text: str, finish: str | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": served,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+
+
+# ---------------------------------------------------------------------------- Anthropic
+def _anthropic_blocks(content, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise ApiError(400, f"'{where}.content' must be a string or a list of content blocks", "messages")
+    for i, b in enumerate(content):
+        if not isinstance(b, dict) or b.get("type") not in ("text", "tool_use", "tool_result"):
+            kind = b.get("type") if isinstance(b, dict) else None
+            raise ApiError(400, f"'{where}.content[{i}]': only text, tool_use and tool_result blocks are "
+                                f"supported, got {kind!r}", "messages")
+    return content
+
+
+def anthropic_messages(body: dict) -> list[dict]:
+    """Anthropic messages (+ system) as the OpenAI-style messages chat templates understand."""
+    out = []
+    system = body.get("system")
+    if system is not None:
+        if isinstance(system, list):
+            system = _text(system, "system")
+        if not isinstance(system, str):
+            raise ApiError(400, "'system' must be a string or a list of text blocks", "system")
+        out.append({"role": "system", "content": system})
+    messages = field(body, "messages", "array", required=True)
+    if not messages:
+        raise ApiError(400, "'messages' must not be empty", "messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise ApiError(400, f"'{where}.role' must be user or assistant", "messages")
+        blocks = _anthropic_blocks(m.get("content"), where)
+        text = "".join(b.get("text", "") for b in blocks if b["type"] == "text")
+        if m["role"] == "assistant":
+            calls = [{"id": b.get("id"), "type": "function",
+                      "function": {"name": b.get("name"), "arguments": b.get("input") or {}}}
+                     for b in blocks if b["type"] == "tool_use"]
+            msg = {"role": "assistant", "content": text}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+            continue
+        for b in blocks:
+            if b["type"] == "tool_result":
+                c = b.get("content")
+                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                            "content": _text(c if isinstance(c, (list, str)) else None, where)})
+        if text or not any(b["type"] == "tool_result" for b in blocks):
+            out.append({"role": "user", "content": text})
+    return out
+
+
+def anthropic_tools(body: dict) -> list[dict] | None:
+    tools = field(body, "tools", "array")
+    choice = body.get("tool_choice")
+    if not tools or (isinstance(choice, dict) and choice.get("type") == "none"):
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+            raise ApiError(400, f"'tools[{i}]' must be an object with a 'name'", "tools")
+        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                      "parameters": t.get("input_schema", {})}})
+    return out
+
+
+def messages_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
+    check_model(body, served)
+    max_tokens = field(body, "max_tokens", "integer", required=True)
+    messages = anthropic_messages(body)
+    tools = anthropic_tools(body)
+    params = sampling(body, d)
+    prompt = _prompt(service, messages, tools)
+    job = Job(prompt, budget(service, prompt, max_tokens, "max_tokens"), params,
+              seed=field(body, "seed", "integer"), stop=stop_strings(body, "stop_sequences"), tools=tools is not None)
+    return job, {"stream": field(body, "stream", "boolean", False)}
+
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def anthropic_stop_reason(r: Result) -> str:
+    return "stop_sequence" if r.stop_sequence is not None else STOP_REASONS[r.finish_reason]
+
+
+def anthropic_tool_blocks(r: Result) -> list[dict]:
+    return [{"type": "tool_use", "id": new_id("toolu_"), "name": c["name"], "input": c["arguments"]}
+            for c in r.tool_calls]
+
+
+def message_response(r: Result, mid: str, served: str) -> dict:
+    content = ([{"type": "text", "text": r.content}] if r.content else []) + anthropic_tool_blocks(r)
+    return {"id": mid, "type": "message", "role": "assistant", "model": served, "content": content,
+            "stop_reason": anthropic_stop_reason(r), "stop_sequence": r.stop_sequence,
+            "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
+
+
+def now() -> int:
+    return int(time.time())

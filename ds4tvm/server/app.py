@@ -1,0 +1,233 @@
+"""HTTP routes of `ds4 serve` (Starlette, served by uvicorn): OpenAI chat/completions and
+completions, Anthropic messages, models and health. Streaming answers are SSE; while a request
+waits in the queue or its prompt is prefilled, keep-alive comments (OpenAI) or ping events
+(Anthropic) keep proxies and clients from timing out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from . import api
+from .api import ApiError, Defaults
+
+MAX_BODY = 16 << 20
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _sse(obj, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(service, served: str, defaults: Defaults | None = None, keepalive: float = 5.0) -> Starlette:
+    defaults = defaults or Defaults()
+
+    async def read_json(request: Request) -> dict:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY:
+            raise ApiError(413, f"the request body has {size} bytes; at most {MAX_BODY} are accepted")
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise ApiError(413, f"the request body has {len(raw)} bytes; at most {MAX_BODY} are accepted")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def start(job) -> asyncio.Queue:
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def send(kind, payload):
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                job.cancelled.set()
+
+        job.send = send
+        service.submit(job)
+        return events
+
+    async def next_event(events: asyncio.Queue, timeout: float):
+        try:
+            return await asyncio.wait_for(events.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    async def result(request: Request, job, events: asyncio.Queue):
+        """Waits for a non-streamed job; a client that goes away cancels it."""
+        try:
+            while True:
+                ev = await next_event(events, 1.0)
+                if ev is None:
+                    if await request.is_disconnected():
+                        raise _ClientGone()
+                    continue
+                kind, payload = ev
+                if kind == "done":
+                    return payload
+                if kind == "error":
+                    status, message = payload
+                    raise ApiError(status, message, kind="server_error" if status >= 500 else "invalid_request_error")
+        finally:
+            job.cancelled.set()
+
+    def stream(job, events: asyncio.Queue, head: list[str], on_text, on_done, on_error, ping: str):
+        async def body():
+            try:
+                for h in head:
+                    yield h
+                while True:
+                    ev = await next_event(events, keepalive)
+                    if ev is None:
+                        yield ping
+                        continue
+                    kind, payload = ev
+                    if kind == "text":
+                        yield on_text(payload)
+                    elif kind == "done":
+                        for part in on_done(payload):
+                            yield part
+                        return
+                    else:
+                        status, message = payload
+                        yield on_error(ApiError(status, message, kind="server_error"))
+                        return
+            finally:  # finished, or the client disconnected mid-stream: stop generating
+                job.cancelled.set()
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # ------------------------------------------------------------------ OpenAI
+    async def chat_completions(request: Request):
+        job, opts = api.chat_job(await read_json(request), service, served, defaults)
+        rid, created = api.new_id("chatcmpl-"), api.now()
+        events = start(job)
+        if not opts["stream"]:
+            r = await result(request, job, events)
+            return JSONResponse(api.chat_response(r, rid, created, served))
+
+        def chunk(delta, finish=None):
+            return _sse(api.chat_chunk(rid, created, served, delta, finish))
+
+        def done(r):
+            if r.tool_calls:
+                calls = [dict(c, index=i) for i, c in enumerate(api.openai_tool_calls(r))]
+                yield chunk({"tool_calls": calls})
+            yield chunk({}, r.finish_reason)
+            if opts["include_usage"]:
+                yield _sse(dict(api.chat_chunk(rid, created, served, {}), choices=[], usage=api.openai_usage(r)))
+            yield "data: [DONE]\n\n"
+
+        return stream(job, events, [chunk({"role": "assistant", "content": ""})],
+                      lambda text: chunk({"content": text}), done,
+                      lambda e: _sse(e.openai()) + "data: [DONE]\n\n", ": keep-alive\n\n")
+
+    async def completions(request: Request):
+        job, opts = api.completion_job(await read_json(request), service, served, defaults)
+        rid, created = api.new_id("cmpl-"), api.now()
+        events = start(job)
+        if not opts["stream"]:
+            r = await result(request, job, events)
+            return JSONResponse(api.completion_response(r, rid, created, served))
+
+        def done(r):
+            yield _sse(api.completion_chunk(rid, created, served, "", r.finish_reason))
+            if opts["include_usage"]:
+                yield _sse(dict(api.completion_chunk(rid, created, served, ""), choices=[],
+                                usage=api.openai_usage(r)))
+            yield "data: [DONE]\n\n"
+
+        return stream(job, events, [], lambda text: _sse(api.completion_chunk(rid, created, served, text)), done,
+                      lambda e: _sse(e.openai()) + "data: [DONE]\n\n", ": keep-alive\n\n")
+
+    # ------------------------------------------------------------------ Anthropic
+    async def messages(request: Request):
+        job, opts = api.messages_job(await read_json(request), service, served, defaults)
+        mid = api.new_id("msg_")
+        events = start(job)
+        if not opts["stream"]:
+            r = await result(request, job, events)
+            return JSONResponse(api.message_response(r, mid, served))
+        text_open = [False]
+
+        def text(piece):
+            out = ""
+            if not text_open[0]:
+                text_open[0] = True
+                out = _sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                           "content_block_start")
+            return out + _sse({"type": "content_block_delta", "index": 0,
+                               "delta": {"type": "text_delta", "text": piece}}, "content_block_delta")
+
+        def done(r):
+            index = 0
+            if text_open[0]:
+                yield _sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+                index = 1
+            for block in api.anthropic_tool_blocks(r):
+                yield _sse({"type": "content_block_start", "index": index,
+                            "content_block": dict(block, input={})}, "content_block_start")
+                yield _sse({"type": "content_block_delta", "index": index,
+                            "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}},
+                           "content_block_delta")
+                yield _sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+                index += 1
+            yield _sse({"type": "message_delta",
+                        "delta": {"stop_reason": api.anthropic_stop_reason(r), "stop_sequence": r.stop_sequence},
+                        "usage": {"output_tokens": r.completion_tokens}}, "message_delta")
+            yield _sse({"type": "message_stop"}, "message_stop")
+
+        start_event = _sse({"type": "message_start", "message": {
+            "id": mid, "type": "message", "role": "assistant", "model": served, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": len(job.prompt), "output_tokens": 0}}}, "message_start")
+        return stream(job, events, [start_event], text, done, lambda e: _sse(e.anthropic(), "error"),
+                      _sse({"type": "ping"}, "ping"))
+
+    # ------------------------------------------------------------------ the rest
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [{"id": served, "object": "model", "created": api.now(),
+                                                         "owned_by": "ds4tvm"}]})
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok", "queued": service.jobs.qsize(), "busy": service.busy.locked()})
+
+    def error_body(request: Request, e: ApiError) -> JSONResponse:
+        anthropic = request.url.path.startswith("/v1/messages")
+        return JSONResponse(e.anthropic() if anthropic else e.openai(), status_code=e.status)
+
+    async def on_api_error(request: Request, e: ApiError):
+        return error_body(request, e)
+
+    async def on_http_error(request: Request, e: HTTPException):
+        return error_body(request, ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}"))
+
+    async def on_client_gone(request: Request, e: _ClientGone):
+        return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+
+    async def on_crash(request: Request, e: Exception):
+        return error_body(request, ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+
+    routes = [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
+                                                       _ClientGone: on_client_gone, Exception: on_crash})

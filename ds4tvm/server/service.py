@@ -1,0 +1,116 @@
+"""The generation service behind `ds4 serve`: one engine, one worker thread, a FIFO of jobs.
+
+One generation runs at a time (the engine owns one KV state); requests queue in arrival order and
+never share state: each job starts from a reset engine. A job reports to its request through a
+callback (`send`) that the HTTP side turns into SSE events or one JSON body; a job whose client went
+away is skipped if still queued, and stopped after its current token if running.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import Ds4Error
+from ..runtime.sampler import SamplingParams
+from ..runtime.speculative import generate
+from ..runtime.textstream import TextStream
+from ..runtime.tools import ToolSyntax
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    tools: bool = False                  # tool definitions were given: parse calls, greedy inside them
+    send: object = None                  # send(kind, payload): kind is "text", "done" or "error"
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Result:
+    content: str
+    tool_calls: list[dict]
+    finish_reason: str                   # "stop", "length" or "tool_calls"
+    stop_sequence: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    spec: dict | None = None
+    seconds: float = 0.0
+
+
+class Service:
+    def __init__(self, engine, tokenizer, drafter=None, exact: bool = False, ctx: int | None = None):
+        self.engine, self.tok, self.drafter, self.exact = engine, tokenizer, drafter, exact
+        self.ctx = min(ctx or engine.max_context, engine.max_context)
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.busy = threading.Lock()   # held while a job runs (tests and /health read it)
+        self._thread = threading.Thread(target=self._work, name="ds4-generate", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        self.jobs.put(job)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self._thread.join(timeout=30)
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                continue
+            with self.busy:
+                try:
+                    job.send("done", self.run(job))
+                except Ds4Error as e:
+                    job.send("error", (400, e.message))
+                except Exception as e:  # keep serving: the request gets a 500, the log the trace
+                    traceback.print_exc()
+                    job.send("error", (500, f"{type(e).__name__}: {e}"))
+
+    def run(self, job: Job) -> Result:
+        """Generates for one job on this thread; text pieces go to job.send as they become final."""
+        tools = ToolSyntax() if job.tools else None
+        stream = TextStream(self.tok, self.tok.stop_ids, job.stop, tools)
+
+        def on_token(t: int) -> bool:
+            piece = stream.push(t)
+            if piece:
+                job.send("text", piece)
+            # a closed tool-call block ends the turn: the client runs the tools
+            return stream.stopped or job.cancelled.is_set() or (tools is not None and tools.closed_block(stream.text))
+
+        def mode(out):  # structured (greedy) decoding inside a tool-call block
+            return GREEDY if stream.in_tool_call else job.params
+
+        self.engine.reset()
+        t0 = time.perf_counter()
+        out, stats = generate(self.engine, job.prompt, job.max_tokens, job.params,
+                              np.random.default_rng(job.seed), drafter=self.drafter, exact=self.exact,
+                              stop_ids=self.tok.stop_ids, on_token=on_token,
+                              mode=mode if tools is not None else None)
+        rest = stream.finish()
+        if rest:
+            job.send("text", rest)
+        calls = stream.tool_calls()
+        if calls:
+            reason = "tool_calls"
+        elif stream.stopped:
+            reason = "stop"
+        else:
+            reason = "length"
+        return Result(stream.content(), calls, reason, stream.stop_string, len(job.prompt), len(out),
+                      stats.as_dict() if self.drafter is not None else None, time.perf_counter() - t0)
