@@ -54,45 +54,58 @@ def _successors(engine, prompt: list[int], n: int, vocab: int) -> np.ndarray:
     return nxt
 
 
-def run_demo(out_dir: Path) -> None:
+def build_demo(out_dir: Path, progress: bool = True):
+    """Writes (once) the demo model, its DSpark support file and the artifact that pairs them.
+    Returns (model path, support path, artifact dir, the demo prompt's token ids)."""
     from .compile.driver import compile_gguf
     from .families.deepseek4.config import Config
     from .families.deepseek4.model import Bounds
     from .families.dspark.agreeing import write_markov_dspark
     from .gguf import open_gguf
-    from .runtime.chat import ChatTemplate
+    from .runtime.chat import chat_prompt_ids
+    from .runtime.engine import Engine
+    from .runtime.tokenizer import Tokenizer
+
+    out_dir = Path(out_dir)
+    model = demo_model(out_dir)
+    f = open_gguf(model)
+    cfg = Config.from_gguf(f)
+    prompt = chat_prompt_ids(Tokenizer.from_gguf(f), [{"role": "user", "content": PROMPT}])
+    bounds = Bounds(max_context=512, max_verify=8, prefill_chunk=256)
+    support = out_dir / SUPPORT_FILE
+    art = out_dir / "artifact"
+    if not (art / "manifest.json").is_file() or not support.exists():
+        if progress:
+            typer.echo("ds4 demo: first run: building the tiny DeepSeek-V4 + DSpark pair and compiling it "
+                       "for this CPU (about a minute)", err=True)
+        plain_art = out_dir / "artifact-target-only"
+        if not (plain_art / "manifest.json").is_file():
+            compile_gguf(model, "cpu", plain_art, bounds, progress=progress)
+        nxt = _successors(Engine(plain_art), prompt, N_TOKENS, cfg.n_vocab)
+        write_markov_dspark(support, cfg, nxt, seed=DEMO_SEED)
+        compile_gguf(model, "cpu", art, bounds, progress=progress, support=support)
+    return model, support, art, prompt
+
+
+def run_demo(out_dir: Path) -> None:
+    from .families.deepseek4.config import Config
+    from .gguf import open_gguf
     from .runtime.drafters.dspark import DSparkDrafter
     from .runtime.engine import Engine
     from .runtime.sampler import SamplingParams
     from .runtime.speculative import generate
     from .runtime.tokenizer import Tokenizer
 
-    out_dir = Path(out_dir)
     t_start = time.perf_counter()
-    model = demo_model(out_dir)
+    model, support, art, prompt = build_demo(out_dir)
     f = open_gguf(model)
-    cfg = Config.from_gguf(f)
     tok = Tokenizer.from_gguf(f)
-    text = ChatTemplate(f.get("tokenizer.chat_template", "str"), tok.tokens[tok.bos_id],
-                        tok.tokens[tok.eos_id]).render([{"role": "user", "content": PROMPT}])
-    prompt = tok.encode(text, add_bos=False)
-    bounds = Bounds(max_context=512, max_verify=8, prefill_chunk=256)
-    support = out_dir / SUPPORT_FILE
-    art = out_dir / "artifact"
-    if not (art / "manifest.json").is_file() or not support.exists():
-        typer.echo("ds4 demo: first run: building the tiny DeepSeek-V4 + DSpark pair and compiling it "
-                   "for this CPU (about a minute)", err=True)
-        plain_art = out_dir / "artifact-target-only"
-        if not (plain_art / "manifest.json").is_file():
-            compile_gguf(model, "cpu", plain_art, bounds, progress=True)
-        nxt = _successors(Engine(plain_art), prompt, N_TOKENS, cfg.n_vocab)
-        write_markov_dspark(support, cfg, nxt, seed=DEMO_SEED)
-        compile_gguf(model, "cpu", art, bounds, progress=True, support=support)
     engine = Engine(art)
     greedy = SamplingParams(temperature=0.0)
+    cfg = Config.from_gguf(f)
     typer.echo(f"demo model: {model.name} ({cfg.n_layers} layers, width {cfg.n_embd}, vocab {cfg.n_vocab}, "
                f"{f.n_params():,} parameters) + DSpark support {support.name}")
-    typer.echo(f"prompt: {text!r} ({len(prompt)} tokens)")
+    typer.echo(f"prompt: {tok.decode(prompt)!r} ({len(prompt)} tokens)")
     plain, plain_stats = generate(engine, prompt, N_TOKENS, greedy, np.random.default_rng(0))
     engine.reset()
     spec, stats = generate(engine, prompt, N_TOKENS, greedy, np.random.default_rng(0),

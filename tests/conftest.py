@@ -48,3 +48,11 @@ def tiny_artifact(tmp_path_factory):
                         "--quiet")
     assert r.returncode == 0, r.stderr
     return d / "art"
+
+
+@pytest.fixture(scope="session")
+def demo_pair(tmp_path_factory):
+    """The embedded demo: tiny DeepSeek-V4 + agreeing DSpark support, one artifact holding both."""
+    from ds4tvm.demo import build_demo
+
+    return build_demo(tmp_path_factory.mktemp("demo"), progress=False)

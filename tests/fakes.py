@@ -75,3 +75,44 @@ class ScriptedDrafter:
         if self.wrong_at is not None and self.wrong_at < len(toks):
             toks[self.wrong_at] = (toks[self.wrong_at] + 1) % self.vocab
         return Proposal(toks, first_confidence=0.9)
+
+
+class ScriptEngine:
+    """A target whose greedy continuation of any prompt is `script`, then `end` forever: lets the
+    server tests make a model 'write' a tool call. Logits put a margin of `margin` on the scripted
+    token; the state is just the committed length."""
+
+    def __init__(self, script: list[int], vocab: int, end: int, max_context: int = 512, max_verify: int = 8,
+                 margin: float = 8.0):
+        self.script, self.vocab, self.end, self.margin = list(script), vocab, end, margin
+        self.max_context, self.max_verify = max_context, max_verify
+        self.draft = None
+        self.n_prompt = self.pos = self.pending = 0
+
+    def _row(self, generated: int) -> np.ndarray:
+        row = np.zeros(self.vocab, np.float32)
+        row[self.script[generated] if generated < len(self.script) else self.end] = self.margin
+        return row
+
+    def reset(self):
+        self.n_prompt = self.pos = self.pending = 0
+
+    def prefill(self, ids):
+        self.n_prompt = self.pos = len(ids)
+        return self._row(0)
+
+    def decode(self, token):
+        self.pos += 1
+        return self._row(self.pos - self.n_prompt)
+
+    def verify(self, drafts):
+        self.pending = len(drafts)
+        return np.stack([self._row(self.pos - self.n_prompt + i + 1) for i in range(len(drafts))])
+
+    def commit(self, k):
+        assert 0 <= k <= self.pending
+        self.pos += k
+        self.pending = 0
+
+    def rollback(self):
+        self.pending = 0
