@@ -274,7 +274,7 @@ def _speculative_engine(model, mtp, dspark, dspark_confidence, dspark_strict, qu
     from .runtime.loader import open_engine
 
     speculate = dspark or dspark_confidence is not None or dspark_strict
-    if speculate and mtp is None and model.suffix == ".gguf":
+    if speculate and mtp is None and model.is_file() and model.suffix != ".tar":
         raise Ds4Error("--dspark needs the DSpark support file: pass --mtp SUPPORT.gguf")
     engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=progress, support=mtp)
     if not speculate:
@@ -389,8 +389,12 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
 # ---------------------------------------------------------------------------- ds4-compile
 @compile_app.command()
 def compile_model(model: Path = typer.Argument(..., help="GGUF model"),
-                  target: str = typer.Option("cpu", "--target", help="llvm | cpu"),
+                  targets: list[str] = typer.Option(["cpu"], "--target",
+                                                    help="llvm | cpu (repeat with --package for several)"),
                   out: Optional[Path] = typer.Option(None, "-o", "--out", help="artifact directory"),
+                  package: Optional[Path] = typer.Option(None, "--package",
+                                                         help="write a package (a directory, or a .tar file) "
+                                                              "with the weights and every --target"),
                   max_context: int = typer.Option(4096, "--max-context"),
                   max_verify: int = typer.Option(16, "--max-verify"),
                   prefill_chunk: int = typer.Option(256, "--prefill-chunk"),
@@ -399,15 +403,37 @@ def compile_model(model: Path = typer.Argument(..., help="GGUF model"),
                   mtp: Optional[Path] = typer.Option(None, "--mtp", "--mtp-model",
                                                      help="DSpark support GGUF compiled into the same artifact"),
                   quiet: bool = typer.Option(False, "--quiet", help="no progress bar")):
-    """Compile MODEL (and its DSpark drafter) for TARGET into an artifact directory."""
+    """Compile MODEL (and its DSpark drafter) for TARGET into an artifact directory or a package."""
+    import shutil
+    import tempfile
+
     from .compile.driver import compile_gguf
     from .compile.targets import resolve
 
-    resolve(target)  # a bad --target fails before any work
-    out = out or Path(f"{model.stem}-{target}.ds4tvm")
-    compile_gguf(model, target, out, _bounds(max_context, max_verify, prefill_chunk),
-                 kv_rounding=not no_kv_rounding, progress=not quiet, support=mtp)
-    typer.echo(f"wrote {out}")
+    for t in targets:
+        resolve(t)  # a bad --target fails before any work
+    if len(targets) > 1 and package is None:
+        raise Ds4Error("--target given several times: an artifact directory holds one target; "
+                       "use --package for several")
+    if package is not None and out is not None:
+        raise Ds4Error("give either -o/--out (an artifact directory) or --package, not both")
+    bounds = _bounds(max_context, max_verify, prefill_chunk)
+    if package is None:
+        out = out or Path(f"{model.stem}-{targets[0]}.ds4tvm")
+        compile_gguf(model, targets[0], out, bounds, kv_rounding=not no_kv_rounding, progress=not quiet,
+                     support=mtp)
+        typer.echo(f"wrote {out}")
+        return
+    from .package import build_package
+
+    work = Path(tempfile.mkdtemp(prefix=".ds4-package-", dir=package.resolve().parent))
+    try:
+        arts = [compile_gguf(model, t, work / str(i), bounds, kv_rounding=not no_kv_rounding, progress=not quiet,
+                             support=mtp) for i, t in enumerate(targets)]
+        build_package(arts, package)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    typer.echo(f"wrote {package}")
 
 
 def _run(typer_app) -> None:

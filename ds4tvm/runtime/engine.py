@@ -20,7 +20,8 @@ from ..gguf.quant import to_planes
 
 
 class Engine:
-    def __init__(self, artifact_dir: str | Path, gguf_path: str | Path | None = None):
+    def __init__(self, artifact_dir: str | Path, gguf_path: str | Path | None = None,
+                 support_path: str | Path | None = None):
         import tvm
         import tvm_ffi
         from tvm import relax
@@ -37,7 +38,7 @@ class Engine:
         self.draft = m.extra.get("draft")
         self.draft_gguf = None
         if self.draft is not None:
-            dpath = Path(self.draft["gguf_path"])
+            dpath = Path(support_path or self.draft["gguf_path"])
             if not dpath.is_file():
                 raise Ds4Error(f"{self.dir}: its DSpark support file {dpath} is missing")
             if not same_file(dpath, self.draft):

@@ -1,6 +1,6 @@
-"""`-m ARTIFACT_OR_GGUF`: an artifact directory is loaded as is; a GGUF is compiled for the host
-on first use and cached under ~/.cache/ds4tvm/artifacts, keyed by the GGUF's fingerprint, the
-target, the bounds and the versions."""
+"""`-m MODEL`: a package (package.py) or an artifact directory is loaded as is; a GGUF is compiled
+for the host on first use and cached under ~/.cache/ds4tvm/artifacts, keyed by the GGUF's
+fingerprint, the target, the bounds and the versions."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding
     from .engine import Engine
 
     path = Path(model)
+    from ..package import is_package, open_package
+
+    if is_package(path):
+        if support is not None:
+            raise Ds4Error(f"{path}: a package brings its own DSpark support file; drop --mtp")
+        return open_package(path)
     if path.is_dir():  # an artifact's bounds and drafter were fixed when it was compiled
         engine = Engine(path)
         if support is not None and (engine.draft is None or

@@ -1,0 +1,219 @@
+"""Model packages: one self-describing directory or `.tar` holding the compiled artifact for one or
+more targets, the GGUF weights (model and DSpark support file), the tokenizer and chat template
+data, and `package.json` with the sha256 of every file and a content hash over itself.
+
+    package.json
+    weights/<model>.gguf, weights/<support>.gguf
+    targets/<target name>/{manifest.json, lib-<target>.so, tokenizer.json}
+
+Loading checks every file against its hash (a file that passed once is not hashed again while its
+size, mtime and inode stay the same), picks the target this machine runs, and binds the packaged
+weights. A `.tar` is unpacked once into the cache, keyed by its content hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tarfile
+from pathlib import Path
+
+from . import __version__
+from .artifact import MANIFEST, Manifest, file_sha256
+from .errors import Ds4Error
+
+PACKAGE = "package.json"
+FORMAT = "ds4tvm-package"
+VERSION = 1
+
+
+def is_package(path: Path) -> bool:
+    path = Path(path)
+    return (path / PACKAGE).is_file() if path.is_dir() else (path.suffix == ".tar" and path.is_file())
+
+
+def content_hash(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != "content_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def host_machine() -> str:
+    return platform.machine()
+
+
+def _place(src: Path, dst: Path) -> None:
+    """Weights are large: a hard link when src and dst share a file system, else a copy."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def build_package(artifacts: list[Path], out: Path, progress: bool = False) -> Path:
+    """Bundles compiled artifacts (of one model, one per target) and their GGUFs into `out`: a
+    directory, or a `.tar` file when out ends in .tar."""
+    manifests = [Manifest.read(a) for a in artifacts]
+    first = manifests[0]
+    for m, a in zip(manifests, artifacts):
+        if m.gguf_sha256 != first.gguf_sha256 or (m.extra.get("draft") or {}).get("gguf_sha256") != \
+                (first.extra.get("draft") or {}).get("gguf_sha256"):
+            raise Ds4Error(f"{a}: was compiled from other weights than {artifacts[0]}; a package holds one model")
+    names = [m.target_name for m in manifests]
+    if len(set(names)) != len(names):
+        raise Ds4Error(f"--target: each target may appear once in a package, got {', '.join(names)}")
+    out = Path(out)
+    as_tar = out.suffix == ".tar"
+    stage = out.with_name(out.name + ".staging") if as_tar else out
+    if stage.exists() and any(stage.iterdir()):
+        raise Ds4Error(f"{stage}: exists and is not empty; remove it or choose another --package path")
+    stage.mkdir(parents=True, exist_ok=True)
+    model = Path(first.gguf_path)
+    weights = {"model": f"weights/{model.name}"}
+    _place(model, stage / weights["model"])
+    draft = first.extra.get("draft")
+    if draft is not None:
+        weights["support"] = f"weights/{Path(draft['gguf_path']).name}"
+        _place(Path(draft["gguf_path"]), stage / weights["support"])
+    targets = []
+    for m, a in zip(manifests, artifacts):
+        d = f"targets/{m.target_name}"
+        (stage / d).mkdir(parents=True, exist_ok=True)
+        for name in (MANIFEST, m.library, m.tokenizer):
+            shutil.copyfile(Path(a) / name, stage / d / name)
+        targets.append({"name": m.target_name, "dir": d, "device": "cpu", "machine": host_machine(),
+                        "mcpu": m.target.get("mcpu")})
+    files = {}
+    known = {weights["model"]: (first.gguf_size, first.gguf_sha256)}
+    if draft is not None:
+        known[weights["support"]] = (draft["gguf_size"], draft["gguf_sha256"])
+    for p in sorted(stage.rglob("*")):
+        if p.is_file() and p.name != PACKAGE:
+            rel = p.relative_to(stage).as_posix()
+            size, sha = known.get(rel) or (p.stat().st_size, file_sha256(p))   # GGUF hashes: from compile time
+            files[rel] = {"size": size, "sha256": sha}
+    meta = {"format": FORMAT, "version": VERSION, "name": model.stem, "family": first.family,
+            "architecture": first.architecture, "ds4tvm_version": __version__, "tvm_version": first.tvm_version,
+            "weights": weights, "targets": targets, "files": files}
+    meta["content_sha256"] = content_hash(meta)
+    (stage / PACKAGE).write_text(json.dumps(meta, indent=1))
+    _verify(stage, meta, full=True)   # the copies are what the hashes say
+    if as_tar:
+        tmp = out.with_name(out.name + ".tmp")
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+            tar.add(stage / PACKAGE, PACKAGE)   # first, so readers find it without scanning
+            for rel in files:
+                tar.add(stage / rel, rel)
+        tmp.replace(out)
+        shutil.rmtree(stage)
+    return out
+
+
+def read_meta(root: Path, source: Path) -> dict:
+    try:
+        meta = json.loads((root / PACKAGE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise Ds4Error(f"{source}: unreadable {PACKAGE} ({e})") from None
+    return check_meta(meta, source)
+
+
+def check_meta(meta, source: Path) -> dict:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise Ds4Error(f"{source}: not a ds4tvm package ({PACKAGE} has no format {FORMAT!r})")
+    if meta.get("version") != VERSION:
+        raise Ds4Error(f"{source}: package version {meta.get('version')} is not {VERSION}; rebuild it with this "
+                       f"ds4tvm")
+    for key, kind in (("weights", dict), ("targets", list), ("files", dict), ("content_sha256", str)):
+        if not isinstance(meta.get(key), kind):
+            raise Ds4Error(f"{source}: {PACKAGE} field {key!r} is missing or not a {kind.__name__}")
+    if content_hash(meta) != meta["content_sha256"]:
+        raise Ds4Error(f"{source}: {PACKAGE} does not match its content_sha256 (modified or corrupted)")
+    for rel in list(meta["weights"].values()) + [t.get("dir", "") + "/" + MANIFEST for t in meta["targets"]]:
+        if rel not in meta["files"]:
+            raise Ds4Error(f"{source}: {PACKAGE} refers to {rel}, which it does not list")
+    return meta
+
+
+def _stamp_dir() -> Path:
+    from .runtime.loader import cache_root
+
+    return cache_root().parent / "verified"
+
+
+def _verify(root: Path, meta: dict, full: bool = False) -> None:
+    """Every listed file exists with its size and sha256; files hashed before (same path, size,
+    mtime and inode) are trusted without reading them again."""
+    stamps = _stamp_dir()
+    for rel, want in meta["files"].items():
+        p = root / rel
+        if ".." in Path(rel).parts or not p.is_file():
+            raise Ds4Error(f"{root}: {rel} is missing from the package")
+        st = p.stat()
+        if st.st_size != want["size"]:
+            raise Ds4Error(f"{root}: {rel} has {st.st_size} bytes; package.json says {want['size']}")
+        key = hashlib.sha256(json.dumps([str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ino,
+                                         want["sha256"]]).encode()).hexdigest()
+        if not full and (stamps / key).exists():
+            continue
+        if file_sha256(p) != want["sha256"]:
+            raise Ds4Error(f"{root}: {rel} does not match its sha256 in package.json (modified or corrupted)")
+        stamps.mkdir(parents=True, exist_ok=True)
+        (stamps / key).touch()
+
+
+def _unpack(tar_path: Path) -> Path:
+    from .runtime.loader import cache_root
+
+    try:
+        with tarfile.open(tar_path) as tar:
+            f = tar.extractfile(PACKAGE)
+            meta = check_meta(json.loads(f.read()) if f else None, tar_path)
+            out = cache_root().parent / "packages" / meta["content_sha256"][:24]
+            if (out / PACKAGE).is_file():
+                return out
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            names = set(meta["files"]) | {PACKAGE}
+            members = [m for m in tar.getmembers() if m.name in names]
+            tar.extractall(tmp, members=members, filter="data")
+    except (tarfile.TarError, KeyError, json.JSONDecodeError, OSError) as e:
+        raise Ds4Error(f"{tar_path}: not a readable ds4tvm package tar ({e})") from None
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    try:
+        _verify(out, meta, full=True)
+    except Ds4Error:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return out
+
+
+def pick_target(meta: dict, source: Path) -> dict:
+    """The package's target this machine runs: the one built for this CPU, else generic code for
+    this architecture."""
+    from tvm.target import codegen
+
+    cpu, machine = codegen.llvm_get_system_cpu(), host_machine()
+    runnable = [t for t in meta["targets"] if t.get("device") == "cpu" and t.get("machine") == machine
+                and t.get("mcpu") in (None, cpu)]
+    if not runnable:
+        have = ", ".join(f"{t.get('name')} ({t.get('device')}, {t.get('machine')})" for t in meta["targets"])
+        raise Ds4Error(f"{source}: has no target for this machine ({machine}, CPU {cpu}); it holds: {have}")
+    return max(runnable, key=lambda t: t.get("mcpu") is not None)
+
+
+def open_package(path: Path):
+    from .runtime.engine import Engine
+
+    path = Path(path)
+    root = _unpack(path) if path.is_file() else path
+    meta = read_meta(root, path)
+    _verify(root, meta)
+    target = pick_target(meta, path)
+    w = meta["weights"]
+    return Engine(root / target["dir"], gguf_path=root / w["model"],
+                  support_path=root / w["support"] if "support" in w else None)

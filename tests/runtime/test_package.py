@@ -1,0 +1,90 @@
+"""Model packages: build (two targets) -> checksums -> `ds4 run -m PKG`, as a directory and as a
+.tar; corrupted or foreign packages are refused with one line."""
+
+import hashlib
+import json
+import shutil
+
+import pytest
+from conftest import run_ds4, run_ds4_compile
+
+from ds4tvm.demo import PROMPT
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.fixture(scope="module")
+def package(demo_pair, tmp_path_factory):
+    model, support, _, _ = demo_pair
+    out = tmp_path_factory.mktemp("pkg") / "demo.pkg"
+    r = run_ds4_compile(model, "--mtp", support, "--target", "cpu", "--target", "llvm", "--package", out,
+                        "--max-context", "512", "--max-verify", "8", "--quiet")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def _run_json(model, *extra):
+    r = run_ds4("run", "-m", model, "-p", PROMPT, "-n", 40, "--temp", 0, "--json", *extra)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_package_lists_every_file_with_its_sha256(package, demo_pair):
+    meta = json.loads((package / "package.json").read_text())
+    on_disk = sorted(p.relative_to(package).as_posix() for p in package.rglob("*")
+                     if p.is_file() and p.name != "package.json")
+    assert sorted(meta["files"]) == on_disk
+    for rel, want in meta["files"].items():
+        data = (package / rel).read_bytes()
+        assert len(data) == want["size"] and hashlib.sha256(data).hexdigest() == want["sha256"], rel
+    model, support = demo_pair[0], demo_pair[1]
+    assert (package / meta["weights"]["model"]).read_bytes() == model.read_bytes()
+    assert (package / meta["weights"]["support"]).read_bytes() == support.read_bytes()
+    assert {t["name"] for t in meta["targets"]} >= {"llvm"} and len(meta["targets"]) == 2
+
+
+def test_run_from_directory_and_tar_package_equals_the_artifact(package, demo_pair, tmp_path):
+    from ds4tvm.package import build_package
+
+    want = _run_json(demo_pair[2], "--dspark")   # the demo artifact: compiled for this CPU, as the package's pick
+    got = _run_json(package, "--dspark")
+    assert got["tokens"] == want["tokens"] and got["spec"]["accepted_draft"] > 0
+    meta = json.loads((package / "package.json").read_text())
+    tar = build_package([package / t["dir"] for t in meta["targets"]], tmp_path / "demo.tar")
+    assert _run_json(tar, "--dspark")["tokens"] == want["tokens"]
+    assert _run_json(tar)["tokens"] == want["tokens"]   # target-only from the same package
+
+
+@pytest.mark.parametrize("victim", ["library", "tokenizer", "weights", "package.json"])
+def test_modified_package_is_refused_with_one_line(package, tmp_path, victim):
+    copy = tmp_path / "pkg"
+    shutil.copytree(package, copy)
+    meta = json.loads((copy / "package.json").read_text())
+    target = next(t for t in meta["targets"] if t.get("mcpu"))
+    rel = {"library": f"{target['dir']}/lib-{target['name']}.so", "tokenizer": f"{target['dir']}/tokenizer.json",
+           "weights": meta["weights"]["model"], "package.json": "package.json"}[victim]
+    data = bytearray((copy / rel).read_bytes())
+    data[len(data) // 2] ^= 0x01 if victim != "package.json" else 0
+    if victim == "package.json":
+        meta["name"] = "renamed"
+        data = json.dumps(meta).encode()
+    (copy / rel).write_bytes(bytes(data))
+    r = run_ds4("run", "-m", copy, "-p", "hi", "-n", 2)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and (rel in lines[0] or "content_sha256" in lines[0]), lines
+
+
+def test_package_without_a_target_for_this_machine_names_its_targets(package, tmp_path):
+    from ds4tvm.package import content_hash
+
+    copy = tmp_path / "pkg"
+    shutil.copytree(package, copy)
+    meta = json.loads((copy / "package.json").read_text())
+    for t in meta["targets"]:
+        t["machine"] = "riscv64"
+    meta["content_sha256"] = content_hash(meta)
+    (copy / "package.json").write_text(json.dumps(meta))
+    r = run_ds4("run", "-m", copy, "-p", "hi", "-n", 2)
+    assert r.returncode == 2
+    assert "no target for this machine" in r.stderr and "llvm (cpu, riscv64)" in r.stderr, r.stderr
