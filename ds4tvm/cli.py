@@ -6,6 +6,7 @@ runtime-only TVM install.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -190,8 +191,10 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
     import time
 
     t0 = time.perf_counter()
-    out, stats = generate(engine, ids, n_predict, params, np.random.default_rng(seed), drafter=drafter,
-                          exact=exact_sampling, stop_ids=tok.stop_ids, on_token=on_token)
+    with _prefill_progress(len(ids), engine.chunk, enabled=not as_json) as on_prefill:
+        out, stats = generate(engine, ids, n_predict, params, np.random.default_rng(seed), drafter=drafter,
+                              exact=exact_sampling, stop_ids=tok.stop_ids, on_token=on_token,
+                              on_prefill=on_prefill)
     elapsed = time.perf_counter() - t0
     tps = len(out) / stats.seconds if stats.seconds > 0 else 0.0
     prefill_s = max(elapsed - stats.seconds, 1e-9)
@@ -287,6 +290,26 @@ def _speculative_engine(model, mtp, dspark, dspark_confidence, dspark_strict, qu
         EXACT_DEFAULT_THETA if exact_sampling else DEFAULT_THETA)
     drafter = DSparkDrafter(engine, theta)  # built (and so checked) under --dspark-strict too
     return engine, (None if dspark_strict or quality else drafter)
+
+
+@contextlib.contextmanager
+def _prefill_progress(n: int, chunk: int, enabled: bool):
+    """A progress bar (stderr, cleared when done) for prompts longer than one prefill chunk."""
+    if not enabled or n <= chunk:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("prefill", total=n)
+
+        def on_chunk(done, total):
+            bar.update(task, completed=done)
+            return False
+
+        yield on_chunk
 
 
 def _prompt_ids(engine, model, prompt, tokens, raw):

@@ -11,3 +11,7 @@ class Ds4Error(Exception):
     @property
     def message(self) -> str:
         return self.args[0]
+
+
+class Cancelled(Exception):
+    """The caller stopped a long operation (a server client went away during a prefill)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..artifact import Manifest, same_file
-from ..errors import Ds4Error
+from ..errors import Cancelled, Ds4Error
 from ..gguf import open_gguf
 from ..gguf.quant import to_planes
 
@@ -97,8 +97,9 @@ class Engine:
     def reset(self) -> None:
         self.pos = self.pending = 0
 
-    def prefill(self, tokens, all_logits: bool = False) -> np.ndarray:
-        """Appends and commits the tokens in chunks; the last token's logits [V] (or every row)."""
+    def prefill(self, tokens, all_logits: bool = False, on_chunk=None) -> np.ndarray:
+        """Appends and commits the tokens in chunks; the last token's logits [V] (or every row).
+        on_chunk(done, total) is called after each chunk; returning True cancels the prefill."""
         ids = self._ids(tokens)
         self._room(len(ids))
         self.pending = 0
@@ -110,6 +111,8 @@ class Engine:
             if self.captured is not None:
                 captured.append(self.captured)
             self.pos += len(part)
+            if on_chunk is not None and on_chunk(i + len(part), len(ids)):
+                raise Cancelled(f"prefill stopped after {i + len(part)} of {len(ids)} tokens")
         if captured:
             self.captured = np.concatenate(captured)
         return np.concatenate(rows) if all_logits else rows[-1][-1]

@@ -173,14 +173,16 @@ def _residual(logits: np.ndarray, draft: int, params: SamplingParams, rng) -> in
 
 def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, rng: np.random.Generator,
              drafter: Drafter | None = None, exact: bool = False, stop_ids=frozenset(),
-             scheduler: Scheduler | None = None, on_token=None, mode=None) -> tuple[list[int], SpecStats]:
+             scheduler: Scheduler | None = None, on_token=None, mode=None,
+             on_prefill=None) -> tuple[list[int], SpecStats]:
     """Generates up to n_tokens after `prompt`; stops after a token in stop_ids, or when on_token(t)
     returns True. With a drafter, speculates as described above; without one, plain decoding.
-    mode(out) -> SamplingParams, when given, is asked for the parameters after every emitted token."""
+    mode(out) -> SamplingParams, when given, is asked for the parameters after every emitted token;
+    on_prefill(done, total) after every prefill chunk (True cancels)."""
     stats, sched = SpecStats(), scheduler or Scheduler.from_env()
     out: list[int] = []
     budget = min(n_tokens, engine.max_context - len(prompt))
-    logits = engine.prefill(prompt)
+    logits = engine.prefill(prompt) if on_prefill is None else engine.prefill(prompt, on_chunk=on_prefill)
     if drafter is not None:
         drafter.begin(engine, prompt)
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import Ds4Error
+from ..errors import Cancelled, Ds4Error
 from ..runtime.sampler import SamplingParams
 from ..runtime.speculative import generate
 from ..runtime.textstream import TextStream
@@ -75,6 +75,8 @@ class Service:
             with self.busy:
                 try:
                     job.send("done", self.run(job))
+                except Cancelled:
+                    job.send("error", (499, "the client went away"))
                 except Ds4Error as e:
                     job.send("error", (400, e.message))
                 except Exception as e:  # keep serving: the request gets a 500, the log the trace
@@ -101,7 +103,8 @@ class Service:
         out, stats = generate(self.engine, job.prompt, job.max_tokens, job.params,
                               np.random.default_rng(job.seed), drafter=self.drafter, exact=self.exact,
                               stop_ids=self.tok.stop_ids, on_token=on_token,
-                              mode=mode if tools is not None else None)
+                              mode=mode if tools is not None else None,
+                              on_prefill=lambda done, total: job.cancelled.is_set())
         rest = stream.finish()
         if rest:
             job.send("text", rest)

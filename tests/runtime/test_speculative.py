@@ -205,3 +205,20 @@ def test_tool_boundary_rewinds_the_block_and_resamples_the_boundary_token_greedi
     # it, accepted blocks were cut back at the boundary in many runs
     print(f"non-greedy after the boundary without the mode: {crossed_without_mode}/40, rewound: {rewound}/40")
     assert crossed_without_mode >= 5 and rewound >= 5
+
+
+@pytest.mark.compile
+def test_prefill_reports_chunks_and_can_be_cancelled(engines):
+    from ds4tvm.errors import Cancelled
+
+    engine = engines[0]
+    engine.reset()
+    seen = []
+    generate(engine, list(range(20, 320)), 1, GREEDY, np.random.default_rng(0),
+             on_prefill=lambda done, total: seen.append((done, total)))
+    assert seen == [(engine.chunk, 300), (300, 300)]
+    engine.reset()
+    with pytest.raises(Cancelled):
+        generate(engine, list(range(20, 320)), 1, GREEDY, np.random.default_rng(0),
+                 on_prefill=lambda done, total: True)
+    assert engine.pos == engine.chunk   # stopped after the first chunk
