@@ -104,12 +104,12 @@ def check_model(body: dict, served: str) -> None:
                        "model_not_found")
 
 
-def budget(service, prompt: list[int], max_tokens: int | None, key: str) -> int:
+def budget(service, prompt: list[int], max_tokens: int | None, key: str, prompt_key: str = "messages") -> int:
     """The tokens a job may generate: what was asked for, within the context (--ctx)."""
     room = service.ctx - len(prompt)
     if room < 1:
         raise ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {service.ctx} "
-                            f"(prompt plus at least one generated token)", "messages", "context_length_exceeded")
+                            f"(prompt plus at least one generated token)", prompt_key, "context_length_exceeded")
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"'{key}' must be >= 1, got {max_tokens}", key)
     return room if max_tokens is None else min(max_tokens, room)
@@ -214,7 +214,8 @@ def completion_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, 
     if field(body, "n", "integer", 1) != 1:
         raise ApiError(400, "'n' must be 1 (one choice per request)", "n")
     params = sampling(body, d)
-    job = Job(prompt, budget(service, prompt, field(body, "max_tokens", "integer", 16), "max_tokens"), params,
+    job = Job(prompt, budget(service, prompt, field(body, "max_tokens", "integer", 16), "max_tokens", "prompt"),
+              params,
               seed=field(body, "seed", "integer"), stop=stop_strings(body))
     stream_opts = field(body, "stream_options", "object", {})
     return job, {"stream": field(body, "stream", "boolean", False),
