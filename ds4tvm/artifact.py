@@ -68,6 +68,8 @@ class Manifest:
     states: list[list]                 # [name, shape]
     library: str
     tokenizer: str = "tokenizer.json"
+    device: str = "cpu"                # cpu | cuda | rocm | metal
+    arches: list = field(default_factory=list)   # GPU architectures the library holds code for
     schema_version: int = SCHEMA_VERSION
     tvm_version: str = ""
     ds4tvm_version: str = __version__

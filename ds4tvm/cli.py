@@ -411,9 +411,10 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
 
 # ---------------------------------------------------------------------------- ds4-compile
 @compile_app.command()
-def compile_model(model: Path = typer.Argument(..., help="GGUF model"),
+def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"),
                   targets: list[str] = typer.Option(["cpu"], "--target",
-                                                    help="llvm | cpu (repeat with --package for several)"),
+                                                    help="llvm | cpu | cuda:sm_90 | cuda:sm_80,sm_90 | rocm:gfx942 | "
+                                                         "metal ... ('list' shows them all; repeat with --package)"),
                   out: Optional[Path] = typer.Option(None, "-o", "--out", help="artifact directory"),
                   package: Optional[Path] = typer.Option(None, "--package",
                                                          help="write a package (a directory, or a .tar file) "
@@ -430,11 +431,21 @@ def compile_model(model: Path = typer.Argument(..., help="GGUF model"),
     import shutil
     import tempfile
 
-    from .compile.driver import compile_gguf
-    from .compile.targets import resolve
+    from .compile.targets import listing, resolve
 
+    if "list" in targets:
+        typer.echo(listing())
+        return
+    if model is None:
+        raise Ds4Error("missing MODEL: the GGUF to compile (or --target list)")
+    if any(t.startswith("cuda") for t in targets):
+        from .compile.toolchains import prepare_cuda
+
+        prepare_cuda()   # before anything imports TVM
     for t in targets:
         resolve(t)  # a bad --target fails before any work
+    from .compile.driver import compile_gguf
+
     if len(targets) > 1 and package is None:
         raise Ds4Error("--target given several times: an artifact directory holds one target; "
                        "use --package for several")
@@ -442,7 +453,7 @@ def compile_model(model: Path = typer.Argument(..., help="GGUF model"),
         raise Ds4Error("give either -o/--out (an artifact directory) or --package, not both")
     bounds = _bounds(max_context, max_verify, prefill_chunk)
     if package is None:
-        out = out or Path(f"{model.stem}-{targets[0]}.ds4tvm")
+        out = out or Path(f"{model.stem}-{resolve(targets[0]).name}.ds4tvm")
         compile_gguf(model, targets[0], out, bounds, kv_rounding=not no_kv_rounding, progress=not quiet,
                      support=mtp)
         typer.echo(f"wrote {out}")

@@ -84,8 +84,8 @@ def build_package(artifacts: list[Path], out: Path, progress: bool = False) -> P
         (stage / d).mkdir(parents=True, exist_ok=True)
         for name in (MANIFEST, m.library, m.tokenizer):
             shutil.copyfile(Path(a) / name, stage / d / name)
-        targets.append({"name": m.target_name, "dir": d, "device": "cpu", "machine": host_machine(),
-                        "mcpu": m.target.get("mcpu")})
+        targets.append({"name": m.target_name, "dir": d, "device": m.device, "arches": m.arches,
+                        "machine": host_machine() if m.device == "cpu" else None, "mcpu": m.target.get("mcpu")})
     files = {}
     known = {weights["model"]: (first.gguf_size, first.gguf_sha256)}
     if draft is not None:
@@ -193,17 +193,31 @@ def _unpack(tar_path: Path) -> Path:
 
 
 def pick_target(meta: dict, source: Path) -> dict:
-    """The package's target this machine runs: the one built for this CPU, else generic code for
-    this architecture."""
+    """The package's target this machine runs: a GPU target for the GPU here, else the one built for
+    this CPU, else generic code for this architecture."""
     from tvm.target import codegen
 
+    from .runtime.engine import probe_device
+
     cpu, machine = codegen.llvm_get_system_cpu(), host_machine()
-    runnable = [t for t in meta["targets"] if t.get("device") == "cpu" and t.get("machine") == machine
-                and t.get("mcpu") in (None, cpu)]
-    if not runnable:
-        have = ", ".join(f"{t.get('name')} ({t.get('device')}, {t.get('machine')})" for t in meta["targets"])
-        raise Ds4Error(f"{source}: has no target for this machine ({machine}, CPU {cpu}); it holds: {have}")
-    return max(runnable, key=lambda t: t.get("mcpu") is not None)
+
+    def rank(t: dict) -> int:   # 0: cannot run here
+        if t.get("device") == "cpu":
+            if t.get("machine") != machine or t.get("mcpu") not in (None, cpu):
+                return 0
+            return 2 if t.get("mcpu") else 1
+        found = probe_device(t.get("device", ""))
+        if found is None or (t.get("device") == "cuda" and found[1] not in t.get("arches", [])):
+            return 0
+        return 3
+
+    best = max(meta["targets"], key=rank, default=None)
+    if best is None or rank(best) == 0:
+        have = ", ".join(f"{t.get('name')} ({t.get('device')}, {t.get('machine') or ','.join(t.get('arches') or [])})"
+                         for t in meta["targets"])
+        raise Ds4Error(f"{source}: has no target for this machine ({machine}, CPU {cpu}, no GPU target matches); "
+                       f"it holds: {have}")
+    return best
 
 
 def open_package(path: Path):

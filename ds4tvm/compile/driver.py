@@ -3,6 +3,7 @@ and write the artifact directory."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict
@@ -13,6 +14,7 @@ from ..errors import Ds4Error
 from ..families import load_model
 from ..gguf import open_gguf
 from .targets import resolve
+from .toolchains import cuda_fatbin, prepare_cuda, prepare_rocm
 
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                   "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
@@ -61,10 +63,14 @@ def _tokenizer_data(f) -> dict:
 
 def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_rounding: bool = True,
                  progress: bool = False, capture_layers: tuple[int, ...] = (), support: Path | None = None) -> Path:
+    tgt_spec = resolve(target)
+    if tgt_spec.device == "cuda":
+        prepare_cuda()   # before TVM is imported (toolchains.py)
     import tvm
 
     from ..families.deepseek4.model import DeepSeekV4, parameter_sources, state_shapes, tensor_types
-    from ..schedules.llvm import pipeline
+    from ..schedules.gpu import pipeline as gpu_pipeline
+    from ..schedules.llvm import pipeline as cpu_pipeline
 
     f = open_gguf(gguf_path)
     m = load_model(f)
@@ -93,7 +99,8 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
     bad = [i for i in capture_layers if not 0 <= i < m.config.n_layers]
     if bad:
         raise Ds4Error(f"capture layers {bad} are outside 0..{m.config.n_layers - 1}")
-    target_name, target_json = resolve(target)
+    if tgt_spec.device == "rocm":
+        prepare_rocm()
     phases = Phases(["validate", "build module", "export", "compile", "write artifact"], progress)
     try:
         phases.next()
@@ -112,17 +119,20 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         params = [[name, *sources[id(p)], "draft" if sources[id(p)][0].startswith("mtp.") else "target"]
                   for name, p in named]
         phases.next()
-        tgt = tvm.target.Target(target_json)
-        with tgt:
-            ex = tvm.compile(mod, target=tgt, relax_pipeline=pipeline(tgt))
+        tgt = tvm.target.Target(tgt_spec.tvm)
+        fatbin = cuda_fatbin(tgt_spec.arches) if tgt_spec.device == "cuda" else contextlib.nullcontext()
+        with tgt, fatbin:
+            relax_pipeline = cpu_pipeline(tgt) if tgt_spec.device == "cpu" else gpu_pipeline(tgt, tgt_spec.device)
+            ex = tvm.compile(mod, target=tgt, relax_pipeline=relax_pipeline)
         phases.next()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        lib = f"lib-{target_name}.so"
+        lib = tgt_spec.library
         ex.export_library(str(out_dir / lib))
         (out_dir / "tokenizer.json").write_text(json.dumps(_tokenizer_data(f)))
         manifest = Manifest(
-            family=m.family.name, architecture=f.architecture, target=target_json, target_name=target_name,
+            family=m.family.name, architecture=f.architecture, target=tgt_spec.tvm, target_name=tgt_spec.name,
+            device=tgt_spec.device, arches=list(tgt_spec.arches),
             **file_identity(gguf_path), bounds=asdict(bounds),
             kv_rounding=kv_rounding, extra={"capture_layers": list(capture_layers)}, functions=["prefill", "prefill_all", "decode", "verify"], params=params,
             states=[[n, list(s)] for n, s in state_shapes(m.config, bounds)], library=lib,

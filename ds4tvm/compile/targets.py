@@ -1,24 +1,84 @@
-"""Compile targets by name."""
+"""Compile targets: `--target` values, what TVM target each is, and what each needs.
+
+    llvm | cpu                     this machine's CPU (generic, or tuned for its micro-architecture)
+    cuda:sm_90 | cuda:sm_80,sm_90  NVIDIA; one fatbin with SASS for every architecture listed
+    rocm:gfx942                    AMD; one code object for the gfx named
+    metal                          Apple silicon; a .tar (MSL source + arm64 host objects) to link on the Mac
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 from ..errors import Ds4Error
 
-TARGETS = {
-    "llvm": "generic x86-64/aarch64 CPU code for this machine's architecture",
-    "cpu": "llvm tuned for this machine's CPU (mcpu detected, e.g. AVX-512 where present)",
-}
+CUDA_ARCHES = {"sm_75": "Turing (T4)", "sm_80": "Ampere (A100)", "sm_86": "Ampere (RTX 30xx, A10)",
+               "sm_89": "Ada (RTX 40xx, L4)", "sm_90": "Hopper (H100, H200)", "sm_100": "Blackwell (B200)",
+               "sm_120": "Blackwell (RTX 50xx)", "sm_121": "Blackwell (DGX Spark GB10)"}
+ROCM_ARCHES = {"gfx90a": "CDNA2 (MI200)", "gfx942": "CDNA3 (MI300)", "gfx1100": "RDNA3 (RX 7900)",
+               "gfx1151": "RDNA3.5 (Strix Halo)"}
+
+# (value, what it is for, what the build machine needs)
+LISTED = [
+    ("llvm", "any CPU of this machine's architecture (generic code)", "gcc"),
+    ("cpu", "this machine's CPU micro-architecture (AVX-512 etc. where present)", "gcc"),
+    ("cuda:sm_80", "NVIDIA A100", "nvcc (CUDA 13); no GPU or driver"),
+    ("cuda:sm_90", "NVIDIA H100 / H200", "nvcc (CUDA 13); no GPU or driver"),
+    ("cuda:sm_121", "NVIDIA DGX Spark (GB10)", "nvcc (CUDA 13); no GPU or driver"),
+    ("cuda:sm_80,sm_90", "A100 and H100/H200 from one artifact (one fatbin)", "nvcc (CUDA 13)"),
+    ("rocm:gfx942", "AMD MI300", "ld.lld-<TVM's LLVM major> and ROCm device libraries "
+                                 "(Debian: lld-22 rocm-device-libs)"),
+    ("rocm:gfx1151", "AMD Strix Halo", "as rocm:gfx942"),
+    ("metal", "Apple silicon (the .tar is linked on the Mac at first load)", "nothing extra"),
+]
 
 
-def resolve(name: str) -> tuple[str, dict]:
-    """(canonical name, TVM target JSON) for a --target value."""
-    from tvm.target import codegen
+@dataclass(frozen=True)
+class Target:
+    name: str                     # canonical: file names, manifests, packages
+    device: str                   # cpu | cuda | rocm | metal
+    tvm: dict                     # the TVM target (JSON form)
+    arches: tuple[str, ...] = field(default=())
 
-    if name == "llvm":
-        return "llvm", {"kind": "llvm", "num-cores": os.cpu_count() or 1}
-    if name == "cpu":
-        return f"llvm-{codegen.llvm_get_system_cpu()}", {
-            "kind": "llvm", "mcpu": codegen.llvm_get_system_cpu(), "num-cores": os.cpu_count() or 1}
-    raise Ds4Error(f"--target {name!r} is not supported; expected one of: {', '.join(TARGETS)}")
+    @property
+    def library(self) -> str:
+        # Metal host objects are Mach-O: they cannot be linked here, so the library stays a tarball.
+        return f"lib-{self.name}.tar" if self.device == "metal" else f"lib-{self.name}.so"
+
+
+def _valid() -> str:
+    return ", ".join(v for v, _, _ in LISTED) + " (cuda:sm_XX[,sm_YY...] with " + ", ".join(CUDA_ARCHES) + \
+        "; rocm:gfxNNN with " + ", ".join(ROCM_ARCHES) + ")"
+
+
+def resolve(value: str) -> Target:
+    """The Target of a --target value; a malformed or unknown one is one line listing the valid ones."""
+    kind, _, rest = value.partition(":")
+    if value == "llvm":
+        return Target("llvm", "cpu", {"kind": "llvm", "num-cores": os.cpu_count() or 1})
+    if value == "cpu":
+        from tvm.target import codegen
+
+        mcpu = codegen.llvm_get_system_cpu()
+        return Target(f"llvm-{mcpu}", "cpu", {"kind": "llvm", "mcpu": mcpu, "num-cores": os.cpu_count() or 1})
+    if value == "metal":
+        return Target("metal", "metal", {"kind": "metal", "max_threads_per_block": 256, "thread_warp_size": 1,
+                                         "host": {"kind": "llvm", "mtriple": "arm64-apple-macos"}})
+    if kind == "cuda" and rest:
+        arches = tuple(rest.split(","))
+        if all(a in CUDA_ARCHES for a in arches) and len(set(arches)) == len(arches):
+            arches = tuple(sorted(arches, key=lambda a: int(a[3:])))
+            # the code follows the lowest architecture; the fatbin holds SASS for each
+            return Target("cuda-" + "+".join(arches), "cuda",
+                          {"kind": "cuda", "arch": arches[0], "host": {"kind": "llvm"}}, arches)
+    if kind == "rocm" and rest in ROCM_ARCHES:
+        return Target(f"rocm-{rest}", "rocm", {"kind": "rocm", "mcpu": rest, "host": {"kind": "llvm"}}, (rest,))
+    raise Ds4Error(f"--target {value!r} is not a target; expected one of: {_valid()}")
+
+
+def listing() -> str:
+    width = max(len(v) for v, _, _ in LISTED)
+    lines = [f"{v:<{width}}  {what}; needs {needs}" for v, what, needs in LISTED]
+    lines.append(f"{'':<{width}}  also cuda:" + "|".join(CUDA_ARCHES) + ", rocm:" + "|".join(ROCM_ARCHES))
+    return "\n".join(lines)

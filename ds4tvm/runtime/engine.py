@@ -19,6 +19,34 @@ from ..gguf import open_gguf
 from ..gguf.quant import to_planes
 
 
+def probe_device(kind: str):
+    """(TVM device, its architecture or None) for cpu | cuda | rocm | metal; None when absent."""
+    import tvm
+
+    if kind == "cpu":
+        return tvm.cpu(), None
+    open_device = {"cuda": tvm.cuda, "rocm": tvm.rocm, "metal": tvm.metal}.get(kind)
+    dev = open_device(0) if open_device is not None else None
+    if dev is None or not dev.exist:
+        return None
+    if kind == "cuda":
+        return dev, "sm_" + dev.compute_version.replace(".", "")
+    return dev, None
+
+
+def device_for(m: Manifest, art_dir: Path):
+    """The device an artifact's code runs on here, or one line saying why it cannot run here."""
+    found = probe_device(m.device)
+    if found is None:
+        raise Ds4Error(f"{art_dir}: holds {m.target_name} code for a {m.device} GPU; this machine has none "
+                       f"(compile the GGUF for it: ds4-compile --target cpu)")
+    dev, arch = found
+    if m.device == "cuda" and arch not in m.arches:
+        raise Ds4Error(f"{art_dir}: holds code for {', '.join(m.arches)}; this GPU is {arch} "
+                       f"(ds4-compile --target cuda:{arch})")
+    return dev
+
+
 class Engine:
     def __init__(self, artifact_dir: str | Path, gguf_path: str | Path | None = None,
                  support_path: str | Path | None = None):
@@ -44,7 +72,7 @@ class Engine:
             if not same_file(dpath, self.draft):
                 raise Ds4Error(f"{self.dir}: was compiled with a different support file than {dpath}")
             self.draft_gguf = open_gguf(dpath)
-        self.dev = tvm.cpu()
+        self.dev = device_for(m, self.dir)
         lib = tvm.runtime.load_module(str(self.dir / m.library))
         self.vm = relax.VirtualMachine(lib, self.dev)
         self.params = self._bind_params()

@@ -1,0 +1,108 @@
+"""`ds4-compile` for every GPU target on this GPU-less machine: the tiny DeepSeek-V4 + DSpark pair
+compiles; the CUDA library holds SASS for exactly the named architectures (NVIDIA's cuobjdump
+reads the fatbin), the ROCm one an AMD code object for the named gfx (the ELF machine flags, as
+LLVM's ELF.h numbers them), the Metal one MSL source; every artifact's manifest reloads, and
+`ds4 run` refuses it here with one line. One target of each kind runs by default; all of them
+with `python -m pytest -m targets`."""
+
+import re
+import shutil
+import struct
+import subprocess
+import sysconfig
+import tarfile
+from pathlib import Path
+
+import pytest
+from conftest import run_ds4, run_ds4_compile
+
+from ds4tvm.artifact import Manifest
+
+pytestmark = pytest.mark.targets
+
+# EF_AMDGPU_MACH_* (llvm/include/llvm/BinaryFormat/ELF.h)
+AMDGPU_MACH = {"gfx942": 0x04C, "gfx1151": 0x04A}
+EM_AMDGPU = 224
+
+
+def _cuobjdump() -> Path:
+    tool = Path(sysconfig.get_paths()["purelib"]) / "nvidia" / "cu13" / "bin" / "cuobjdump"
+    if not tool.is_file():
+        pytest.skip("cuobjdump is absent (test extra nvidia-cuda-cuobjdump, x86-64 only)")
+    return tool
+
+
+def _compile(demo_pair, tmp_path, target):
+    model, support = demo_pair[0], demo_pair[1]
+    out = tmp_path / "art"
+    r = run_ds4_compile(model, "--mtp", support, "--target", target, "-o", out, "--max-context", "512",
+                        "--max-verify", "8", "--quiet")
+    if r.returncode == 2 and " need " in r.stderr:
+        pytest.skip(f"toolchain for {target} absent: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    m = Manifest.read(out)
+    assert "dspark_block" in m.extra["draft"]["functions"]
+    refused = run_ds4("run", "-m", out, "-p", "hi", "-n", 2)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and m.target_name in lines[0], refused.stderr
+    return out, m
+
+
+def _fatbin(library: Path, tmp_path: Path) -> Path:
+    data = library.read_bytes()
+    i = data.find(struct.pack("<I", 0xBA55ED50))
+    assert i >= 0, "no fatbin in the library"
+    _, _, header, size = struct.unpack_from("<IHHQ", data, i)
+    out = tmp_path / "device.fatbin"
+    out.write_bytes(data[i:i + header + size])
+    return out
+
+
+CUDA = [pytest.param("cuda:sm_80,sm_90", ["sm_80", "sm_90"]),
+        pytest.param("cuda:sm_80", ["sm_80"], marks=pytest.mark.slow),
+        pytest.param("cuda:sm_90", ["sm_90"], marks=pytest.mark.slow),
+        pytest.param("cuda:sm_121", ["sm_121"], marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("target,arches", CUDA)
+def test_cuda_artifact_holds_sass_for_each_architecture(demo_pair, tmp_path, target, arches):
+    tool = _cuobjdump()
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is absent")
+    art, m = _compile(demo_pair, tmp_path, target)
+    assert m.device == "cuda" and m.arches == arches
+    listing = subprocess.run([str(tool), "--list-elf", str(_fatbin(art / m.library, tmp_path))],
+                             capture_output=True, text=True, check=True).stdout
+    assert sorted(re.findall(r"\.(sm_\d+)\.cubin", listing)) == sorted(arches), listing
+
+
+@pytest.mark.parametrize("gfx", ["gfx1151", pytest.param("gfx942", marks=pytest.mark.slow)])
+def test_rocm_artifact_holds_an_amd_code_object_for_the_gfx(demo_pair, tmp_path, gfx):
+    art, m = _compile(demo_pair, tmp_path, f"rocm:{gfx}")
+    assert m.device == "rocm" and m.arches == [gfx]
+    data = (art / m.library).read_bytes()
+    machs = [struct.unpack_from("<I", data, x.start() + 48)[0] & 0xFF
+             for x in re.finditer(rb"\x7fELF\x02\x01\x01", data)
+             if struct.unpack_from("<H", data, x.start() + 18)[0] == EM_AMDGPU]
+    assert machs and set(machs) == {AMDGPU_MACH[gfx]}, [hex(x) for x in machs]
+
+
+def test_metal_artifact_is_a_tar_with_msl_source(demo_pair, tmp_path):
+    art, m = _compile(demo_pair, tmp_path, "metal")
+    assert m.device == "metal" and m.library.endswith(".tar")
+    with tarfile.open(art / m.library) as tar:
+        sources = [tar.extractfile(x).read() for x in tar.getmembers() if x.isfile()]
+    msl = [s for s in sources if b"#include <metal_stdlib>" in s]
+    assert msl and sum(s.count(b"kernel void") for s in msl) > 50
+
+
+def test_target_list_and_bad_targets():
+    r = run_ds4_compile("--target", "list")
+    assert r.returncode == 0
+    for value in ("llvm", "cpu", "cuda:sm_80", "cuda:sm_90", "cuda:sm_121", "cuda:sm_80,sm_90", "rocm:gfx942",
+                  "rocm:gfx1151", "metal"):
+        assert re.search(rf"^{re.escape(value)}\s", r.stdout, re.M), value
+    for bad in ("cuda", "cuda:sm_91", "cuda:sm_90,sm_90", "rocm:gfx9999", "vulkan", "metal:m4"):
+        r = run_ds4_compile("model.gguf", "--target", bad)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "cuda:sm_80,sm_90" in lines[0], (bad, r.stderr)
