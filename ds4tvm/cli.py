@@ -426,6 +426,9 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                                                       help="skip the FP8/FP4 round trips (for oracle comparisons)"),
                   mtp: Optional[Path] = typer.Option(None, "--mtp", "--mtp-model",
                                                      help="DSpark support GGUF compiled into the same artifact"),
+                  shapes_only: bool = typer.Option(False, "--shapes-only",
+                                                   help="compile DeepSeek-V4-Flash + DSpark at the published "
+                                                        "shapes without weights (no MODEL); report time and memory"),
                   quiet: bool = typer.Option(False, "--quiet", help="no progress bar")):
     """Compile MODEL (and its DSpark drafter) for TARGET into an artifact directory or a package."""
     import shutil
@@ -436,8 +439,11 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
     if "list" in targets:
         typer.echo(listing())
         return
-    if model is None:
-        raise Ds4Error("missing MODEL: the GGUF to compile (or --target list)")
+    if shapes_only:
+        if model is not None or package is not None or len(targets) != 1:
+            raise Ds4Error("--shapes-only takes no MODEL and no --package, and one --target")
+    elif model is None:
+        raise Ds4Error("missing MODEL: the GGUF to compile (or --target list, or --shapes-only)")
     if any(t.startswith("cuda") for t in targets):
         from .compile.toolchains import prepare_cuda
 
@@ -452,6 +458,12 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
     if package is not None and out is not None:
         raise Ds4Error("give either -o/--out (an artifact directory) or --package, not both")
     bounds = _bounds(max_context, max_verify, prefill_chunk)
+    if shapes_only:
+        from .compile.driver import compile_shapes
+
+        out = out or Path(f"ds4-flash-shapes-{resolve(targets[0]).name}")
+        _echo_json(compile_shapes(targets[0], bounds, out, progress=not quiet))
+        return
     if package is None:
         out = out or Path(f"{model.stem}-{resolve(targets[0]).name}.ds4tvm")
         compile_gguf(model, targets[0], out, bounds, kv_rounding=not no_kv_rounding, progress=not quiet,

@@ -68,9 +68,7 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         prepare_cuda()   # before TVM is imported (toolchains.py)
     import tvm
 
-    from ..families.deepseek4.model import DeepSeekV4, parameter_sources, state_shapes, tensor_types
-    from ..schedules.gpu import pipeline as gpu_pipeline
-    from ..schedules.llvm import pipeline as cpu_pipeline
+    from ..families.deepseek4.model import parameter_sources, state_shapes, tensor_types
 
     f = open_gguf(gguf_path)
     m = load_model(f)
@@ -104,14 +102,8 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
     phases = Phases(["validate", "build module", "export", "compile", "write artifact"], progress)
     try:
         phases.next()
-        if draft is not None:
-            from ..families.dspark.model import ring_shapes, with_dspark
-
-            model = with_dspark(DeepSeekV4)(m.config, tensor_types(f), bounds, kv_rounding, draft[1],
-                                            tensor_types(draft[0]))
-        else:
-            model = DeepSeekV4(m.config, tensor_types(f), bounds, kv_rounding=kv_rounding,
-                               capture_layers=capture_layers)
+        model = _build_model(m.config, tensor_types(f), bounds, kv_rounding, capture_layers,
+                             draft[1] if draft else None, tensor_types(draft[0]) if draft else None)
         phases.next()
         mod, named = model.export_tvm(spec=model.spec())
         sources = parameter_sources(model)
@@ -119,11 +111,7 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         params = [[name, *sources[id(p)], "draft" if sources[id(p)][0].startswith("mtp.") else "target"]
                   for name, p in named]
         phases.next()
-        tgt = tvm.target.Target(tgt_spec.tvm)
-        fatbin = cuda_fatbin(tgt_spec.arches) if tgt_spec.device == "cuda" else contextlib.nullcontext()
-        with tgt, fatbin:
-            relax_pipeline = cpu_pipeline(tgt) if tgt_spec.device == "cpu" else gpu_pipeline(tgt, tgt_spec.device)
-            ex = tvm.compile(mod, target=tgt, relax_pipeline=relax_pipeline)
+        ex = _compile_module(mod, tgt_spec)
         phases.next()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -140,6 +128,8 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         phases.next()
         manifest.extra["compile_seconds"] = phases.times
         if draft is not None:
+            from ..families.dspark.model import ring_shapes
+
             dc = draft[1]
             manifest.extra["draft"] = {
                 "family": "dspark", **file_identity(support),
@@ -152,3 +142,63 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         return out_dir
     finally:
         phases.close()
+
+
+def _build_model(cfg, types: dict, bounds, kv_rounding: bool, capture_layers, draft_cfg=None, draft_types=None):
+    from ..families.deepseek4.model import DeepSeekV4
+
+    if draft_cfg is None:
+        return DeepSeekV4(cfg, types, bounds, kv_rounding=kv_rounding, capture_layers=capture_layers)
+    from ..families.dspark.model import with_dspark
+
+    return with_dspark(DeepSeekV4)(cfg, types, bounds, kv_rounding, draft_cfg, draft_types)
+
+
+def _compile_module(mod, tgt_spec):
+    import tvm
+
+    from ..schedules.gpu import pipeline as gpu_pipeline
+    from ..schedules.llvm import pipeline as cpu_pipeline
+
+    tgt = tvm.target.Target(tgt_spec.tvm)
+    fatbin = cuda_fatbin(tgt_spec.arches) if tgt_spec.device == "cuda" else contextlib.nullcontext()
+    with tgt, fatbin:
+        relax_pipeline = cpu_pipeline(tgt) if tgt_spec.device == "cpu" else gpu_pipeline(tgt, tgt_spec.device)
+        return tvm.compile(mod, target=tgt, relax_pipeline=relax_pipeline)
+
+
+def compile_shapes(target: str, bounds, out_dir: Path, progress: bool = False) -> dict:
+    """Compiles DeepSeek-V4-Flash with its DSpark drafter at the published shapes and Q2 recipe
+    types, without weights; writes the library to out_dir and returns times and sizes."""
+    import resource
+
+    tgt_spec = resolve(target)
+    if tgt_spec.device == "cuda":
+        prepare_cuda()
+    elif tgt_spec.device == "rocm":
+        prepare_rocm()
+    from ..families.deepseek4.published import flash_config, flash_dspark_config, q2_recipe_type
+    from ..families.deepseek4.tensors import tensor_specs
+    from ..families.dspark.tensors import tensor_specs as dspark_specs
+
+    cfg = flash_config()
+    dcfg = flash_dspark_config(cfg)
+    phases = Phases(["build module", "export", "compile", "write library"], progress)
+    try:
+        model = _build_model(cfg, {s.name: q2_recipe_type(s) for s in tensor_specs(cfg)}, bounds, True, (),
+                             dcfg, {s.name: q2_recipe_type(s) for s in dspark_specs(dcfg)})
+        phases.next()
+        mod, named = model.export_tvm(spec=model.spec())
+        phases.next()
+        ex = _compile_module(mod, tgt_spec)
+        phases.next()
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ex.export_library(str(out_dir / tgt_spec.library))
+        phases.next()
+    finally:
+        phases.close()
+    return {"model": "DeepSeek-V4-Flash + DSpark (published shapes, Q2 recipe types)", "target": tgt_spec.name,
+            "n_params_arguments": len(named), "seconds": phases.times, "total_seconds": round(sum(phases.times.values()), 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "library_mb": round((out_dir / tgt_spec.library).stat().st_size / 2**20, 1)}

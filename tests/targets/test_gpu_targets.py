@@ -106,3 +106,19 @@ def test_target_list_and_bad_targets():
         r = run_ds4_compile("model.gguf", "--target", bad)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and "cuda:sm_80,sm_90" in lines[0], (bad, r.stderr)
+
+
+def test_device_check_says_so_on_a_machine_without_gpu():
+    import os
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi: run scripts/device_check.sh itself")
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(["bash", str(root / "scripts" / "device_check.sh")], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ))
+    assert r.returncode == 0 and "no NVIDIA GPU" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_shapes_only_takes_no_model():
+    r = run_ds4_compile("model.gguf", "--shapes-only", "--target", "metal")
+    assert r.returncode == 2 and "--shapes-only takes no MODEL" in r.stderr
