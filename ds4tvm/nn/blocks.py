@@ -89,13 +89,50 @@ def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: fl
     pre = op.sigmoid(m_pre * s_pre + b_pre) + hc_eps
     post = op.sigmoid(m_post * s_post + b_post) * 2.0
     c = op.reshape(m_comb * s_comb + b_comb, (n, hc, hc))          # c[t, dst, src]
-    c = op.softmax(c, axis=2) + hc_eps
-    c = c / (op.sum(c, axis=1, keepdims=True) + hc_eps)               # columns (fixed src) first
-    for _ in range(iters - 1):
-        c = c / (op.sum(c, axis=2, keepdims=True) + hc_eps)
-        c = c / (op.sum(c, axis=1, keepdims=True) + hc_eps)
+    c = sinkhorn(op.softmax(c, axis=2) + hc_eps, iters, hc_eps)
     x = op.sum(op.reshape(pre, (n, hc, 1)) * X, axis=1)
     return x, post, c
+
+
+@functools.lru_cache(maxsize=None)
+def _sinkhorn_func(hc: int, iters: int, eps: float):
+    @T.prim_func(s_tir=True)
+    def sinkhorn(c_in: T.handle, c_out: T.handle):
+        n = T.int64()
+        C = T.match_buffer(c_in, (n, hc, hc), "float32")
+        O = T.match_buffer(c_out, (n, hc, hc), "float32")
+        S = T.alloc_buffer((n, hc), "float32")
+        for t in range(n):
+            with T.sblock("sinkhorn"):
+                vt = T.axis.spatial(n, t)
+                T.reads(C[vt, 0:hc, 0:hc])
+                T.writes(O[vt, 0:hc, 0:hc], S[vt, 0:hc])
+                for i, j in T.grid(hc, hc):
+                    O[vt, i, j] = C[vt, i, j]
+                for it in range(iters):
+                    if it > 0:  # rows (sum over src), from the second round on
+                        for i in range(hc):
+                            S[vt, i] = T.float32(0)
+                            for j in range(hc):
+                                S[vt, i] = S[vt, i] + O[vt, i, j]
+                            for j in range(hc):
+                                O[vt, i, j] = O[vt, i, j] / (S[vt, i] + T.float32(eps))
+                    for j in range(hc):  # columns (sum over dst)
+                        S[vt, j] = T.float32(0)
+                        for i in range(hc):
+                            S[vt, j] = S[vt, j] + O[vt, i, j]
+                        for i in range(hc):
+                            O[vt, i, j] = O[vt, i, j] / (S[vt, j] + T.float32(eps))
+    return sinkhorn.with_attr("global_symbol", f"sinkhorn_{hc}x{iters}")
+
+
+def sinkhorn(c: nn.Tensor, iters: int, eps: float) -> nn.Tensor:
+    """c[t, dst, src] made doubly stochastic: columns, then (rows, columns) iters-1 times, eps in
+    every divisor, sums in index order. One kernel per call: as separate sum/divide/add ops the
+    20 rounds were ~100 kernel calls per hyper-connection, most of a small model's decode step."""
+    n, hc, _ = c.shape
+    return op.tensor_ir_op(_sinkhorn_func(int(hc), int(iters), float(eps)), f"sinkhorn_{hc}x{iters}", args=[c],
+                           out=nn.Tensor.placeholder(c.shape, c.dtype))
 
 
 def hc_post(out: nn.Tensor, X: nn.Tensor, post: nn.Tensor, comb: nn.Tensor) -> nn.Tensor:

@@ -21,10 +21,21 @@ from ..errors import Ds4Error
 from ..nn.qweight import DEQUANT_ROW, EXPERT_MATMUL, EXPERT_PARTIAL, ROW_MATMUL, ROW_PARTIAL
 
 
-def _schedule_row_matmul(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+# A linear reading fewer weights than this runs on one core: below it the thread pool's launch
+# costs more than the second core saves (measured on the 127M benchmark model, BENCHMARKS.md).
+PARALLEL_MIN_WEIGHTS = 1 << 18
+
+
+def _extent(sch, loop) -> int | None:
+    e = sch.get(loop).extent
+    return int(e.value) if hasattr(e, "value") else None
+
+
+def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc | None:
     """Quantized linears written as (dequantize W) -> (x @ W^T): put the token loop inside the
     output-row loop and compute each dequantized row there, so W is read and dequantized once per
-    call whatever the number of tokens, into a buffer of one row, never a whole fp32 weight."""
+    call whatever the number of tokens, into a buffer of one row, never a whole fp32 weight. Large
+    ones split their rows over the cores."""
     sch = s_tir.Schedule(func)
     try:
         mm = sch.get_sblock(ROW_MATMUL)
@@ -34,45 +45,59 @@ def _schedule_row_matmul(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
         return None
     loops = sch.get_loops(mm)           # t, (g,) n, lane
     t, rows, lane = loops[0], loops[1:-1], loops[-1]
-    sch.reorder(*rows, t, lane)
-    sch.compute_at(part, rows[-1])      # per output row: the partial sums of every token ...
-    sch.compute_at(deq, rows[-1])       # ... from that row, dequantized once
-    pl = sch.get_loops(part)            # rows..., t, lane, ko
+    row = sch.fuse(*rows) if len(rows) > 1 else rows[0]
+    sch.reorder(row, t, lane)
+    sch.compute_at(part, row)           # per output row: the partial sums of every token ...
+    sch.compute_at(deq, row)            # ... from that row, dequantized once
+    pl = sch.get_loops(part)            # row, t, lane, ko
     sch.reorder(pl[-1], pl[-2])         # lanes innermost: one vector of partial sums
     sch.vectorize(sch.get_loops(part)[-1])
     dl = sch.get_loops(deq)[-1]
-    if (sch.get(dl).extent.value if hasattr(sch.get(dl).extent, "value") else 0) % 16 == 0:
+    k = _extent(sch, dl) or 0
+    if k % 16 == 0:
         sch.vectorize(sch.split(dl, [None, 16])[1])
+    if threads > 1 and (_extent(sch, row) or 0) * k >= PARALLEL_MIN_WEIGHTS:
+        sch.parallel(row)
     return sch.mod["main"]
 
 
-def _schedule_expert_matmul(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
-    """Routed experts: the partial sums of one output row in a vector, the lanes innermost."""
+def _schedule_expert_matmul(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc | None:
+    """Routed experts: the partial sums of one output row in a vector, the lanes innermost; the
+    (token, expert slot, row) loop split over the cores when each expert is large."""
     sch = s_tir.Schedule(func)
     try:
         mm = sch.get_sblock(EXPERT_MATMUL)
         part = sch.get_sblock(EXPERT_PARTIAL)
     except Exception:  # noqa: BLE001 - not one of ours
         return None
-    sch.compute_at(part, sch.get_loops(mm)[2])   # under t, j, n
-    pl = sch.get_loops(part)                     # t, j, n, lane, ko
+    t, j, n = sch.get_loops(mm)[:3]
+    rows, k = _extent(sch, n) or 0, 0
+    outer = sch.fuse(t, j, n)
+    sch.compute_at(part, outer)
+    pl = sch.get_loops(part)                     # (t, j, n), lane, ko
+    k = (_extent(sch, pl[-1]) or 0) * (_extent(sch, pl[-2]) or 0)
     sch.reorder(pl[-1], pl[-2])
     sch.vectorize(sch.get_loops(part)[-1])
+    if threads > 1 and rows * k >= PARALLEL_MIN_WEIGHTS:
+        sch.parallel(outer)
     return sch.mod["main"]
 
 
-@tvm.transform.module_pass(opt_level=0, name="ScheduleRowMatmul")
-def schedule_row_matmul(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    for gv, func in list(mod.functions_items()):
-        if not isinstance(func, tirx.PrimFunc):
-            continue
-        try:
-            new = _schedule_row_matmul(func) or _schedule_expert_matmul(func)
-        except Exception as e:  # noqa: BLE001 - unscheduled, this kernel would write a whole fp32 weight
-            raise Ds4Error(f"could not schedule {gv.name_hint}: {e}") from None
-        if new is not None:
-            mod[gv] = new
-    return mod
+def schedule_row_matmul(threads: int):
+    @tvm.transform.module_pass(opt_level=0, name="ScheduleRowMatmul")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for gv, func in list(mod.functions_items()):
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            try:
+                new = _schedule_row_matmul(func, threads) or _schedule_expert_matmul(func, threads)
+            except Exception as e:  # noqa: BLE001 - unscheduled, this kernel would write a whole fp32 weight
+                raise Ds4Error(f"could not schedule {gv.name_hint}: {e}") from None
+            if new is not None:
+                mod[gv] = new
+        return mod
+
+    return _pass
 
 
 def pipeline(target: tvm.target.Target):
@@ -83,7 +108,7 @@ def pipeline(target: tvm.target.Target):
         with target:
             seq = tvm.transform.Sequential([
                 backend.DispatchSampling(), backend.DispatchSortScan(), transform.LegalizeOps(),
-                schedule_row_matmul, transform.RewriteDataflowReshape(), transform.ToNonDataflow(), transform.RemovePurityChecking(),
+                schedule_row_matmul(int(target.attrs.get("num-cores", 1))), transform.RewriteDataflowReshape(), transform.ToNonDataflow(), transform.RemovePurityChecking(),
                 transform.CallTIRRewrite(), transform.StaticPlanBlockMemory(), transform.LowerAllocTensor(),
                 transform.KillAfterLastUse(), transform.LowerRuntimeBuiltin(), transform.ComputePrimValue(),
                 transform.VMShapeLower(), transform.AttachGlobalSymbol()])
