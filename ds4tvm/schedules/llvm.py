@@ -83,6 +83,42 @@ def _schedule_expert_matmul(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc 
     return sch.mod["main"]
 
 
+def _lane_partial_sums(sch, block) -> None:
+    """A dot product over the block's innermost (reduction) loop, kept as 16 partial sums along
+    contiguous elements (rfactor) so that the inner loop vectorizes."""
+    k = sch.get_loops(block)[-1]
+    if (_extent(sch, k) or 0) % 16:
+        return
+    _, ki = sch.split(k, [None, 16])
+    rf = sch.rfactor(ki, len(sch.get(block).writes[0].region))   # the lane becomes the last axis
+    loops = sch.get_loops(rf)
+    sch.reorder(loops[-1], loops[-2])
+
+
+def _schedule_attention(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """Softmax-with-sinks attention (nn/blocks.py attend_with_sinks) and the indexer's dots:
+    q.k as 16-lane partial sums; p.v with the key slot outside the channel loop, so that each
+    value row is read once, contiguously."""
+    sch = s_tir.Schedule(func)
+    try:
+        blocks = {sch.get(b).name_hint: b for b in sch.get_child_blocks(sch.get_sblock("root"))}
+    except Exception:  # noqa: BLE001 - no root block
+        return None
+    by_suffix = {name.rsplit("_", 1)[-1]: b for name, b in blocks.items()}
+    if "dot" in by_suffix and "score" in by_suffix:   # the lightning indexer
+        _lane_partial_sums(sch, by_suffix["dot"])
+        return sch.mod["main"]
+    if not {"qk", "masked", "pv"} <= set(by_suffix):
+        return None
+    sch.compute_inline(by_suffix["masked"])
+    pv = by_suffix["pv"]
+    *_, d, a = sch.get_loops(pv)
+    sch.reorder(a, d)
+    sch.decompose_reduction(pv, a)
+    _lane_partial_sums(sch, by_suffix["qk"])
+    return sch.mod["main"]
+
+
 def schedule_row_matmul(threads: int):
     @tvm.transform.module_pass(opt_level=0, name="ScheduleRowMatmul")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -90,7 +126,8 @@ def schedule_row_matmul(threads: int):
             if not isinstance(func, tirx.PrimFunc):
                 continue
             try:
-                new = _schedule_row_matmul(func, threads) or _schedule_expert_matmul(func, threads)
+                new = (_schedule_row_matmul(func, threads) or _schedule_expert_matmul(func, threads)
+                       or _schedule_attention(func))
             except Exception as e:  # noqa: BLE001 - unscheduled, this kernel would write a whole fp32 weight
                 raise Ds4Error(f"could not schedule {gv.name_hint}: {e}") from None
             if new is not None:
