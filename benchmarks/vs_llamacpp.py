@@ -77,7 +77,11 @@ def main():
     ap.add_argument("--llama-env", type=Path, default=ROOT / ".bench" / "llamacpp-env")
     ap.add_argument("--types", default="f16,q8_0")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ours", type=Path, help=argparse.SUPPRESS)   # one ds4tvm run (a child process)
     a = ap.parse_args()
+    if a.ours is not None:
+        print(json.dumps(ours(a.ours)))
+        return
     py = llama_env(a.llama_env)
     work = Path(tempfile.mkdtemp(prefix="ds4-vs-llamacpp-"))
     rows = []
@@ -88,8 +92,10 @@ def main():
         subprocess.run([sys.executable, "-c", "from ds4tvm.cli import compile_main; compile_main()", str(gguf),
                         "--target", "cpu", "-o", str(art), "--no-kv-rounding", "--quiet"], check=True)
         mine, theirs = [], []
-        for _ in range(a.repeats):  # alternate the engines
-            mine.append(ours(art))
+        for _ in range(a.repeats):  # alternate the engines, each in a fresh process (no idle thread pool left)
+            out = subprocess.run([sys.executable, __file__, "--ours", str(art)], capture_output=True, text=True,
+                                 check=True)
+            mine.append(json.loads(out.stdout.strip().splitlines()[-1]))
             out = subprocess.run([str(py), "-c", LLAMA_SIDE, str(gguf), json.dumps(PROMPT), str(GEN)],
                                  capture_output=True, text=True, check=True)
             theirs.append(json.loads(out.stdout.strip().splitlines()[-1]))

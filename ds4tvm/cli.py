@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -133,6 +134,16 @@ def demo(out_dir: Path = typer.Option(Path.home() / ".cache" / "ds4tvm" / "demo"
 
 
 # ---------------------------------------------------------------------------- run / logits
+def _threads(n: int | None) -> None:
+    """The CPU thread pool's size, set before TVM starts it (TVM reads TVM_NUM_THREADS once; the
+    engine defaults it to every core)."""
+    if n is None:
+        return
+    if n < 1:
+        raise Ds4Error(f"--threads {n}: expected at least 1")
+    os.environ["TVM_NUM_THREADS"] = str(n)
+
+
 def _bounds(max_context: int, max_verify: int, prefill_chunk: int):
     from .families.deepseek4.model import Bounds
 
@@ -163,8 +174,10 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
                                                                                 "histogram"),
         ctx: int = typer.Option(4096, "--ctx", help="context when compiling a GGUF on first use"),
         target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use"),
-        as_json: bool = typer.Option(False, "--json", help="print tokens, text and speeds as JSON")):
+        as_json: bool = typer.Option(False, "--json", help="print tokens, text and speeds as JSON"),
+        threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core)")):
     """Generate text from a prompt, optionally with DSpark speculative decoding."""
+    _threads(threads)
     import numpy as np
 
     from .runtime.sampler import SamplingParams
@@ -234,8 +247,10 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="artifact, packa
           quality: bool = typer.Option(False, "--quality", help="target-only decoding"),
           exact_sampling: bool = typer.Option(False, "--mtp-exact-sampling", help="exact speculative sampling"),
           keepalive: float = typer.Option(5.0, "--keepalive", help="seconds between SSE keep-alives"),
-          target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use")):
+          target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use"),
+          threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core)")):
     """OpenAI- and Anthropic-compatible HTTP server (chat/completions, completions, messages)."""
+    _threads(threads)
     from .runtime.sampler import SamplingParams
     from .runtime.tokenizer import Tokenizer
 
@@ -376,8 +391,10 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
           ctx: int = typer.Option(4096, "--ctx", help="context when compiling a GGUF on first use"),
           target: str = typer.Option("cpu", "--target"),
           as_json: bool = typer.Option(False, "--json"),
-          plot_file: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of verify cost vs k")):
+          plot_file: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of verify cost vs k"),
+          threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core)")):
     """Prefill / decode speed, verify cost per k, and speculative speed with acceptance."""
+    _threads(threads)
     from .runtime import bench as b
     from .runtime.loader import open_engine
 

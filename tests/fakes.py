@@ -25,7 +25,7 @@ class TableEngine:
     def reset(self):
         self.tokens, self.pos, self.pending = [], 0, 0
 
-    def prefill(self, ids):
+    def prefill(self, ids, on_chunk=None):
         self.tokens = list(ids)
         self.pos = len(self.tokens)
         return self._row(self.tokens)
@@ -97,7 +97,7 @@ class ScriptEngine:
     def reset(self):
         self.n_prompt = self.pos = self.pending = 0
 
-    def prefill(self, ids):
+    def prefill(self, ids, on_chunk=None):
         self.n_prompt = self.pos = len(ids)
         return self._row(0)
 

@@ -9,6 +9,7 @@ them, both by moving counters only.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,9 @@ class Engine:
                 raise Ds4Error(f"{self.dir}: was compiled with a different support file than {dpath}")
             self.draft_gguf = open_gguf(dpath)
         self.dev = device_for(m, self.dir)
+        # TVM's CPU pool reads TVM_NUM_THREADS when it starts (at the first parallel kernel); left
+        # unset it used one thread on this 2-core machine. Default: every core this process may use.
+        os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
         lib = tvm.runtime.load_module(str(self.dir / m.library))
         self.vm = relax.VirtualMachine(lib, self.dev)
         self.params = self._bind_params()
