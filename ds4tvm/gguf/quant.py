@@ -254,6 +254,17 @@ def plane_format(qtype: QT) -> PlaneFormat:
                        f"{', '.join(t.name for t in FORMATS)}") from None
 
 
+ALIGN = 64  # TVM's kernels assume 64-byte aligned buffers; aligned planes are bound without a copy
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + n].view(dtype).reshape(shape)
+
+
 def to_planes(data: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> Planes:
     """Split a tensor's data (as `gguf.GGUFReader` maps it: typed values for F32/F16, uint8 rows
     otherwise) into planes. `shape` is the numpy shape of the values (..., N, K).
@@ -274,7 +285,7 @@ def to_planes(data: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> Planes:
         raise Ds4Error(f"row length {K} is not a multiple of the {fmt.qtype.name} block size {bs}")
     nb = K // bs
     raw = data.reshape(rows, nb * ts)
-    out = {f.name: np.empty((rows, f.per_row(K)), dtype=f.dtype) for f in fmt.fields}
+    out = {f.name: aligned_empty((rows, f.per_row(K)), f.dtype) for f in fmt.fields}
     step = max(1, CHUNK_BYTES // max(1, nb * ts))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)

@@ -17,7 +17,7 @@ import numpy as np
 from ..artifact import Manifest, same_file
 from ..errors import Cancelled, Ds4Error
 from ..gguf import open_gguf
-from ..gguf.quant import to_planes
+from ..gguf.quant import ALIGN, to_planes
 
 
 def probe_device(kind: str):
@@ -98,12 +98,22 @@ class Engine:
         for _, tensor, field, source in self.manifest.params:
             t = (self.draft_gguf if source == "draft" else self.gguf).tensors[tensor]
             if field is None:
-                out.append(self._tvm.runtime.tensor(np.ascontiguousarray(t.data), self.dev))
+                out.append(self._to_device(np.ascontiguousarray(t.data)))
                 continue
             if tensor not in planes:
                 planes[tensor] = to_planes(t.data, t.ggml_type, tuple(reversed(t.shape)))
-            out.append(self._tvm.runtime.tensor(np.ascontiguousarray(planes[tensor].fields[field]), self.dev))
+            out.append(self._to_device(planes[tensor].fields[field]))
         return out
+
+    def _to_device(self, a: np.ndarray):
+        """A weight as a TVM tensor: on the CPU, planes made at load (writable, contiguous, 64-byte
+        aligned) are shared with TVM, not copied; views of the read-only mmap are copied."""
+        if (self.dev.dlpack_device_type() == 1 and a.flags.writeable and a.flags.c_contiguous
+                and a.ctypes.data % ALIGN == 0):
+            import tvm_ffi
+
+            return tvm_ffi.from_dlpack(a)
+        return self._tvm.runtime.tensor(np.ascontiguousarray(a), self.dev)
 
     # ------------------------------------------------------------------ checks
     def _ids(self, tokens) -> np.ndarray:
