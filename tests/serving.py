@@ -62,14 +62,14 @@ class ServerProcess:
 class InProcessServer:
     """create_app + uvicorn on a thread, for services built around test engines."""
 
-    def __init__(self, service, served: str):
+    def __init__(self, service, served: str, keepalive: float = 5.0):
         import uvicorn
 
         from ds4tvm.server.app import create_app
 
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(service, served), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(create_app(service, served, keepalive=keepalive),
+                                                    host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         wait_ready(self.port)

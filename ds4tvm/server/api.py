@@ -86,6 +86,13 @@ def sampling(body: dict, d: Defaults, top_p_key: str = "top_p") -> SamplingParam
     return SamplingParams(float(t), float(top_p), int(top_k), float(min_p))
 
 
+def seed(body: dict) -> int | None:
+    value = field(body, "seed", "integer")
+    if value is not None and not 0 <= value < 2**63:
+        raise ApiError(400, f"'seed' must be in [0, 2^63), got {value}", "seed")
+    return value
+
+
 def stop_strings(body: dict, key: str = "stop") -> tuple[str, ...]:
     v = body.get(key)
     if v is None:
@@ -187,7 +194,7 @@ def chat_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
     prompt = _prompt(service, clean, tools)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     job = Job(prompt, budget(service, prompt, field(body, key, "integer"), key), params,
-              seed=field(body, "seed", "integer"), stop=stop_strings(body), tools=tools is not None)
+              seed=seed(body), stop=stop_strings(body), tools=tools is not None)
     stream_opts = field(body, "stream_options", "object", {})
     return job, {"stream": field(body, "stream", "boolean", False),
                  "include_usage": bool(stream_opts.get("include_usage"))}
@@ -216,7 +223,7 @@ def completion_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, 
     params = sampling(body, d)
     job = Job(prompt, budget(service, prompt, field(body, "max_tokens", "integer", 16), "max_tokens", "prompt"),
               params,
-              seed=field(body, "seed", "integer"), stop=stop_strings(body))
+              seed=seed(body), stop=stop_strings(body))
     stream_opts = field(body, "stream_options", "object", {})
     return job, {"stream": field(body, "stream", "boolean", False),
                  "include_usage": bool(stream_opts.get("include_usage"))}
@@ -335,7 +342,7 @@ def messages_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, di
     params = sampling(body, d)
     prompt = _prompt(service, messages, tools)
     job = Job(prompt, budget(service, prompt, max_tokens, "max_tokens"), params,
-              seed=field(body, "seed", "integer"), stop=stop_strings(body, "stop_sequences"), tools=tools is not None)
+              seed=seed(body), stop=stop_strings(body, "stop_sequences"), tools=tools is not None)
     return job, {"stream": field(body, "stream", "boolean", False)}
 
 

@@ -24,6 +24,28 @@ class _ClientGone(Exception):
     pass
 
 
+class _Events:
+    """A job's events, read with a timeout that never drops one: the pending get survives a
+    timeout (cancelling it, as asyncio.wait_for does, can lose an item that arrived meanwhile)."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._get: asyncio.Future | None = None
+
+    async def next(self, timeout: float):
+        if self._get is None:
+            self._get = asyncio.ensure_future(self.queue.get())
+        done, _ = await asyncio.wait({self._get}, timeout=timeout)
+        if not done:
+            return None
+        ev, self._get = self._get.result(), None
+        return ev
+
+    def close(self) -> None:
+        if self._get is not None:
+            self._get.cancel()
+
+
 def _sse(obj, event: str | None = None) -> str:
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -47,12 +69,12 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
-    def start(job) -> asyncio.Queue:
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    def start(job) -> _Events:
+        loop, events = asyncio.get_running_loop(), _Events()
 
         def send(kind, payload):
             try:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+                loop.call_soon_threadsafe(events.queue.put_nowait, (kind, payload))
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 job.cancelled.set()
 
@@ -60,17 +82,11 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
         service.submit(job)
         return events
 
-    async def next_event(events: asyncio.Queue, timeout: float):
-        try:
-            return await asyncio.wait_for(events.get(), timeout)
-        except asyncio.TimeoutError:
-            return None
-
-    async def result(request: Request, job, events: asyncio.Queue):
+    async def result(request: Request, job, events: _Events):
         """Waits for a non-streamed job; a client that goes away cancels it."""
         try:
             while True:
-                ev = await next_event(events, 1.0)
+                ev = await events.next(1.0)
                 if ev is None:
                     if await request.is_disconnected():
                         raise _ClientGone()
@@ -83,14 +99,15 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
                     raise ApiError(status, message, kind="server_error" if status >= 500 else "invalid_request_error")
         finally:
             job.cancelled.set()
+            events.close()
 
-    def stream(job, events: asyncio.Queue, head: list[str], on_text, on_done, on_error, ping: str):
+    def stream(job, events: _Events, head: list[str], on_text, on_done, on_error, ping: str):
         async def body():
             try:
                 for h in head:
                     yield h
                 while True:
-                    ev = await next_event(events, keepalive)
+                    ev = await events.next(keepalive)
                     if ev is None:
                         yield ping
                         continue
@@ -107,6 +124,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
                         return
             finally:  # finished, or the client disconnected mid-stream: stop generating
                 job.cancelled.set()
+                events.close()
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

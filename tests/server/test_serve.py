@@ -153,6 +153,7 @@ BAD = [
     ("/v1/chat/completions", {"model": "demo", "messages": MSG, "stream": "yes"}, None, 400, "stream"),
     ("/v1/chat/completions", {"model": "demo", "messages": MSG, "stop": [1]}, None, 400, "stop"),
     ("/v1/chat/completions", {"model": "demo", "messages": MSG, "n": 3}, None, 400, "n"),
+    ("/v1/chat/completions", {"model": "demo", "messages": MSG, "seed": -1}, None, 400, "seed"),
     ("/v1/chat/completions", {"model": "demo", "messages": MSG, "tools": [{"type": "function"}]}, None, 400, "tools"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, None, 400, "messages[0]"),

@@ -3,6 +3,7 @@ its greedy continuation of any prompt is a DeepSeek-V4 DSML tool call, which no 
 would write; everything between HTTP and the engine is the production code."""
 
 import json
+import time
 
 import pytest
 from fakes import ScriptEngine
@@ -109,3 +110,32 @@ def test_tool_call_arguments_are_decoded_greedily_at_high_temperature(server):
         ok += bool(calls)
     print(f"{ok}/16 sampled answers reached the tool call")
     assert ok >= 2
+
+
+class SlowPrefill(ScriptEngine):
+    def prefill(self, ids, on_chunk=None):
+        time.sleep(1.0)
+        return super().prefill(ids, on_chunk)
+
+
+def test_keep_alives_while_the_prompt_is_prefilled():
+    import http.client
+
+    meta = dict(synthetic_vocab(512))
+    meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"][0]
+    tok = Tokenizer.from_metadata(meta)
+    server = InProcessServer(Service(SlowPrefill(tok.encode("Hi there", add_bos=False), tok.n_vocab, tok.eos_id),
+                                     tok), "scripted", keepalive=0.2)
+    try:
+        for path, body, ping in (("/v1/chat/completions", {"model": "scripted", "messages": ASK, "stream": True,
+                                                           "temperature": 0}, ": keep-alive"),
+                                 ("/v1/messages", {"model": "scripted", "messages": ASK, "stream": True,
+                                                   "max_tokens": 20, "temperature": 0}, "event: ping")):
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+            conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+            lines = conn.getresponse().read().decode().splitlines()
+            conn.close()
+            first_text = next(i for i, x in enumerate(lines) if '"H' in x)  # the first piece of "Hi there"
+            assert lines[:first_text].count(ping) >= 3, lines[:first_text]
+    finally:
+        server.stop()
