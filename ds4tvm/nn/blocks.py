@@ -301,7 +301,6 @@ def sparse_window_attention(q: nn.Tensor, kv_ctx: nn.Tensor, comp: nn.Tensor | N
     def f(q_te, ctx, sk, s, *rest):
         comp_te = rest[0] if has_comp else None
         sel_te = rest[1] if use_sel else None
-        n, H = q_te.shape[0], q_te.shape[1]
         M = (sel_te.shape[1] if use_sel else comp_te.shape[0]) if has_comp else 0
         A = window + M
 

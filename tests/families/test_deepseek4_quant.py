@@ -6,7 +6,6 @@ test_kernels.py), so what remains is the float32 summation order, the same as in
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as QT
 
 from conftest import run_ds4, run_ds4_compile
 

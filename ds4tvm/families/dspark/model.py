@@ -102,7 +102,7 @@ class DSparkDrafter(nn.Module):
 
     def block(self, captured, tokens_embedded, start, rings):
         """r [B, D] for the B token rows of a proposal anchored at position start."""
-        c, b = self.cfg, self.cfg.block
+        b = self.cfg.block
         B = int(tokens_embedded.shape[0])
         mx = self.main_x(captured)                                        # [1, D]
         row0 = op.broadcast_to(op.reshape(mx, (1, 1, b.n_embd)), (1, b.hc, b.n_embd))
