@@ -96,18 +96,15 @@ def _lane_partial_sums(sch, block) -> None:
 
 
 def _schedule_attention(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
-    """Softmax-with-sinks attention (nn/blocks.py attend_with_sinks) and the indexer's dots:
-    q.k as 16-lane partial sums; p.v with the key slot outside the channel loop, so that each
-    value row is read once, contiguously."""
+    """Softmax-with-sinks attention (nn/blocks.py attend_with_sinks): q.k as 16-lane partial sums;
+    p.v with the key slot outside the channel loop, so that each value row is read once,
+    contiguously."""
     sch = s_tir.Schedule(func)
     try:
         blocks = {sch.get(b).name_hint: b for b in sch.get_child_blocks(sch.get_sblock("root"))}
     except Exception:  # noqa: BLE001 - no root block
         return None
     by_suffix = {name.rsplit("_", 1)[-1]: b for name, b in blocks.items()}
-    if "dot" in by_suffix and "score" in by_suffix:   # the lightning indexer
-        _lane_partial_sums(sch, by_suffix["dot"])
-        return sch.mod["main"]
     if not {"qk", "masked", "pv"} <= set(by_suffix):
         return None
     sch.compute_inline(by_suffix["masked"])
