@@ -14,7 +14,7 @@ from ..errors import Ds4Error
 from ..families import load_model
 from ..gguf import open_gguf
 from .targets import resolve
-from .toolchains import cuda_fatbin, prepare_cuda, prepare_rocm
+from .toolchains import cuda_fatbin, prepare
 
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                   "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
@@ -64,8 +64,7 @@ def _tokenizer_data(f) -> dict:
 def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_rounding: bool = True,
                  progress: bool = False, capture_layers: tuple[int, ...] = (), support: Path | None = None) -> Path:
     tgt_spec = resolve(target)
-    if tgt_spec.device == "cuda":
-        prepare_cuda()   # before TVM is imported (toolchains.py)
+    prepare(tgt_spec.device)   # for CUDA, before TVM is imported (toolchains.py)
     import tvm
 
     from ..families.deepseek4.model import parameter_sources, state_shapes, tensor_types
@@ -97,8 +96,6 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
     bad = [i for i in capture_layers if not 0 <= i < m.config.n_layers]
     if bad:
         raise Ds4Error(f"capture layers {bad} are outside 0..{m.config.n_layers - 1}")
-    if tgt_spec.device == "rocm":
-        prepare_rocm()
     phases = Phases(["validate", "build module", "export", "compile", "write artifact"], progress)
     try:
         phases.next()
@@ -173,10 +170,7 @@ def compile_shapes(target: str, bounds, out_dir: Path, progress: bool = False) -
     import resource
 
     tgt_spec = resolve(target)
-    if tgt_spec.device == "cuda":
-        prepare_cuda()
-    elif tgt_spec.device == "rocm":
-        prepare_rocm()
+    prepare(tgt_spec.device)
     from ..families.deepseek4.published import flash_config, flash_dspark_config, q2_recipe_type
     from ..families.deepseek4.tensors import tensor_specs
     from ..families.dspark.tensors import tensor_specs as dspark_specs

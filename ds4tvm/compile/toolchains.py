@@ -131,3 +131,11 @@ def prepare_rocm() -> None:
             return
     raise Ds4Error("rocm targets need the ROCm device libraries (amdgcn/bitcode/ocml.bc under $ROCM_PATH, "
                    "/opt/rocm or /usr/lib/<multiarch>; Debian: apt-get install rocm-device-libs)")
+
+
+def prepare(device: str) -> None:
+    """What compiling for `device` needs, set up (for CUDA: before TVM is imported)."""
+    if device == "cuda":
+        prepare_cuda()
+    elif device == "rocm":
+        prepare_rocm()

@@ -6,9 +6,10 @@ once per call into a one-row buffer shared by all the call's tokens; dense and e
 16 partial sums per output in one AVX-512 vector (the reduction split into strided lanes) and sum
 them at the end. On a Q8_0 4096x4096 GEMV this took one core from 0.59 to 9.4 GB/s; on the
 127M-parameter benchmark model decode went from 19 to 112 tok/s and prefill from 28 to 194 tok/s.
-The other kernels (attention, indexer, norms) run as written. Parallelising every kernel's outer
-spatial loops made decode slower (19 -> 15 tok/s; hundreds of tiny kernels per token pay the
-thread-pool launch), so threads are left for per-kernel decisions in the performance work.
+Linears reading at least PARALLEL_MIN_WEIGHTS split their rows over the cores; parallelising every
+kernel's outer loops made decode slower (hundreds of tiny kernels per token pay the thread-pool
+launch). Attention (softmax with sinks) computes q.k as 16-lane partial sums and p.v with the key
+slot outside the channel loop. Norms and elementwise kernels run as written.
 Operator fusion is left out on purpose: TVM's own CPU default omits it because it may drop
 side-effecting calls (the in-place state writes here), and the schedules below match unfused kernels."""
 
@@ -71,7 +72,7 @@ def _schedule_expert_matmul(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc 
     except Exception:  # noqa: BLE001 - not one of ours
         return None
     t, j, n = sch.get_loops(mm)[:3]
-    rows, k = _extent(sch, n) or 0, 0
+    rows = _extent(sch, n) or 0
     outer = sch.fuse(t, j, n)
     sch.compute_at(part, outer)
     pl = sch.get_loops(part)                     # (t, j, n), lane, ko
@@ -101,10 +102,10 @@ def _schedule_attention(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     contiguously."""
     sch = s_tir.Schedule(func)
     try:
-        blocks = {sch.get(b).name_hint: b for b in sch.get_child_blocks(sch.get_sblock("root"))}
+        by_suffix = {sch.get(b).name_hint.rsplit("_", 1)[-1]: b
+                     for b in sch.get_child_blocks(sch.get_sblock("root"))}
     except Exception:  # noqa: BLE001 - no root block
         return None
-    by_suffix = {name.rsplit("_", 1)[-1]: b for name, b in blocks.items()}
     if not {"qk", "masked", "pv"} <= set(by_suffix):
         return None
     sch.compute_inline(by_suffix["masked"])
