@@ -1,45 +1,109 @@
-"""The GPU check behind scripts/device_check.sh (run that): on a machine with an NVIDIA GPU,
-compile for the GPU found, compare the tiny model's logits with the CPU artifact's, then time
-decode and verify(k) on a DeepSeek-V4-shaped random model large enough to keep the GPU busy, and
-report tokens/s and the weight bandwidth reached as a fraction of the device's own copy bandwidth.
-Nothing is fetched from the network. Prints a table and writes JSON to --out."""
+"""The GPU check behind scripts/device_check.sh, in two phases so that the GPU machine needs only
+TVM's runtime:
+
+  prepare DIR --arch sm_90   (any machine with ds4tvm and TVM's compiler)
+      builds the demo DeepSeek-V4 + DSpark pair, compiles it for the GPU, records the CPU
+      artifact's logits (prefill, decode, verify) and greedy DSpark tokens as the reference, and
+      compiles a larger DeepSeek-V4-shaped random model for the GPU (its GGUF is written again
+      from the same seed by `check`, so DIR stays small enough to carry);
+  check DIR                  (the machine with the NVIDIA GPU)
+      compares the GPU's logits and tokens with the reference, then times prefill, decode and
+      verify(k) on the larger model and reports the weight bandwidth a decode step reaches as a
+      fraction of the device's own copy bandwidth. Prints a table; JSON goes to --out.
+Nothing is fetched from the network."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-
-def run_cli(*args: str, compile_: bool = False) -> subprocess.CompletedProcess:
-    entry = "compile_main" if compile_ else "main"
-    r = subprocess.run([sys.executable, "-c", f"from ds4tvm.cli import {entry}; {entry}()", *map(str, args)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"device_check: {' '.join(map(str, args))} failed:\n{r.stderr[-2000:]}")
-    return r
+PROMPT_IDS_SEED = 0
+N_SPEC = 64
 
 
-def gpu_arch() -> str:
-    import tvm
-
-    dev = tvm.cuda(0)
-    if not dev.exist:
-        raise SystemExit("device_check: TVM sees no CUDA device")
-    return "sm_" + dev.compute_version.replace(".", "")
+def tiny_ids(vocab: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(PROMPT_IDS_SEED).integers(4, min(vocab, 500), 40)]
 
 
-def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
+def all_logits(engine, ids: list[int]) -> dict[str, np.ndarray]:
+    """Logits of every token of ids from one prefill, token-by-token decode, and verify blocks."""
+    out = {}
+    engine.reset()
+    out["prefill"] = engine.prefill(ids, all_logits=True)
+    engine.reset()
+    out["decode"] = np.stack([engine.decode(t) for t in ids])
+    engine.reset()
+    parts = []
+    for i in range(0, len(ids), engine.max_verify):
+        part = ids[i:i + engine.max_verify]
+        parts.append(engine.verify(part))
+        engine.commit(len(part))
+    out["verify"] = np.concatenate(parts)
+    return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+def speculative_tokens(engine, prompt: list[int]) -> tuple[list[int], dict]:
+    from ds4tvm.runtime.drafters.dspark import DSparkDrafter
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+
+    engine.reset()
+    toks, stats = generate(engine, prompt, N_SPEC, SamplingParams(temperature=0.0), np.random.default_rng(0),
+                           drafter=DSparkDrafter(engine))
+    return toks, {"proposed": stats.proposed, "accepted": stats.accepted_draft, "tok_s": stats.generated / stats.seconds}
+
+
+def big_config():
+    from ds4tvm.families.deepseek4.random_model import tiny_config
+
+    return tiny_config(n_layers=8, n_embd=2048, n_vocab=32768, n_head=16, head_dim=512, n_rot=64,
+                       q_lora_rank=1024, o_lora_rank=1024, o_groups=4, n_expert=16, n_expert_used=6,
+                       n_ff_exp=512, idx_n_head=16, idx_head_dim=128, idx_top_k=64, sliding_window=128,
+                       compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128), n_hash_layers=1)
+
+
+def write_big(path: Path) -> Path:
+    from gguf import GGMLQuantizationType as QT
+
+    from ds4tvm.families.deepseek4.random_model import default_type, write_random_deepseek4
+    from ds4tvm.gguf.validate import DENSE, EMBED, ROUTED
+
+    def type_of(s):
+        return QT.Q8_0 if s.types in (DENSE, ROUTED, EMBED) and s.shape[0] % 32 == 0 else default_type(s)
+
+    return write_random_deepseek4(path, big_config(), seed=9, type_of=type_of)
+
+
+def prepare(work: Path, arch: str) -> None:
+    from ds4tvm.compile.toolchains import prepare as prepare_toolchain
+
+    prepare_toolchain("cuda")   # before TVM is first imported
+    from ds4tvm.artifact import Bounds
+    from ds4tvm.compile.driver import compile_gguf
+    from ds4tvm.demo import build_demo
+    from ds4tvm.runtime.engine import Engine
+
+    work.mkdir(parents=True, exist_ok=True)
+    model, support, art, prompt = build_demo(work / "demo", progress=False)
+    cpu = Engine(art)
+    ref = all_logits(cpu, tiny_ids(cpu.n_vocab))
+    toks, _ = speculative_tokens(cpu, prompt)
+    np.savez(work / "reference.npz", tokens=np.array(toks), prompt=np.array(prompt), **ref)
+    bounds = Bounds(max_context=512, max_verify=8, prefill_chunk=256)
+    compile_gguf(model, f"cuda:{arch}", work / "demo-cuda", bounds, support=support)
+    big = write_big(work / "big.gguf")
+    compile_gguf(big, f"cuda:{arch}", work / "big-cuda", Bounds(max_context=1024, max_verify=16, prefill_chunk=256))
+    big.unlink()   # `check` writes it again from the seed (the manifest's fingerprint must match)
+
+
+def copy_bandwidth(dev, nbytes: int = 1 << 30, repeats: int = 10) -> float:
     """Device-to-device copy, bytes read + written per second (the ceiling to compare with)."""
     import tvm
 
-    dev = tvm.cuda(0)
     a = tvm.runtime.empty((nbytes // 4,), "float32", dev)
     b = tvm.runtime.empty((nbytes // 4,), "float32", dev)
     a.copyto(b)
@@ -51,84 +115,125 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
     return 2 * nbytes * repeats / (time.perf_counter() - t)
 
 
-def logits_check(work: Path, arch: str) -> dict:
-    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
-
-    model = write_random_deepseek4(work / "tiny.gguf", tiny_config(), seed=5)
-    tokens = ",".join(str(t) for t in np.random.default_rng(0).integers(4, 500, 40))
-    out = {}
-    for name, target in (("cpu", "cpu"), ("gpu", f"cuda:{arch}")):
-        run_cli(model, "--target", target, "-o", work / f"tiny-{name}", "--max-context", "512", "--quiet",
-                compile_=True)
-        for mode in ("prefill", "decode", "verify"):
-            run_cli("logits", "-m", work / f"tiny-{name}", "--tokens", tokens, "--mode", mode, "--out",
-                    work / f"{name}-{mode}.npy")
-    for mode in ("prefill", "decode", "verify"):
-        a, b = np.load(work / f"cpu-{mode}.npy"), np.load(work / f"gpu-{mode}.npy")
-        out[mode] = {"max_abs_diff": float(np.abs(a - b).max()),
-                     "argmax_equal": int((a.argmax(-1) == b.argmax(-1)).sum()), "rows": int(a.shape[0])}
-    return out
+def timed(fn, repeats: int) -> float:
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
 
 
-def speed_check(work: Path, arch: str, n_layers: int, gen: int) -> dict:
-    from gguf import GGMLQuantizationType as QT
-
-    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+def check(work: Path, gen: int) -> dict:
     from ds4tvm.gguf import open_gguf
-    from ds4tvm.gguf.validate import DENSE
     from ds4tvm.runtime.engine import Engine
     from ds4tvm.runtime.speculative import verify_cost
 
-    cfg = tiny_config(n_layers=n_layers, n_embd=2048, n_vocab=32768, n_head=16, head_dim=512, n_rot=64,
-                      q_lora_rank=1024, o_lora_rank=1024, o_groups=4, n_expert=64, n_expert_used=6,
-                      n_ff_exp=1024, idx_n_head=16, idx_head_dim=128, idx_top_k=64, sliding_window=128,
-                      compress_ratios=(0, 0, 4, 128), n_hash_layers=1)
-    q8 = lambda s: QT.Q8_0 if s.types == DENSE and s.shape[0] % 32 == 0 else None  # noqa: E731
-    from ds4tvm.families.deepseek4.random_model import default_type
+    report = {}
+    demo = work / "demo"
+    gpu = Engine(work / "demo-cuda", gguf_path=demo / "ds4-demo-tiny-deepseek4.gguf",
+                 support_path=demo / "ds4-demo-tiny-dspark.gguf")
+    report["device"] = str(gpu.dev)
+    ref = np.load(work / "reference.npz")
+    got = all_logits(gpu, tiny_ids(gpu.n_vocab))
+    report["logits_vs_cpu"] = {
+        mode: {"max_abs_diff": float(np.abs(got[mode] - ref[mode]).max()),
+               "max_abs_logit": float(np.abs(ref[mode]).max()),
+               "argmax_equal": int((got[mode].argmax(-1) == ref[mode].argmax(-1)).sum()),
+               "rows": int(ref[mode].shape[0])} for mode in ("prefill", "decode", "verify")}
+    toks, stats = speculative_tokens(gpu, [int(t) for t in ref["prompt"]])
+    want = [int(t) for t in ref["tokens"]]
+    report["dspark_greedy"] = {"tokens": len(want), "equal_prefix": next(
+        (i for i, (a, b) in enumerate(zip(toks, want)) if a != b), min(len(toks), len(want))), **stats}
 
-    model = write_random_deepseek4(work / "big.gguf", cfg, seed=9,
-                                   type_of=lambda s: q8(s) or (QT.Q8_0 if "exps" in s.name else default_type(s)))
-    f = open_gguf(model)
+    t = time.perf_counter()
+    big = write_big(work / "big.gguf")
+    report["big_gguf_seconds"] = round(time.perf_counter() - t, 1)
+    f = open_gguf(big)
+    cfg = big_config()
     weight_bytes = sum(t.n_bytes for t in f.tensors.values())
     expert_bytes = sum(t.n_bytes for n, t in f.tensors.items() if "_exps" in n)
-    per_token = weight_bytes - expert_bytes * (1 - cfg.n_expert_used / cfg.n_expert)
-    run_cli(model, "--target", f"cuda:{arch}", "-o", work / "big-gpu", "--max-context", "1024", "--quiet",
-            compile_=True)
-    engine = Engine(work / "big-gpu")
-    engine.prefill(list(range(4, 132)))
-    tok = 7
+    embd_bytes = f.tensors["token_embd.weight"].n_bytes
+    per_token = weight_bytes - embd_bytes - expert_bytes * (1 - cfg.n_expert_used / cfg.n_expert)
+    engine = Engine(work / "big-cuda", gguf_path=big)
+    report["copy_bandwidth_gb_s"] = round(copy_bandwidth(engine.dev) / 1e9, 1)
+    prompt = list(range(4, 260))
+
+    def prefill():
+        engine.reset()
+        engine.prefill(prompt)
+
+    prefill()
+    t_prefill = timed(prefill, 3)
     for _ in range(4):   # warm-up
-        engine.decode(tok)
+        engine.decode(7)
     t = time.perf_counter()
     for _ in range(gen):
-        engine.decode(tok)
+        engine.decode(7)
     dt = (time.perf_counter() - t) / gen
-    return {"weights_gib": round(weight_bytes / 2**30, 2), "bytes_per_token_gib": round(per_token / 2**30, 3),
-            "decode_tok_s": round(1 / dt, 1), "decode_weight_gb_s": round(per_token / dt / 1e9, 1),
-            "verify_cost_vs_decode": {k: round(v, 2) for k, v in verify_cost(engine, max_k=8).items()}}
+    report["speed"] = {
+        "weights_gib": round(weight_bytes / 2**30, 2), "bytes_per_token_gib": round(per_token / 2**30, 3),
+        "prefill_tokens": len(prompt), "prefill_tok_s": round(len(prompt) / t_prefill, 1),
+        "decode_tok_s": round(1 / dt, 1), "decode_weight_gb_s": round(per_token / dt / 1e9, 1),
+        "bandwidth_fraction": round(per_token / dt / 1e9 / report["copy_bandwidth_gb_s"], 4),
+        "verify_cost_vs_decode": {k: round(v, 2) for k, v in verify_cost(engine, max_k=8).items()}}
+    report["decode_profile"] = decode_profile(engine)
+    return report
+
+
+def decode_profile(engine, top: int = 20) -> list[list]:
+    """Per-kernel time of one decode step through the VM's instrument hook (a device sync around
+    every call, so the sum exceeds a plain step): [name, calls, ms], largest first."""
+    import collections
+
+    times, calls, start = collections.defaultdict(float), collections.Counter(), [0.0]
+
+    def hook(func, name, before_run, ret_val, *args):
+        engine.dev.sync()
+        if before_run:
+            start[0] = time.perf_counter()
+        else:
+            times[name] += time.perf_counter() - start[0]
+            calls[name] += 1
+        return 0   # run the call as usual
+
+    engine.vm.set_instrument(hook)
+    engine.decode(7)
+    times.clear()
+    calls.clear()
+    engine.decode(7)
+    rows = sorted(([n, calls[n], round(t * 1e3, 3)] for n, t in times.items()), key=lambda r: -r[2])
+    return [["all", sum(calls.values()), round(sum(times.values()) * 1e3, 3)]] + rows[:top]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("phase", choices=("prepare", "check"))
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--arch", default="sm_90", help="prepare: the GPU architecture to compile for")
     ap.add_argument("--out", type=Path, default=Path("device_check.json"))
-    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--gen", type=int, default=64)
     a = ap.parse_args()
-    arch = gpu_arch()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        report = {"arch": arch, "copy_bandwidth_gb_s": round(copy_bandwidth() / 1e9, 1)}
-        report["logits_vs_cpu"] = logits_check(work, arch)
-        report["speed"] = speed_check(work, arch, a.layers, a.gen)
-    s = report["speed"]
-    s["bandwidth_fraction"] = round(s["decode_weight_gb_s"] / report["copy_bandwidth_gb_s"], 3)
-    a.out.write_text(json.dumps(report, indent=1))
-    print(f"GPU {arch}: copy bandwidth {report['copy_bandwidth_gb_s']} GB/s")
-    for mode, r in report["logits_vs_cpu"].items():
-        print(f"tiny model {mode:8s} max|Δ| vs CPU {r['max_abs_diff']:.3e}, argmax equal {r['argmax_equal']}/{r['rows']}")
-    print(f"random DeepSeek-V4-shaped model ({s['weights_gib']} GiB): decode {s['decode_tok_s']} tok/s, "
-          f"{s['decode_weight_gb_s']} GB/s of weights = {s['bandwidth_fraction']:.1%} of copy bandwidth")
+    if a.phase == "prepare":
+        prepare(a.dir, a.arch)
+        print(f"device_check: prepared {a.dir}")
+        return
+    r = check(a.dir, a.gen)
+    a.out.write_text(json.dumps(r, indent=1))
+    print(f"device {r['device']}: copy bandwidth {r['copy_bandwidth_gb_s']} GB/s")
+    for mode, x in r["logits_vs_cpu"].items():
+        print(f"demo model {mode:8s} max|d| vs CPU {x['max_abs_diff']:.3e} (logits up to {x['max_abs_logit']:.2f}), "
+              f"argmax equal {x['argmax_equal']}/{x['rows']}")
+    d = r["dspark_greedy"]
+    print(f"DSpark greedy: first {d['equal_prefix']}/{d['tokens']} tokens equal to the CPU's; "
+          f"accepted {d['accepted']}/{d['proposed']} drafts; {d['tok_s']:.1f} tok/s")
+    s = r["speed"]
+    print(f"DeepSeek-V4-shaped Q8_0 model ({s['weights_gib']} GiB, {s['bytes_per_token_gib']} GiB read per token): "
+          f"prefill {s['prefill_tok_s']} tok/s ({s['prefill_tokens']} tokens), decode {s['decode_tok_s']} tok/s, "
+          f"{s['decode_weight_gb_s']} GB/s = {s['bandwidth_fraction']:.2%} of copy bandwidth")
     print("verify(k) / decode: " + " ".join(f"k={k}:{v}" for k, v in s["verify_cost_vs_decode"].items()))
+    for name, n, ms in r["decode_profile"]:
+        print(f"  {ms:9.3f} ms {n:6d} calls  {name}")
 
 
 if __name__ == "__main__":

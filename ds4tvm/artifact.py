@@ -17,6 +17,14 @@ MANIFEST = "manifest.json"
 _FINGERPRINT_SPAN = 8 << 20
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The shapes an artifact is compiled for: context length, widest verify, prefill chunk."""
+    max_context: int = 4096
+    max_verify: int = 16
+    prefill_chunk: int = 256
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -145,7 +145,7 @@ def _threads(n: int | None) -> None:
 
 
 def _bounds(max_context: int, max_verify: int, prefill_chunk: int):
-    from .families.deepseek4.model import Bounds
+    from .artifact import Bounds
 
     return Bounds(max_context=max_context, max_verify=max_verify, prefill_chunk=prefill_chunk)
 
@@ -294,7 +294,8 @@ def _speculative_engine(model, mtp, dspark, dspark_confidence, dspark_strict, qu
     speculate = dspark or dspark_confidence is not None or dspark_strict
     if speculate and mtp is None and model.is_file() and model.suffix != ".tar":
         raise Ds4Error("--dspark needs the DSpark support file: pass --mtp SUPPORT.gguf")
-    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=progress, support=mtp)
+    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=progress, support=mtp,
+                         lean=True)
     if not speculate:
         return engine, None
     if engine.draft is None:
@@ -362,7 +363,7 @@ def logits(model: Path = typer.Option(..., "-m", "--model", help="artifact direc
     ids = parse_ids(tokens, "--tokens")
     if not ids:
         raise Ds4Error("--tokens: no token ids given")
-    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=False)
+    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=False, lean=True)
     if len(ids) > engine.max_context:
         raise Ds4Error(f"{len(ids)} tokens exceed the compiled context of {engine.max_context}")
     if mode == "prefill":
@@ -404,7 +405,8 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
             raise Ds4Error(f"{flag} {v}: expected a value >= {lo}")
     if verify_k > 16:
         raise Ds4Error(f"--verify-k {verify_k}: expected 1..16")
-    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=not as_json, support=mtp)
+    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=not as_json, support=mtp,
+                         lean=True)
     if prompt_len + 16 >= engine.max_context:
         raise Ds4Error(f"--prompt-len {prompt_len} leaves no room in the compiled context of {engine.max_context}")
     factory = None

@@ -59,7 +59,7 @@ def build_demo(out_dir: Path, progress: bool = True):
     Returns (model path, support path, artifact dir, the demo prompt's token ids)."""
     from .compile.driver import compile_gguf
     from .families.deepseek4.config import Config
-    from .families.deepseek4.model import Bounds
+    from .artifact import Bounds
     from .families.dspark.agreeing import write_markov_dspark
     from .gguf import open_gguf
     from .runtime.chat import chat_prompt_ids

@@ -18,6 +18,8 @@ import json
 import os
 import platform
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -192,14 +194,42 @@ def _unpack(tar_path: Path) -> Path:
     return out
 
 
+def host_cpu() -> str:
+    """LLVM's name for this CPU (what `-mcpu` a package's CPU target must have been built for).
+    Only TVM's compiler library can ask LLVM; a process that loaded TVM's runtime alone asks a
+    child process once and keeps the answer in the cache, keyed by what /proc/cpuinfo says."""
+    import tvm
+
+    if not tvm.base._RUNTIME_ONLY:
+        from tvm.target import codegen
+
+        return codegen.llvm_get_system_cpu()
+    from .runtime.loader import cache_root
+
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = platform.processor()
+    key = hashlib.sha256(f"{cpuinfo}{host_machine()}{tvm.__version__}".encode()).hexdigest()[:16]
+    memo = cache_root().parent / "host-cpu" / key
+    if memo.is_file():
+        return memo.read_text().strip()
+    env = {k: v for k, v in os.environ.items() if k != "TVM_USE_RUNTIME_LIB"}
+    r = subprocess.run([sys.executable, "-c", "from tvm.target import codegen; print(codegen.llvm_get_system_cpu())"],
+                       capture_output=True, text=True, env=env)
+    if r.returncode != 0 or not r.stdout.strip():
+        raise Ds4Error(f"could not ask LLVM for this machine's CPU name: {r.stderr.strip()[-300:]}")
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(r.stdout.strip())
+    return r.stdout.strip()
+
+
 def pick_target(meta: dict, source: Path) -> dict:
     """The package's target this machine runs: a GPU target for the GPU here, else the one built for
     this CPU, else generic code for this architecture."""
-    from tvm.target import codegen
-
     from .runtime.engine import probe_device
 
-    cpu, machine = codegen.llvm_get_system_cpu(), host_machine()
+    cpu, machine = host_cpu(), host_machine()
 
     def rank(t: dict) -> int:   # 0: cannot run here
         if t.get("device") == "cpu":

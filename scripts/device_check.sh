@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# GPU check: compiles for the NVIDIA GPU found, compares the tiny model's logits with the CPU
-# artifact's, and times decode and verify(k) on a DeepSeek-V4-shaped random model (tokens/s and the
-# weight bandwidth reached, as a fraction of the device's copy bandwidth). Installs nothing: run it
-# from an environment where ds4tvm is installed (PYTHON=/path/to/python to choose it). Prints a
-# table; JSON goes to ${DEVICE_CHECK_OUT:-device_check.json}. Bounded to 8 minutes.
+# GPU check (benchmarks/device_check.py): builds the demo DeepSeek-V4 + DSpark pair and a larger
+# random DeepSeek-V4-shaped model for the NVIDIA GPU found, compares the GPU's logits and greedy
+# DSpark tokens with the CPU's, and times prefill, decode and verify(k) (tokens/s, and the weight
+# bandwidth reached as a fraction of the device's copy bandwidth). Installs nothing: run it where
+# ds4tvm and TVM are installed (PYTHON=/path/to/python to choose). Prints a table; JSON goes to
+# ${DEVICE_CHECK_OUT:-device_check.json}. Bounded to 8 minutes.
+# On a GPU machine that has TVM's runtime only, run the phases apart: `device_check.py prepare DIR
+# --arch sm_XX` on a machine with TVM's compiler, then `device_check.py check DIR` on the GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -16,4 +19,8 @@ if ! "$PYTHON" -c "import ds4tvm, tvm" 2> /dev/null; then
     echo "device_check: $PYTHON cannot import ds4tvm and tvm; install the project first (pip install -e .)" >&2
     exit 2
 fi
-exec timeout 480 "$PYTHON" benchmarks/device_check.py --out "${DEVICE_CHECK_OUT:-device_check.json}" "$@"
+ARCH="sm_$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+timeout 480 bash -c "\"$PYTHON\" benchmarks/device_check.py prepare \"$WORK\" --arch $ARCH &&
+    \"$PYTHON\" benchmarks/device_check.py check \"$WORK\" --out \"${DEVICE_CHECK_OUT:-device_check.json}\" $*"

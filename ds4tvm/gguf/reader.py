@@ -6,6 +6,7 @@ fault, so that the CLI can print it and exit 2 instead of showing a numpy or str
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -139,6 +140,14 @@ class GGUFFile:
                 int(t.n_bytes), int(t.data_offset), t.data)
         # ds4 treats a file without general.architecture as deepseek4.
         self.architecture = self.get("general.architecture", "str", default="deepseek4")
+
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident memory once the weights have been
+        made into planes or copied to the device: they stay in the page cache and are read again
+        if touched, but no longer count twice in the process's footprint."""
+        m = getattr(self._reader.data, "_mmap", None)
+        if m is not None and hasattr(mmap, "MADV_DONTNEED"):
+            m.madvise(mmap.MADV_DONTNEED)
 
     def _check_header(self) -> None:
         if not self.path.exists():

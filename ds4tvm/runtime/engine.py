@@ -20,9 +20,26 @@ from ..gguf import open_gguf
 from ..gguf.quant import ALIGN, to_planes
 
 
+def _runtime_sidecars(kind: str) -> None:
+    """With TVM's runtime alone (loader.runtime_only_tvm), TVM registers neither the built-ins of
+    its extra library (sort, top-k, used by the sampling kernels) nor a GPU's device API: load the
+    libraries that hold them, as a full import of TVM does."""
+    import tvm
+    from tvm_ffi.libinfo import load_lib_ctypes
+
+    if not tvm.base._RUNTIME_ONLY:
+        return
+    lib_dir = Path(tvm.base._LOADED_LIBS["tvm_runtime"]._name).resolve().parent
+    for name in ("tvm_runtime_extra", f"tvm_runtime_{kind}"):
+        if name not in tvm.base._LOADED_LIBS and (lib_dir / f"lib{name}.so").is_file():
+            tvm.base._LOADED_LIBS[name] = load_lib_ctypes("tvm", name, "RTLD_LOCAL", extra_lib_paths=[lib_dir])
+
+
 def probe_device(kind: str):
     """(TVM device, its architecture or None) for cpu | cuda | rocm | metal; None when absent."""
     import tvm
+
+    _runtime_sidecars(kind)
 
     if kind == "cpu":
         return tvm.cpu(), None
@@ -53,7 +70,7 @@ class Engine:
                  support_path: str | Path | None = None):
         import tvm
         import tvm_ffi
-        from tvm import relax
+        from tvm.runtime.vm import VirtualMachine
 
         self._tvm, self._Shape = tvm, tvm_ffi.Shape
         self.dir = Path(artifact_dir)
@@ -78,8 +95,11 @@ class Engine:
         # unset it used one thread on this 2-core machine. Default: every core this process may use.
         os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
         lib = tvm.runtime.load_module(str(self.dir / m.library))
-        self.vm = relax.VirtualMachine(lib, self.dev)
+        self.vm = VirtualMachine(lib, self.dev)
         self.params = self._bind_params()
+        for g in (self.gguf, self.draft_gguf):
+            if g is not None:
+                g.release_pages()
         self.states = [tvm.runtime.empty(tuple(shape), "float32", self.dev) for _, shape in m.states]
         self.rings = [tvm.runtime.empty(tuple(shape), "float32", self.dev)
                       for _, shape in (self.draft["rings"] if self.draft else [])]

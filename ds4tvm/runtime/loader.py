@@ -5,9 +5,11 @@ fingerprint, the target, the bounds and the versions."""
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from .. import __version__
@@ -19,22 +21,41 @@ def cache_root() -> Path:
     return Path(os.environ.get("DS4TVM_CACHE", Path.home() / ".cache" / "ds4tvm")) / "artifacts"
 
 
-def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding: bool = True,
-                progress: bool = True, support: str | Path | None = None):
-    import tvm
+def tvm_version() -> str:
+    """The installed TVM's version, without importing TVM."""
+    return importlib.metadata.version("apache-tvm")
 
-    from ..compile.driver import compile_gguf
-    from ..families.deepseek4.model import Bounds
+
+def runtime_only_tvm() -> None:
+    """Running compiled code needs TVM's runtime library (3 MB) and not its compiler (250 MB, about
+    100 MB of it resident once imported). Takes effect only if TVM is not imported yet, and then
+    for the whole process, so only callers that will not compile (the CLI, after deciding) ask."""
+    if "tvm" not in sys.modules:
+        os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+        # tvm_ffi imports PyTorch whenever it is installed (for its tensor exchange, which ds4 does
+        # not use): 200 MB resident and 2 s. Marking it absent makes that import fail fast.
+        sys.modules.setdefault("torch", None)
+
+
+def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding: bool = True,
+                progress: bool = True, support: str | Path | None = None, lean: bool = False):
+    """An Engine for an artifact directory, a package, or a GGUF (compiled on first use, cached).
+    lean: when nothing needs compiling, load TVM's runtime alone (the CLI's choice; see
+    runtime_only_tvm)."""
+    from ..artifact import Bounds
+    from ..package import is_package, open_package
     from .engine import Engine
 
     path = Path(model)
-    from ..package import is_package, open_package
-
     if is_package(path):
         if support is not None:
             raise Ds4Error(f"{path}: a package brings its own DSpark support file; drop --mtp")
+        if lean:
+            runtime_only_tvm()
         return open_package(path)
     if path.is_dir():  # an artifact's bounds and drafter were fixed when it was compiled
+        if lean:
+            runtime_only_tvm()
         engine = Engine(path)
         if support is not None and (engine.draft is None or
                                     Path(engine.draft["gguf_path"]).resolve() != Path(support).resolve()):
@@ -46,13 +67,17 @@ def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding
     if support is not None and not Path(support).is_file():
         raise Ds4Error(f"{support}: no such support file")
     key = json.dumps([file_fingerprint(path), os.path.getsize(path), target, bounds.max_context, bounds.max_verify,
-                      bounds.prefill_chunk, kv_rounding, tvm.__version__, __version__,
+                      bounds.prefill_chunk, kv_rounding, tvm_version(), __version__,
                       file_fingerprint(Path(support)) if support else None])
     out = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24]
     if not (out / MANIFEST).is_file():
+        from ..compile.driver import compile_gguf
+
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         compile_gguf(path, target, tmp, bounds, kv_rounding=kv_rounding, progress=progress, support=support)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
+    elif lean:
+        runtime_only_tvm()
     return Engine(out, gguf_path=path)

@@ -164,7 +164,7 @@ def test_capture_of_layer_outputs(case, tmp_path):
     from transformers import DeepseekV4ForCausalLM
 
     from ds4tvm.compile.driver import compile_gguf
-    from ds4tvm.families.deepseek4.model import Bounds
+    from ds4tvm.artifact import Bounds
     from ds4tvm.runtime.engine import Engine
 
     art, ids, ref = case

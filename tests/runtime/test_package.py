@@ -88,3 +88,29 @@ def test_package_without_a_target_for_this_machine_names_its_targets(package, tm
     r = run_ds4("run", "-m", copy, "-p", "hi", "-n", 2)
     assert r.returncode == 2
     assert "no target for this machine" in r.stderr and "llvm (cpu, riscv64)" in r.stderr, r.stderr
+
+
+def test_lean_load_uses_tvm_runtime_alone_and_gives_the_same_logits(package, demo_pair, tmp_path):
+    """open_engine(lean=True), as the CLI calls it, loads only TVM's runtime library (no compiler,
+    no PyTorch) and still picks the package's target for this CPU; the logits equal those of a
+    process that imported the whole of TVM."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    snippet = ("import sys, numpy as np; from ds4tvm.runtime.loader import open_engine; "
+               "e = open_engine(sys.argv[1], lean=sys.argv[2] == '1'); "
+               "np.save(sys.argv[3], e.prefill([5, 6, 7, 8, 9], all_logits=True)); import tvm; "
+               "print(tvm.base._RUNTIME_ONLY, 'tvm_compiler' in tvm.base._LOADED_LIBS, "
+               "sys.modules.get('torch') is not None, e.dir.name)")
+    out = {}
+    for lean in ("1", "0"):
+        r = subprocess.run([sys.executable, "-c", snippet, str(package), lean, str(tmp_path / f"{lean}.npy")],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        out[lean] = r.stdout.split()
+    assert out["1"][:3] == ["True", "False", "False"]
+    assert out["0"][:2] == ["False", "True"]
+    assert out["1"][3] == out["0"][3]           # the same target chosen (the host CPU's)
+    np.testing.assert_array_equal(np.load(tmp_path / "1.npy"), np.load(tmp_path / "0.npy"))

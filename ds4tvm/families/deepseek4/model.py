@@ -10,26 +10,19 @@ rewritten, so commit and rollback are counter changes in the runtime.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as QT
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from ...artifact import Bounds
 from ...nn.blocks import (emit_rows, gather_context, hc_head, hc_post, hc_pre, indexer_select, pooled_window,
                           ring_write, rms, rope, rope_inv_freq, sparse_window_attention)
 from ...nn.qweight import QWeight
 from ...nn.rounding import fp8_round_rows, hadamard_fp4
 from .config import Config
 from .tensors import tensor_specs
-
-
-@dataclass(frozen=True)
-class Bounds:
-    max_context: int = 4096
-    max_verify: int = 16
-    prefill_chunk: int = 256
 
 
 def state_shapes(cfg: Config, b: Bounds) -> list[tuple[str, tuple[int, int]]]:
