@@ -16,16 +16,16 @@ def config():
                        compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128))
 
 
+def type_of(spec, kind: str):
+    """Q8_0 or F16 for the dense, routed and embedding matrices; the rest as the demo has them."""
+    if spec.types in (DENSE, ROUTED, EMBED) and spec.shape[0] % 32 == 0:
+        return QT.Q8_0 if kind == "q8_0" else QT.F16
+    return default_type(spec)
+
+
 def main():
     out, kind = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "q8_0")
-    q = QT.Q8_0 if kind == "q8_0" else QT.F16
-
-    def type_of(spec):
-        if spec.types in (DENSE, ROUTED, EMBED) and spec.shape[0] % 32 == 0:
-            return q
-        return default_type(spec)
-
-    path = write_random_deepseek4(out, config(), seed=50, type_of=type_of, progress=True)
+    path = write_random_deepseek4(out, config(), seed=50, type_of=lambda s: type_of(s, kind), progress=True)
     from ds4tvm.gguf import open_gguf
     print(f"{path}: {open_gguf(path).n_params() / 1e6:.1f}M parameters")
 

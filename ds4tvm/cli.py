@@ -448,6 +448,12 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                   shapes_only: bool = typer.Option(False, "--shapes-only",
                                                    help="compile DeepSeek-V4-Flash + DSpark at the published "
                                                         "shapes without weights (no MODEL); report time and memory"),
+                  tune: int = typer.Option(0, "--tune", metavar="TRIALS",
+                                           help="tune the static-shape linears with meta-schedule on this CPU, "
+                                                "TRIALS candidates each; winners are saved to --records"),
+                  records: Optional[Path] = typer.Option(None, "--records",
+                                                         help="tuning database directory to apply and tune into "
+                                                              "(default: ds4tvm/schedules/tuned/<target>)"),
                   quiet: bool = typer.Option(False, "--quiet", help="no progress bar")):
     """Compile MODEL (and its DSpark drafter) for TARGET into an artifact directory or a package."""
     import shutil
@@ -477,6 +483,10 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
     if package is not None and out is not None:
         raise Ds4Error("give either -o/--out (an artifact directory) or --package, not both")
     bounds = _bounds(max_context, max_verify, prefill_chunk)
+    if not 0 <= tune <= 100000:
+        raise Ds4Error(f"--tune {tune}: expected a number of trials per kernel, 0..100000")
+    if records is not None and records.exists() and not records.is_dir():
+        raise Ds4Error(f"--records {records}: not a directory")
     if shapes_only:
         from .compile.driver import compile_shapes
 
@@ -486,7 +496,10 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
     if package is None:
         out = out or Path(f"{model.stem}-{resolve(targets[0]).name}.ds4tvm")
         compile_gguf(model, targets[0], out, bounds, kv_rounding=not no_kv_rounding, progress=not quiet,
-                     support=mtp)
+                     support=mtp, tune_trials=tune, records=records)
+        if tune:
+            for line in json.loads((out / "manifest.json").read_text())["extra"]["tuning"]:
+                typer.echo(json.dumps(line))
         typer.echo(f"wrote {out}")
         return
     from .package import build_package
@@ -494,7 +507,7 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
     work = Path(tempfile.mkdtemp(prefix=".ds4-package-", dir=package.resolve().parent))
     try:
         arts = [compile_gguf(model, t, work / str(i), bounds, kv_rounding=not no_kv_rounding, progress=not quiet,
-                             support=mtp) for i, t in enumerate(targets)]
+                             support=mtp, tune_trials=tune, records=records) for i, t in enumerate(targets)]
         build_package(arts, package)
     finally:
         shutil.rmtree(work, ignore_errors=True)

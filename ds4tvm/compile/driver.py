@@ -62,8 +62,14 @@ def _tokenizer_data(f) -> dict:
 
 
 def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_rounding: bool = True,
-                 progress: bool = False, capture_layers: tuple[int, ...] = (), support: Path | None = None) -> Path:
+                 progress: bool = False, capture_layers: tuple[int, ...] = (), support: Path | None = None,
+                 tune_trials: int = 0, records: Path | None = None) -> Path:
+    """records: the tuning database to apply (and, with tune_trials > 0, to tune into); by default
+    the one shipped for the target (schedules/tuning.py)."""
     tgt_spec = resolve(target)
+    if tune_trials and tgt_spec.device != "cpu":
+        raise Ds4Error(f"--tune: {tgt_spec.name} kernels can only be tuned on their device; tune cpu targets here "
+                       f"(schedules/tuning.py), or compile without --tune")
     prepare(tgt_spec.device)   # for CUDA, before TVM is imported (toolchains.py)
     import tvm
 
@@ -96,19 +102,27 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
     bad = [i for i in capture_layers if not 0 <= i < m.config.n_layers]
     if bad:
         raise Ds4Error(f"capture layers {bad} are outside 0..{m.config.n_layers - 1}")
-    phases = Phases(["validate", "build module", "export", "compile", "write artifact"], progress)
+    records = _records(tgt_spec, records)
+    phases = Phases(["validate", "build module", "export", *(["tune"] if tune_trials else []), "compile",
+                     "write artifact"], progress and not tune_trials)
+    tuning = None
     try:
         phases.next()
         model = _build_model(m.config, tensor_types(f), bounds, kv_rounding, capture_layers,
                              draft[1] if draft else None, tensor_types(draft[0]) if draft else None)
         phases.next()
-        mod, named = model.export_tvm(spec=model.spec())
+        mod, named = _export(model, tgt_spec)
         sources = parameter_sources(model)
         # [argument, GGUF tensor, plane field, file]: drafter tensors ("mtp.*") live in the support file
         params = [[name, *sources[id(p)], "draft" if sources[id(p)][0].startswith("mtp.") else "target"]
                   for name, p in named]
         phases.next()
-        ex = _compile_module(mod, tgt_spec)
+        if tune_trials:
+            from ..schedules.tuning import tune
+
+            tuning = tune(mod, tvm.target.Target(tgt_spec.tvm), records, tune_trials, progress)
+            phases.next()
+        ex = _compile_module(mod, tgt_spec, records)
         phases.next()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -124,6 +138,10 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
             tvm_version=tvm.__version__)
         phases.next()
         manifest.extra["compile_seconds"] = phases.times
+        if _applies(records):
+            manifest.extra["tuning_records"] = str(records)
+        if tuning is not None:
+            manifest.extra["tuning"] = tuning
         if draft is not None:
             from ..families.dspark.model import ring_shapes
 
@@ -151,7 +169,30 @@ def _build_model(cfg, types: dict, bounds, kv_rounding: bool, capture_layers, dr
     return with_dspark(DeepSeekV4)(cfg, types, bounds, kv_rounding, draft_cfg, draft_types)
 
 
-def _compile_module(mod, tgt_spec):
+def _export(model, tgt_spec):
+    """The Relax module and its parameters; CPU targets get the hand-written linear kernels."""
+    from ..nn.qweight import for_cpu
+
+    cpu = tgt_spec.device == "cpu"
+    with for_cpu(int(tgt_spec.tvm.get("num-cores", 1))) if cpu else contextlib.nullcontext():
+        return model.export_tvm(spec=model.spec())
+
+
+def _records(tgt_spec, records: Path | None) -> Path | None:
+    if records is not None or tgt_spec.device != "cpu":
+        return records
+    from ..schedules.tuning import records_dir
+
+    return records_dir(tgt_spec.name)
+
+
+def _applies(records: Path | None) -> bool:
+    from ..schedules.tuning import has_records
+
+    return records is not None and has_records(records)
+
+
+def _compile_module(mod, tgt_spec, records: Path | None = None):
     import tvm
 
     from ..schedules.gpu import pipeline as gpu_pipeline
@@ -160,7 +201,8 @@ def _compile_module(mod, tgt_spec):
     tgt = tvm.target.Target(tgt_spec.tvm)
     fatbin = cuda_fatbin(tgt_spec.arches) if tgt_spec.device == "cuda" else contextlib.nullcontext()
     with tgt, fatbin:
-        relax_pipeline = cpu_pipeline(tgt) if tgt_spec.device == "cpu" else gpu_pipeline(tgt, tgt_spec.device)
+        relax_pipeline = (cpu_pipeline(tgt, records if _applies(records) else None) if tgt_spec.device == "cpu"
+                          else gpu_pipeline(tgt, tgt_spec.device))
         return tvm.compile(mod, target=tgt, relax_pipeline=relax_pipeline)
 
 
@@ -182,9 +224,9 @@ def compile_shapes(target: str, bounds, out_dir: Path, progress: bool = False) -
         model = _build_model(cfg, {s.name: q2_recipe_type(s) for s in tensor_specs(cfg)}, bounds, True, (),
                              dcfg, {s.name: q2_recipe_type(s) for s in dspark_specs(dcfg)})
         phases.next()
-        mod, named = model.export_tvm(spec=model.spec())
+        mod, named = _export(model, tgt_spec)
         phases.next()
-        ex = _compile_module(mod, tgt_spec)
+        ex = _compile_module(mod, tgt_spec, _records(tgt_spec, None))
         phases.next()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)

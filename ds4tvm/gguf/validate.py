@@ -27,6 +27,7 @@ class TensorSpec:
     shape: tuple[int, ...]    # ggml order: shape[0] is the input (row) length
     types: frozenset          # accepted GGMLQuantizationType values
     optional: bool = False
+    index_bound: int | None = None   # INDEX tensors: every value must lie in [0, index_bound)
 
 
 def _types(types) -> str:
@@ -46,6 +47,12 @@ def check_tensor(f: GGUFFile, spec: TensorSpec) -> None:
     if t.ggml_type not in spec.types:
         raise Ds4Error(f"{f.name}: tensor {spec.name} has unsupported type {t.type_name}, expected "
                        f"one of {_types(spec.types)}")
+    if spec.index_bound is not None and t.data.size:
+        lo, hi = int(t.data.min()), int(t.data.max())
+        if lo < 0 or hi >= spec.index_bound:
+            # kernels index weights with these values: one out of range would read past a tensor
+            raise Ds4Error(f"{f.name}: tensor {spec.name} holds {lo if lo < 0 else hi}, expected values in "
+                           f"0..{spec.index_bound - 1}")
 
 
 def check_tensors(f: GGUFFile, specs: list[TensorSpec]) -> list[str]:

@@ -7,15 +7,33 @@ the same float operations as gguf's numpy dequantizer, so no fp32 copy of a weig
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from . import cpu_kernels
 from ..gguf.quant import MXFP4_VALUES, _iq2_tables, plane_format
 
 F32 = "float32"
+# Set while a module is exported for a CPU target: the number of cores it is compiled for. Linears
+# whose format nn/cpu_kernels.py covers then use those kernels instead of TE kernels.
+_CPU_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ds4_cpu_threads", default=None)
+
+
+@contextlib.contextmanager
+def for_cpu(threads: int):
+    token = _CPU_THREADS.set(threads)
+    try:
+        yield
+    finally:
+        _CPU_THREADS.reset(token)
+
+
 # Block names the CPU schedule looks for (schedules/llvm.py).
 DEQUANT_ROW, ROW_PARTIAL, ROW_MATMUL = "dequant_row", "row_partial", "row_matmul"
 EXPERT_PARTIAL, EXPERT_MATMUL = "expert_partial", "expert_matmul"
@@ -152,9 +170,18 @@ class QWeight(nn.Module):
         consts = [nn.Tensor.from_const(v) for v in tables.values()]
         return self.planes() + consts, self.fields + list(tables)
 
+    def _padded_planes(self) -> list[nn.Tensor]:
+        ps = self.planes()
+        return ps + ps[:1] * (2 - len(ps))   # the CPU kernels take two plane arguments
+
     def linear(self, x: nn.Tensor, name: str = "qlinear") -> nn.Tensor:
         """y[t, n] = sum_k x[t, k] * W[n, k] for x of shape [T, K]."""
         N, K = self.shape
+        threads = _CPU_THREADS.get()
+        if threads is not None and cpu_kernels.supports(self.qtype, N, K):
+            func = cpu_kernels.dense_linear(self.qtype, N, K, threads > 1 and N * K >= cpu_kernels.PARALLEL_MIN_WEIGHTS)
+            return op.tensor_ir_op(func, name, [x, *self._padded_planes()],
+                                   nn.Tensor.placeholder((x.shape[0], N), F32))
         args, names = self._te_args()
         deq = DEQUANT[self.qtype]
 
@@ -171,6 +198,14 @@ class QWeight(nn.Module):
         """x [T, G, Kg] -> y [T, G, N/G]: group g uses rows g*N/G.. of W (columns are Kg wide)."""
         N, K = self.shape
         No = N // groups
+        threads = _CPU_THREADS.get()
+        if threads is not None and cpu_kernels.supports(self.qtype, N, K, groups):
+            func = cpu_kernels.dense_linear(self.qtype, N, K, threads > 1 and N * K >= cpu_kernels.PARALLEL_MIN_WEIGHTS,
+                                            groups)
+            T = x.shape[0]
+            y = op.tensor_ir_op(func, name, [op.reshape(x, (T, groups * K)), *self._padded_planes()],
+                                nn.Tensor.placeholder((T, N), F32))
+            return op.reshape(y, (T, groups, No))
         args, names = self._te_args()
         deq = DEQUANT[self.qtype]
 
@@ -185,9 +220,17 @@ class QWeight(nn.Module):
         """y[t, j, n] = sum_k x[t(, j), k] * W[experts[t, j], n, k]: only the chosen experts' rows
         are read. x is [T, K] (shared by the chosen experts) or [T, J, K]."""
         E, N, K = self.shape
+        per_expert_input = len(x.shape) == 3
+        threads, T, J = _CPU_THREADS.get(), x.shape[0], experts.shape[1]
+        # one token (decode) keeps the TE kernel: grouping by expert has nothing to share there
+        if threads is not None and cpu_kernels.supports(self.qtype, N, K) and not isinstance(T, int):
+            func = cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input,
+                                                 threads > 1 and N * K >= cpu_kernels.PARALLEL_MIN_WEIGHTS)
+            xs = x if per_expert_input else op.reshape(x, (T, 1, K))
+            return op.tensor_ir_op(func, name, [xs, experts, *self._padded_planes()],
+                                   nn.Tensor.placeholder((T, J, N), F32))
         args, names = self._te_args()
         deq = DEQUANT[self.qtype]
-        per_expert_input = len(x.shape) == 3
 
         def f(x_te, ids, *ps):
             P = dict(zip(names, ps))
@@ -200,9 +243,14 @@ class QWeight(nn.Module):
                 return te.sum(xv * deq(P, (ids[t, j], n), k), axis=ko)
 
             part = te.compute((ids.shape[0], ids.shape[1], N, lanes), partial, name=EXPERT_PARTIAL)
-            li = te.reduce_axis((0, lanes), name="li")
-            return te.compute((ids.shape[0], ids.shape[1], N), lambda t, j, n: te.sum(part[t, j, n, li], axis=li),
-                              name=EXPERT_MATMUL)
+
+            def fold(t, j, n):   # the lanes summed in halves, in the order of cpu_kernels.expert_linear:
+                v = [part[t, j, n, lane] for lane in range(lanes)]   # decode and verify round alike
+                while len(v) > 1:
+                    v = [a + b for a, b in zip(v[:len(v) // 2], v[len(v) // 2:])]
+                return v[0]
+
+            return te.compute((ids.shape[0], ids.shape[1], N), fold, name=EXPERT_MATMUL)
 
         return op.tensor_expr_op(f, name, [x, experts, *args])
 

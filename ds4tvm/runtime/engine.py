@@ -32,7 +32,10 @@ def _runtime_sidecars(kind: str) -> None:
     lib_dir = Path(tvm.base._LOADED_LIBS["tvm_runtime"]._name).resolve().parent
     for name in ("tvm_runtime_extra", f"tvm_runtime_{kind}"):
         if name not in tvm.base._LOADED_LIBS and (lib_dir / f"lib{name}.so").is_file():
-            tvm.base._LOADED_LIBS[name] = load_lib_ctypes("tvm", name, "RTLD_LOCAL", extra_lib_paths=[lib_dir])
+            try:
+                tvm.base._LOADED_LIBS[name] = load_lib_ctypes("tvm", name, "RTLD_LOCAL", extra_lib_paths=[lib_dir])
+            except OSError:   # no driver here (libcuda.so.1 missing): the device probe then finds none
+                pass
 
 
 def probe_device(kind: str):

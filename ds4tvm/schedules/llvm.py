@@ -32,7 +32,7 @@ def _extent(sch, loop) -> int | None:
     return int(e.value) if hasattr(e, "value") else None
 
 
-def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc | None:
+def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | None:
     """Quantized linears written as (dequantize W) -> (x @ W^T): put the token loop inside the
     output-row loop and compute each dequantized row there, so W is read and dequantized once per
     call whatever the number of tokens, into a buffer of one row, never a whole fp32 weight. Large
@@ -59,10 +59,10 @@ def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc | N
         sch.vectorize(sch.split(dl, [None, 16])[1])
     if threads > 1 and (_extent(sch, row) or 0) * k >= PARALLEL_MIN_WEIGHTS:
         sch.parallel(row)
-    return sch.mod["main"]
+    return sch
 
 
-def _schedule_expert_matmul(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc | None:
+def _schedule_expert_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | None:
     """Routed experts: the partial sums of one output row in a vector, the lanes innermost; the
     (token, expert slot, row) loop split over the cores when each expert is large."""
     sch = s_tir.Schedule(func)
@@ -81,7 +81,7 @@ def _schedule_expert_matmul(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc 
     sch.vectorize(sch.get_loops(part)[-1])
     if threads > 1 and rows * k >= PARALLEL_MIN_WEIGHTS:
         sch.parallel(outer)
-    return sch.mod["main"]
+    return sch
 
 
 def _lane_partial_sums(sch, block) -> None:
@@ -96,7 +96,7 @@ def _lane_partial_sums(sch, block) -> None:
     sch.reorder(loops[-1], loops[-2])
 
 
-def _schedule_attention(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+def _schedule_attention(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     """Softmax-with-sinks attention (nn/blocks.py attend_with_sinks): q.k as 16-lane partial sums;
     p.v with the key slot outside the channel loop, so that each value row is read once,
     contiguously."""
@@ -114,28 +114,35 @@ def _schedule_attention(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     sch.reorder(a, d)
     sch.decompose_reduction(pv, a)
     _lane_partial_sums(sch, by_suffix["qk"])
-    return sch.mod["main"]
+    return sch
 
 
-def schedule_row_matmul(threads: int):
-    @tvm.transform.module_pass(opt_level=0, name="ScheduleRowMatmul")
+def hand_schedule(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | None:
+    """This pipeline's schedule of a kernel, or None for kernels it leaves as written."""
+    return _schedule_row_matmul(func, threads) or _schedule_expert_matmul(func, threads) or _schedule_attention(func)
+
+
+def schedule_kernels(threads: int):
+    """Schedules every kernel this pipeline knows, except those a tuning record already scheduled."""
+    @tvm.transform.module_pass(opt_level=0, name="ScheduleKernels")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for gv, func in list(mod.functions_items()):
-            if not isinstance(func, tirx.PrimFunc):
+            if not isinstance(func, tirx.PrimFunc) or (func.attrs is not None and func.attrs.get("tirx.is_scheduled")):
                 continue
             try:
-                new = (_schedule_row_matmul(func, threads) or _schedule_expert_matmul(func, threads)
-                       or _schedule_attention(func))
+                sch = hand_schedule(func, threads)
             except Exception as e:  # noqa: BLE001 - unscheduled, this kernel would write a whole fp32 weight
                 raise Ds4Error(f"could not schedule {gv.name_hint}: {e}") from None
-            if new is not None:
-                mod[gv] = new
+            if sch is not None:
+                mod[gv] = sch.mod["main"]
         return mod
 
     return _pass
 
 
-def pipeline(target: tvm.target.Target):
+def pipeline(target: tvm.target.Target, records: str | None = None):
+    """records: a meta-schedule database directory (schedules/tuning.py) applied before the
+    hand schedules, which then skip what it scheduled."""
     from tvm.relax import backend, transform
 
     @tvm.transform.module_pass(opt_level=0)
@@ -143,7 +150,9 @@ def pipeline(target: tvm.target.Target):
         with target:
             seq = tvm.transform.Sequential([
                 backend.DispatchSampling(), backend.DispatchSortScan(), transform.LegalizeOps(),
-                schedule_row_matmul(int(target.attrs.get("num-cores", 1))), transform.RewriteDataflowReshape(), transform.ToNonDataflow(), transform.RemovePurityChecking(),
+                *([transform.MetaScheduleApplyDatabase(str(records))] if records else []),
+                schedule_kernels(int(target.attrs.get("num-cores", 1))), transform.RewriteDataflowReshape(),
+                transform.ToNonDataflow(), transform.RemovePurityChecking(),
                 transform.CallTIRRewrite(), transform.StaticPlanBlockMemory(), transform.LowerAllocTensor(),
                 transform.KillAfterLastUse(), transform.LowerRuntimeBuiltin(), transform.ComputePrimValue(),
                 transform.VMShapeLower(), transform.AttachGlobalSymbol()])

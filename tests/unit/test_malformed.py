@@ -39,7 +39,7 @@ def _specs_without(name):
 
 def _specs_replace(name, **changes):
     def edit(specs):
-        return [TensorSpec(s.name, changes.get("shape", s.shape), s.types, s.optional)
+        return [TensorSpec(s.name, changes.get("shape", s.shape), s.types, s.optional, s.index_bound)
                 if s.name == name else s for s in specs]
     return edit
 
@@ -104,6 +104,9 @@ def build_corpus(d):
         "unsupported type Q5_0")
     add("int tensor as float", write_random_deepseek4(d / "tid.gguf", CFG, type_of=_typed("blk.0.ffn_gate_tid2eid.weight", QT.F32)),
         "blk.0.ffn_gate_tid2eid.weight")
+    tid = next(t for t in r.tensors if t.name == "blk.0.ffn_gate_tid2eid.weight")
+    add("expert id out of range", _patch(good, d / "tid99.gguf", [(tid.data_offset + 8, struct.pack("<i", 99))]),
+        "blk.0.ffn_gate_tid2eid.weight holds 99, expected values in 0..3")
     return cases
 
 
@@ -126,7 +129,8 @@ def test_good_file_is_accepted(tmp_path):
     "truncated at 40", "truncated at 300", "truncated at 2000", "data offset past the end",
     "unknown type id", "missing key", "wrong-typed key", "wrong-typed array", "ratios of wrong length",
     "unsupported ratio", "two kv heads", "unknown architecture", "missing tensor",
-    "missing compressor tensor", "wrong shape", "unsupported type", "int tensor as float"])
+    "missing compressor tensor", "wrong shape", "unsupported type", "int tensor as float",
+    "expert id out of range"])
 def test_malformed_file_exits_2_with_one_line(corpus, case):
     path, expect = corpus[case]
     r = run_ds4("inspect", path)

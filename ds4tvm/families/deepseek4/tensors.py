@@ -58,7 +58,8 @@ def block_specs(c: Config, prefix: str, ratio: int, hash_layer: bool,
         s("ffn_down_shexp.weight", (c.n_ff_exp * c.n_expert_shared, E), DENSE),
     ]
     if hash_layer:
-        specs.append(s("ffn_gate_tid2eid.weight", (c.n_expert_used, c.n_vocab), INDEX))
+        specs.append(TensorSpec(prefix + "ffn_gate_tid2eid.weight", (c.n_expert_used, c.n_vocab), INDEX,
+                                index_bound=c.n_expert))
     else:
         # The selection bias is optional in ds4's target validator; hash layers never have one.
         specs.append(s("exp_probs_b.bias", (c.n_expert,), NORM, optional=not selection_bias_required))

@@ -1,0 +1,224 @@
+"""Hand-written CPU kernels for the quantized linears of formats with one or two planes (F32, F16,
+BF16, Q8_0), written in TVMScript because their register blocking is beyond the TE schedules in
+schedules/llvm.py (which keep the other formats).
+
+The core is a micro-kernel of TB tokens x NR output rows whose TB*NR accumulators are 16-lane
+vectors of partial sums over k, folded 16->8->4->2->1 at the end: 24 of the 32 AVX-512 registers,
+each weight vector loaded once for TB tokens and each token vector once for NR rows. Output rows
+go in tiles of RB; with fewer than HT tokens (decode, verify) a tile's weights are dequantized in
+registers inside the micro-kernel; with more (prefill) the tile is dequantized once into an
+L1-sized [RB, K] buffer that every token block reads. Leftover tokens run 4-, 2- and 1-token
+variants of the same core, so they still share each weight vector.
+
+Routed experts sort the (token, slot) pairs by expert first (a counting sort in the kernel), then
+run the same tiles per expert over that expert's slots only: an expert used by 30 tokens of a
+prefill is read and dequantized once instead of 30 times, and experts nobody chose cost nothing.
+
+On the 127M benchmark model's shapes (2 threads, side by side with the TE schedules): dense
+1.5-4x faster at every token count from 1 to 128, experts 1.2-1.4x at 6 tokens and 2.5-4x at
+64-128 (slower at one token, so decode keeps the TE kernel). BENCHMARKS.md has the model numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from gguf import GGMLQuantizationType as QT
+from tvm.script import tirx as T
+
+from ..gguf.quant import plane_format
+
+RB, NR, TB, HT = 16, 4, 6, 12     # row tile, rows per micro-kernel, tokens per micro-kernel, tile threshold
+PARALLEL_MIN_WEIGHTS = 1 << 16    # smaller linears run on one core (the pool's launch costs more)
+PARALLEL_MIN_SLOTS = 64           # likewise for routed experts: (token, slot) pairs per call
+FORMATS = (QT.F32, QT.F16, QT.BF16, QT.Q8_0)
+
+
+def supports(qtype: QT, N: int, K: int, groups: int = 1) -> bool:
+    return qtype in FORMATS and N % (RB * groups) == 0 and K % 32 == 0
+
+
+def _planes(qtype: QT, lead: tuple, K: int) -> list[tuple[tuple, str]]:
+    """(shape, dtype) of each plane, padded to two (the kernels take two plane arguments)."""
+    out = [((*lead, f.per_row(K)), f.dtype) for f in plane_format(qtype).fields]
+    return out + out[:1] * (2 - len(out))
+
+
+def _dequant(qtype: QT):
+    from .qweight import DEQUANT
+
+    names = [f.name for f in plane_format(qtype).fields]
+    deq = DEQUANT[qtype]
+    return lambda r, k, p0, p1: deq(dict(zip(names, (p0, p1))), r, k)
+
+
+@functools.lru_cache(maxsize=None)   # one PrimFunc per shape, shared by the layers
+def dense_linear(qtype: QT, N: int, K: int, parallel: bool, groups: int = 1):
+    """y[T, N] = x[T, K] @ W[N, K]^T for any T. With groups G, x is [T, G*K] and output rows
+    g*N/G .. (g+1)*N/G read x[:, g*K : (g+1)*K] (a grouped projection)."""
+    deq = _dequant(qtype)
+    rows_per_group = N // groups
+    (s0, d0), (s1, d1) = _planes(qtype, (N,), K)
+    KC = K // 16
+
+    def w_at(inline, row, wrow, k, wt, p0, p1):   # evaluated while parsing: a dequantization or a load
+        return deq((row,), k, p0, p1) if inline else wt[wrow, k]
+
+    def x_col(rt):   # where the tile's input columns start: its group's slice of x
+        return rt * RB // rows_per_group * K
+
+    @T.macro
+    def micro(inline, nt, t0, rt, rb, x, y, wt, p0, p1):
+        acc = T.decl_buffer((nt, NR, 16), "float32", scope="local")
+        for t in T.unroll(nt):
+            for n in T.unroll(NR):
+                for lane in T.vectorized(16):
+                    acc[t, n, lane] = T.float32(0)
+        for kc in range(KC):
+            for t in T.unroll(nt):
+                for n in T.unroll(NR):
+                    for lane in T.vectorized(16):
+                        acc[t, n, lane] = acc[t, n, lane] + x[t0 + t, x_col(rt) + kc * 16 + lane] * w_at(
+                            inline, rt * RB + rb * NR + n, rb * NR + n, kc * 16 + lane, wt, p0, p1)
+        for t in T.unroll(nt):
+            for n in T.unroll(NR):
+                for lane in T.vectorized(8):
+                    acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 8]
+                for lane in T.vectorized(4):
+                    acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 4]
+                for lane in T.vectorized(2):
+                    acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 2]
+                y[t0 + t, rt * RB + rb * NR + n] = acc[t, n, 0] + acc[t, n, 1]
+
+    @T.macro
+    def tile(inline, n_tok, rt, x, y, wt, p0, p1):
+        for rb in range(RB // NR):
+            for blk in range(n_tok // TB):
+                micro(inline, TB, blk * TB, rt, rb, x, y, wt, p0, p1)
+            # the last n_tok % TB tokens in blocks of 4, 2, 1 (still sharing each weight vector)
+            if n_tok % TB >= 4:
+                micro(inline, 4, n_tok // TB * TB, rt, rb, x, y, wt, p0, p1)
+            if n_tok % TB % 4 >= 2:
+                micro(inline, 2, n_tok // TB * TB + n_tok % TB // 4 * 4, rt, rb, x, y, wt, p0, p1)
+            if n_tok % TB % 2 == 1:
+                micro(inline, 1, n_tok - 1, rt, rb, x, y, wt, p0, p1)
+
+    @T.macro
+    def row_tile(n_tok, rt, x, y, p0, p1):
+        wt = T.decl_buffer((RB, K), "float32")
+        if n_tok >= HT:
+            for r, kb in T.grid(RB, K // 32):
+                for kl in T.vectorized(32):
+                    wt[r, kb * 32 + kl] = deq((rt * RB + r,), kb * 32 + kl, p0, p1)
+            tile(False, n_tok, rt, x, y, wt, p0, p1)
+        else:
+            tile(True, n_tok, rt, x, y, wt, p0, p1)
+
+    @T.prim_func(private=True)
+    def main(x_h: T.handle, p0: T.Buffer(s0, d0), p1: T.Buffer(s1, d1), y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n_tok = T.int32()
+        x = T.match_buffer(x_h, (n_tok, groups * K), "float32")
+        y = T.match_buffer(y_h, (n_tok, N), "float32")
+        if parallel:
+            for rt in T.parallel(N // RB):
+                row_tile(n_tok, rt, x, y, p0, p1)
+        else:
+            for rt in T.serial(N // RB):
+                row_tile(n_tok, rt, x, y, p0, p1)
+
+    return main
+
+
+@functools.lru_cache(maxsize=None)
+def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool, parallel: bool):
+    """y[T, J, N] = x[T, (J|1), K] @ W[ids[t, j], N, K]^T for any T, grouped by expert."""
+    deq = _dequant(qtype)
+    (s0, d0), (s1, d1) = _planes(qtype, (E, N), K)
+    KC, NT, XJ = K // 16, N // RB, (J if per_slot_input else 1)
+
+    def w_at(inline, e, row, wrow, k, wt, p0, p1):
+        return deq((e, row), k, p0, p1) if inline else wt[wrow, k]
+
+    def x_slot(s):
+        return s % J if per_slot_input else 0
+
+    @T.macro
+    def micro(inline, nt, s0_, et, rb, x, y, slots, wt, p0, p1):
+        acc = T.decl_buffer((nt, NR, 16), "float32", scope="local")
+        for t in T.unroll(nt):
+            for n in T.unroll(NR):
+                for lane in T.vectorized(16):
+                    acc[t, n, lane] = T.float32(0)
+        for kc in range(KC):
+            for t in T.unroll(nt):
+                for n in T.unroll(NR):
+                    for lane in T.vectorized(16):
+                        acc[t, n, lane] = acc[t, n, lane] + x[
+                            slots[s0_ + t] // J, x_slot(slots[s0_ + t]), kc * 16 + lane] * w_at(
+                            inline, et // NT, et % NT * RB + rb * NR + n, rb * NR + n, kc * 16 + lane, wt, p0, p1)
+        for t in T.unroll(nt):
+            for n in T.unroll(NR):
+                for lane in T.vectorized(8):
+                    acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 8]
+                for lane in T.vectorized(4):
+                    acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 4]
+                for lane in T.vectorized(2):
+                    acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 2]
+                y[slots[s0_ + t] // J, slots[s0_ + t] % J, et % NT * RB + rb * NR + n] = acc[t, n, 0] + acc[t, n, 1]
+
+    @T.macro
+    def tile(inline, et, x, y, slots, cnt, off, wt, p0, p1):
+        for rb in range(RB // NR):
+            for blk in range(cnt[et // NT] // TB):
+                micro(inline, TB, off[et // NT] + blk * TB, et, rb, x, y, slots, wt, p0, p1)
+            if cnt[et // NT] % TB >= 4:
+                micro(inline, 4, off[et // NT] + cnt[et // NT] // TB * TB, et, rb, x, y, slots, wt, p0, p1)
+            if cnt[et // NT] % TB % 4 >= 2:
+                micro(inline, 2, off[et // NT] + cnt[et // NT] // TB * TB + cnt[et // NT] % TB // 4 * 4, et, rb,
+                      x, y, slots, wt, p0, p1)
+            if cnt[et // NT] % TB % 2 == 1:
+                micro(inline, 1, off[et // NT] + cnt[et // NT] - 1, et, rb, x, y, slots, wt, p0, p1)
+
+    @T.macro
+    def expert_tile(et, x, y, slots, cnt, off, p0, p1):
+        wt = T.decl_buffer((RB, K), "float32")
+        if cnt[et // NT] >= HT:
+            for r, kb in T.grid(RB, K // 32):
+                for kl in T.vectorized(32):
+                    wt[r, kb * 32 + kl] = deq((et // NT, et % NT * RB + r), kb * 32 + kl, p0, p1)
+            tile(False, et, x, y, slots, cnt, off, wt, p0, p1)
+        elif cnt[et // NT] > 0:
+            tile(True, et, x, y, slots, cnt, off, wt, p0, p1)
+
+    @T.prim_func(private=True)
+    def main(x_h: T.handle, ids_h: T.handle, p0: T.Buffer(s0, d0), p1: T.Buffer(s1, d1), y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n_tok = T.int32()
+        x = T.match_buffer(x_h, (n_tok, XJ, K), "float32")
+        ids = T.match_buffer(ids_h, (n_tok, J), "int32")
+        y = T.match_buffer(y_h, (n_tok, J, N), "float32")
+        cnt = T.decl_buffer((E,), "int32")
+        off = T.decl_buffer((E + 1,), "int32")
+        fill = T.decl_buffer((E,), "int32")
+        slots = T.decl_buffer((n_tok * J,), "int32")
+        # counting sort of the (token, slot) pairs by expert: slots[off[e] .. off[e] + cnt[e]]
+        for e in range(E):
+            cnt[e] = 0
+        for s in range(n_tok * J):
+            cnt[ids[s // J, s % J]] = cnt[ids[s // J, s % J]] + 1
+        off[0] = 0
+        for e in range(E):
+            off[e + 1] = off[e] + cnt[e]
+            fill[e] = off[e]
+        for s in range(n_tok * J):
+            slots[fill[ids[s // J, s % J]]] = s
+            fill[ids[s // J, s % J]] = fill[ids[s // J, s % J]] + 1
+        if parallel and n_tok * J >= PARALLEL_MIN_SLOTS:
+            for et in T.parallel(E * NT):
+                expert_tile(et, x, y, slots, cnt, off, p0, p1)
+        else:
+            for et in T.serial(E * NT):
+                expert_tile(et, x, y, slots, cnt, off, p0, p1)
+
+    return main

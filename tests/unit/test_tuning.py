@@ -1,0 +1,112 @@
+"""Tuning records: a record saved to a database is applied at compile time (the kernel it matches
+changes, the hand schedule skips it), kernels without a record keep the hand schedule, and the
+shipped records for this machine's target match the benchmark model's kernels."""
+
+import json
+
+import pytest
+from conftest import run_ds4_compile
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.fixture(scope="module")
+def tiny_module(tmp_path_factory):
+    import tvm
+
+    from ds4tvm.artifact import Bounds
+    from ds4tvm.compile.driver import _build_model, _export
+    from ds4tvm.compile.targets import resolve
+    from ds4tvm.families.deepseek4.model import tensor_types
+    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+    from ds4tvm.gguf import open_gguf
+
+    path = write_random_deepseek4(tmp_path_factory.mktemp("tune") / "tiny.gguf", tiny_config(), seed=3)
+    f = open_gguf(path)
+    spec = resolve("llvm")
+    model = _build_model(tiny_config(), tensor_types(f), Bounds(512, 8, 256), True, (), None, None)
+    mod, _ = _export(model, spec)
+    return mod, tvm.target.Target(spec.tvm), path
+
+
+def _scheduled(mod, target, records):
+    from ds4tvm.schedules.llvm import pipeline
+
+    return pipeline(target, records)(mod)
+
+
+def test_a_saved_record_changes_the_compiled_kernel_and_others_keep_the_hand_schedule(tiny_module, tmp_path):
+    from tvm import s_tir
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+    from ds4tvm.schedules.llvm import hand_schedule
+    from ds4tvm.schedules.tuning import has_records, tunable_kernels
+
+    mod, target, _ = tiny_module
+    kernels = dict(tunable_kernels(mod, target))
+    assert {"qlinear_experts2", "hc_mix1"} <= set(kernels)   # decode-shaped (static) TE linears
+    name = "qlinear_experts2"
+    kmod = _normalize_mod(kernels[name])
+    sch = hand_schedule(kmod["main"], 1) or s_tir.Schedule(kmod)
+    sch.annotate(sch.get_sblock("expert_partial"), "ds4.from_record", 1)
+    db = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    db.commit_tuning_record(ms.database.TuningRecord(sch.trace, db.commit_workload(kmod), [1e-6], target,
+                                                     ms.arg_info.ArgInfo.from_prim_func(kmod["main"])))
+    assert has_records(tmp_path)
+
+    plain = _scheduled(mod, target, None)
+    tuned = _scheduled(mod, target, str(tmp_path))
+    assert "ds4.from_record" not in plain[name].script()
+    assert "ds4.from_record" in tuned[name].script() and tuned[name].attrs["tirx.is_scheduled"]
+    # every other kernel is exactly what the hand schedule makes
+    for other in ("hc_mix1", "qlinear_experts3"):
+        assert "ds4.from_record" not in tuned[other].script()
+        assert tuned[other].script() == plain[other].script()
+
+
+def test_tune_refuses_gpu_targets_with_one_line(tiny_module):
+    r = run_ds4_compile(tiny_module[2], "--target", "cuda:sm_90", "--tune", "4")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--tune" in r.stderr, r.stderr
+
+
+def test_shipped_records_match_the_benchmark_models_kernels():
+    """The records under schedules/tuned/ were tuned for the 127M benchmark model
+    (benchmarks/model50m.py) on this project's machine; each must still match one of its kernels
+    (a changed kernel would silently leave its record unused)."""
+    import tvm
+    import tvm_ffi
+    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+    from ds4tvm.schedules.tuning import TUNED, WORKLOADS
+
+    dbs = sorted(p.parent for p in TUNED.glob(f"*/{WORKLOADS}"))
+    assert dbs, "no tuning records shipped"
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from model50m import config
+
+    from ds4tvm.artifact import Bounds
+    from ds4tvm.compile.driver import _build_model, _export
+    from ds4tvm.compile.targets import resolve
+    from ds4tvm.families.deepseek4.tensors import tensor_specs
+    from ds4tvm.schedules.tuning import tunable_kernels
+    from model50m import type_of
+
+    cfg = config()
+    types = {s.name: type_of(s, "q8_0") for s in tensor_specs(cfg)}
+    model = _build_model(cfg, types, Bounds(), True, (), None, None)
+    spec = resolve("llvm")
+    mod, _ = _export(model, spec)
+    have = {tvm_ffi.structural_hash(_normalize_mod(f)["main"]) for _, f in
+            tunable_kernels(mod, tvm.target.Target(spec.tvm))}
+    for db in dbs:
+        lines = [json.loads(x) for x in (db / WORKLOADS).read_text().splitlines() if x.strip()]
+        assert lines, db
+        from tvm.s_tir import meta_schedule as ms
+
+        d = ms.database.JSONDatabase(work_dir=str(db))
+        for rec in d.get_all_tuning_records():
+            assert tvm_ffi.structural_hash(rec.workload.mod["main"]) in have, db
