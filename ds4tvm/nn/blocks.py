@@ -44,9 +44,10 @@ def rope_inv_freq(n_rot: int, base: float, yarn: tuple[float, int, float, float]
 
 
 def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, inverse: bool = False,
-         name: str = "rope") -> nn.Tensor:
+         name: str = "rope", stride: int = 1) -> nn.Tensor:
     """Rotates interleaved pairs of the last 2*len(inv_freq) channels of x [T, ..., D] at position
-    start + t + offset (t the first axis)."""
+    start + t + offset (t the first axis); with stride > 1, at (start // stride + t) * stride + offset
+    (rows that are every stride-th position, as compressed rows are)."""
     n_rot = 2 * len(inv_freq)
     freq = nn.Tensor.from_const(inv_freq)
 
@@ -58,7 +59,8 @@ def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, i
             t, d = idx[0], idx[-1]
             rest = idx[1:-1]
             j = (d - lo) // 2
-            theta = (start + t + offset).astype(F32) * fr[j]
+            pos = start + t if stride == 1 else (start // stride + t) * stride
+            theta = (pos + offset).astype(F32) * fr[j]
             c, s = te.cos(theta), te.sin(theta)
             if inverse:
                 s = -s
@@ -203,13 +205,14 @@ def _emit_rows_func(rows: int, width: int, ratio: int):
         for i, j in T.grid(n, width):
             with T.sblock("emit"):
                 vi, vj = T.axis.remap("SS", [i, j])
-                if T.floormod(start + vi + 1, ratio) == 0:
-                    R[T.floordiv(start + vi + 1, ratio) - 1, vj] = X[vi, vj]
+                if T.floordiv(start, ratio) + vi < rows:
+                    R[T.floordiv(start, ratio) + vi, vj] = X[vi, vj]
     return emit_rows.with_attr("global_symbol", f"emit_rows_{rows}x{width}_r{ratio}")
 
 
 def emit_rows(table: nn.Tensor, candidates: nn.Tensor, start, ratio: int, name: str) -> nn.Tensor:
-    """Row (p+1)/ratio - 1 of the table takes candidate t where p = start + t ends a window."""
+    """Writes the rows of the windows that end among positions start.. (pooled_window's output,
+    one candidate per such window, in order): candidate i is row start // ratio + i."""
     rows, width = table.shape
     func = _emit_rows_func(int(rows), int(width), ratio)
     return op.tensor_ir_inplace_op(func, f"emit_rows_{rows}x{width}_r{ratio}", args=[table, candidates, start], inplace_indices=[0],
@@ -217,15 +220,22 @@ def emit_rows(table: nn.Tensor, candidates: nn.Tensor, start, ratio: int, name: 
 
 
 def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width: int, name: str) -> nn.Tensor:
-    """For every new token t (position p = start + t) the softmax-pooled row of the window ending
-    at p, per channel. ctx rows are positions start-2*ratio ... For ratio 4 the window is 8 tokens
-    through two lanes: the previous 4 positions read lane 0 (first `width` channels), the current 4
-    lane 1; the previous lane is absent for the first window. Other ratios: one lane."""
+    """The softmax-pooled row, per channel, of every window that ends among the new tokens
+    (positions start .. start + n - 1; window ends are the positions p with (p + 1) % ratio == 0):
+    (start + n) // ratio - start // ratio rows, in order. Only those rows are ever stored, so no
+    other token pays for the pooling. ctx rows are positions start-2*ratio ... For ratio 4 the
+    window is 8 tokens through two lanes: the previous 4 positions read lane 0 (first `width`
+    channels), the current 4 lane 1; the previous lane is absent for the first window. Other
+    ratios: one lane."""
     two = ratio == 4
 
     def f(kv, sc, s):
         n = kv.shape[0] - 2 * ratio
+        m = (s + n) // ratio - s // ratio
         L = 2 * ratio if two else ratio
+
+        def end(i):   # the chunk row of window i's last position
+            return (s // ratio + i + 1) * ratio - 1 - s
         a = te.reduce_axis((0, L), name="a")
 
         def src(t, a_, d):
@@ -247,20 +257,21 @@ def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width
             row, ch = src(t, a_, d)
             return tirx.if_then_else(valid(t, a_), sc[row, ch], tirx.const(NEG_INF, F32))
 
-        mx = te.compute((n, width), lambda t, d: te.max(score(t, a, d), axis=a), name=name + "_max")
+        mx = te.compute((m, width), lambda i, d: te.max(score(end(i), a, d), axis=a), name=name + "_max")
         a2 = te.reduce_axis((0, L), name="a2")
-        den = te.compute((n, width), lambda t, d: te.sum(
-            tirx.if_then_else(valid(t, a2), te.exp(score(t, a2, d) - mx[t, d]), tirx.const(0, F32)), axis=a2),
-            name=name + "_den")
+        den = te.compute((m, width), lambda i, d: te.sum(
+            tirx.if_then_else(valid(end(i), a2), te.exp(score(end(i), a2, d) - mx[i, d]), tirx.const(0, F32)),
+            axis=a2), name=name + "_den")
         a3 = te.reduce_axis((0, L), name="a3")
 
-        def pooled(t, d):
+        def pooled(i, d):
+            t = end(i)
             row, ch = src(t, a3, d)
-            w = tirx.if_then_else(valid(t, a3), te.exp(score(t, a3, d) - mx[t, d]), tirx.const(0, F32))
+            w = tirx.if_then_else(valid(t, a3), te.exp(score(t, a3, d) - mx[i, d]), tirx.const(0, F32))
             return te.sum(w * kv[row, ch], axis=a3)
 
-        num = te.compute((n, width), pooled, name=name + "_num")
-        return te.compute((n, width), lambda t, d: num[t, d] / den[t, d], name=name)
+        num = te.compute((m, width), pooled, name=name + "_num")
+        return te.compute((m, width), lambda i, d: num[i, d] / den[i, d], name=name)
 
     return op.tensor_expr_op(f, name, [kv_ctx, sc_ctx, start])
 

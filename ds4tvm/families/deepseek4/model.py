@@ -126,7 +126,8 @@ class Block(nn.Module):
 
     def _compress(self, N, start, states, wname, sname, width, rope_comp, round_rows=None):
         """Projections of the new tokens, the pooled row of every window that ends among them
-        (normalised, RoPE'd at the window start), written into the row table."""
+        (normalised, RoPE'd at the window start), written into the row table; only those windows
+        are pooled."""
         c, r, w = self.cfg, self.ratio, self.w
         kv = w[f"{wname}_kv.weight"].linear(N)
         score = w[f"{wname}_gate.weight"].linear(N) + _ape_rows(self.v(f"{wname}_ape"), start, N, r, "ape")
@@ -134,7 +135,7 @@ class Block(nn.Module):
         kv_ctx = gather_context(kv_front, kv, start, 2 * r, name=f"{sname}_kv_context")
         sc_ctx = gather_context(sc_front, score, start, 2 * r, name=f"{sname}_score_context")
         pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, name=f"{sname}_pool")
-        cand = rope(rms(pooled, c.rms_eps, self.v(f"{wname}_norm")), start, rope_comp, offset=1 - r)
+        cand = rope(rms(pooled, c.rms_eps, self.v(f"{wname}_norm")), start, rope_comp, stride=r)   # at the window start
         if round_rows is not None:
             cand = round_rows(cand)
         rows = emit_rows(states[f"{sname}_rows"], cand, start, r, name=f"{sname}_emit")
