@@ -1,19 +1,23 @@
-"""The CPU (llvm) pipeline: TVM's default CPU build passes, spelled out so that schedules and
-tuning records have their place in it.
+"""The CPU (llvm) pipeline: TVM's default CPU build passes, spelled out so that tuning records and
+schedules have their place in it.
 
-Quantized linears (the bulk of the work) are scheduled: dense ones dequantize each weight row
-once per call into a one-row buffer shared by all the call's tokens; dense and expert products keep
-16 partial sums per output in one AVX-512 vector (the reduction split into strided lanes) and sum
-them at the end. On a Q8_0 4096x4096 GEMV this took one core from 0.59 to 9.4 GB/s; on the
-127M-parameter benchmark model decode went from 19 to 112 tok/s and prefill from 28 to 194 tok/s.
-Linears reading at least PARALLEL_MIN_WEIGHTS split their rows over the cores; parallelising every
-kernel's outer loops made decode slower (hundreds of tiny kernels per token pay the thread-pool
-launch). Attention (softmax with sinks) computes q.k as 16-lane partial sums and p.v with the key
-slot outside the channel loop. Norms and elementwise kernels run as written.
+Linears in F32/F16/BF16/Q8_0 arrive already written as register-blocked TIR kernels
+(nn/cpu_kernels.py, chosen when the module is exported for a CPU target). The TE kernels of the
+other formats (and of shapes those kernels do not take) are scheduled here: dense ones dequantize
+each weight row once per call into a one-row buffer shared by all the call's tokens; dense and
+expert products keep 16 partial sums per output in one AVX-512 vector (the reduction split into
+strided lanes) and sum them at the end. On a Q8_0 4096x4096 GEMV this took one core from 0.59 to
+9.4 GB/s. Linears reading at least PARALLEL_MIN_WEIGHTS split their rows over the cores;
+parallelising every kernel's outer loops made decode slower (hundreds of tiny kernels per token pay
+the thread-pool launch). Attention (softmax with sinks) computes q.k as 16-lane partial sums and
+p.v with the key slot outside the channel loop. Norms and elementwise kernels run as written.
+Tuning records (schedules/tuning.py) are applied first; the hand schedules skip what they schedule.
 Operator fusion is left out on purpose: TVM's own CPU default omits it because it may drop
 side-effecting calls (the in-place state writes here), and the schedules below match unfused kernels."""
 
 from __future__ import annotations
+
+import contextlib
 
 import tvm
 from tvm import s_tir, tirx
@@ -117,9 +121,25 @@ def _schedule_attention(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     return sch
 
 
+def _schedule_hadamard(func: tirx.PrimFunc) -> s_tir.Schedule | None:
+    """The Hadamard transform before FP4 rounding (nn/rounding.py hadamard_fp4): its dense
+    x . h row products as 16-lane partial sums."""
+    sch = s_tir.Schedule(func)
+    try:
+        blocks = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
+                  if sch.get(b).name_hint.startswith("hadamard") and sch.get(b).name_hint.endswith("_h")]
+    except Exception:  # noqa: BLE001 - no root block
+        return None
+    if len(blocks) != 1:
+        return None
+    _lane_partial_sums(sch, blocks[0])
+    return sch
+
+
 def hand_schedule(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | None:
     """This pipeline's schedule of a kernel, or None for kernels it leaves as written."""
-    return _schedule_row_matmul(func, threads) or _schedule_expert_matmul(func, threads) or _schedule_attention(func)
+    return (_schedule_row_matmul(func, threads) or _schedule_expert_matmul(func, threads)
+            or _schedule_attention(func) or _schedule_hadamard(func))
 
 
 def schedule_kernels(threads: int):
@@ -145,12 +165,18 @@ def pipeline(target: tvm.target.Target, records: str | None = None):
     hand schedules, which then skip what it scheduled."""
     from tvm.relax import backend, transform
 
+    database = contextlib.nullcontext()
+    if records:   # entered as the current database: given a path, the pass logs a warning on every compile
+        from tvm.s_tir import meta_schedule as ms
+
+        database = ms.database.JSONDatabase(work_dir=str(records))
+
     @tvm.transform.module_pass(opt_level=0)
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        with target:
+        with target, database:
             seq = tvm.transform.Sequential([
                 backend.DispatchSampling(), backend.DispatchSortScan(), transform.LegalizeOps(),
-                *([transform.MetaScheduleApplyDatabase(str(records))] if records else []),
+                *([transform.MetaScheduleApplyDatabase()] if records else []),
                 schedule_kernels(int(target.attrs.get("num-cores", 1))), transform.RewriteDataflowReshape(),
                 transform.ToNonDataflow(), transform.RemovePurityChecking(),
                 transform.CallTIRRewrite(), transform.StaticPlanBlockMemory(), transform.LowerAllocTensor(),

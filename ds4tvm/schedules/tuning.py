@@ -2,16 +2,18 @@
 decode kernels: one token, every distinct shape x format that the TE schedules in llvm.py cover;
 the formats nn/cpu_kernels.py covers are hand-written and not tuned) on the machine compiling.
 
-For each kernel the kernel is tuned from scratch for TRIALS candidates, then the best candidate
-and the hand schedule are measured side by side with meta-schedule's own builder and runner, and
-the faster one's trace is recorded (so applying the database never makes a kernel slower than the
-hand schedule). Records go to a meta-schedule JSON database, by default ds4tvm/schedules/tuned/<target name>/ (shipped with the
-package); compiling for that target applies them before the hand schedules (llvm.pipeline).
+Each kernel is tuned from scratch for TRIALS candidates, then the best candidate and the hand
+schedule are measured side by side with meta-schedule's own builder and runner; only a candidate
+that wins is recorded (so applying the database never makes a kernel slower than the hand
+schedule, and a later change to a hand schedule is never masked by an old copy of it). Every
+kernel's numbers go to report.json beside the database. Records go to a meta-schedule JSON
+database, by default ds4tvm/schedules/tuned/<target name>/ (shipped with the package); compiling for that target applies them before the hand schedules (llvm.pipeline).
 Records match kernels by structural hash, so they apply to any model with the same kernel shapes.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from .llvm import hand_schedule
 
 TUNED = Path(__file__).parent / "tuned"
 WORKLOADS = "database_workload.json"
+REPORT = "report.json"
 
 
 def records_dir(target_name: str) -> Path:
@@ -30,7 +33,8 @@ def records_dir(target_name: str) -> Path:
 
 
 def has_records(path: Path) -> bool:
-    return (Path(path) / WORKLOADS).is_file()
+    f = Path(path) / WORKLOADS
+    return f.is_file() and f.stat().st_size > 0
 
 
 def _legalized(mod: tvm.IRModule, target) -> tvm.IRModule:
@@ -104,8 +108,9 @@ def _measure(ms, mods: list, target, args_info, builder, runner) -> list[float]:
 
 
 def tune(mod: tvm.IRModule, target, out_dir: Path, trials: int, progress: bool = False) -> list[dict]:
-    """Tunes the module's static linears; appends the faster schedule of each to the database in
-    out_dir. Returns one line of numbers per kernel."""
+    """Tunes the module's static linears; records the candidates that beat the hand schedule in the
+    database in out_dir, and every kernel's numbers in its report. Returns those lines."""
+    import tvm_ffi
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 
@@ -124,7 +129,7 @@ def tune(mod: tvm.IRModule, target, out_dir: Path, trials: int, progress: bool =
             kmod = _normalize_mod(func)
             args_info = ms.arg_info.ArgInfo.from_prim_func(kmod["main"])
             hand = hand_schedule(kmod["main"], threads) or s_tir.Schedule(kmod)
-            line = {"kernel": name, "trials": trials}
+            line = {"kernel": name, "kernel_hash": str(tvm_ffi.structural_hash(kmod["main"])), "trials": trials}
             try:
                 with tempfile.TemporaryDirectory() as tmp:
                     tdb = ms.tune_tir(kmod, target, tmp, max_trials_global=trials,
@@ -141,17 +146,27 @@ def tune(mod: tvm.IRModule, target, out_dir: Path, trials: int, progress: bool =
             else:
                 line["tuned_us"] = round(t_tuned * 1e6, 2)
             line["hand_us"] = round(t_hand * 1e6, 2)
-            # the database keeps the faster of the two, as measured here: a tuned kernel is never slower
-            winner, secs = (best, t_tuned) if t_tuned < t_hand else (hand, t_hand)
-            line["schedule"] = "tuned" if winner is best else "hand"
-            if secs < float("inf"):
-                db.commit_tuning_record(ms.database.TuningRecord(winner.trace, db.commit_workload(kmod), [secs],
+            line["schedule"] = "tuned" if t_tuned < t_hand else "hand"
+            if t_tuned < t_hand:   # only winners are recorded: without a record the hand schedule applies
+                db.commit_tuning_record(ms.database.TuningRecord(best.trace, db.commit_workload(kmod), [t_tuned],
                                                                  target, args_info))
             report.append(line)
             bar.advance()
     finally:
         bar.close()
+    _write_report(out_dir, report)
     return report
+
+
+def _write_report(out_dir: Path, lines: list[dict]) -> None:
+    """REPORT: the latest measurement of every kernel tuned into this database, winners or not."""
+    path = out_dir / REPORT
+    old = {x["kernel_hash"]: x for x in json.loads(path.read_text())} if path.is_file() else {}
+    old.update({x["kernel_hash"]: x for x in lines})
+    path.write_text(json.dumps(list(old.values()), indent=1) + "\n")
+    if not has_records(out_dir):   # no winner yet: no empty database files either
+        for name in (WORKLOADS, "database_tuning_record.json"):
+            (out_dir / name).unlink(missing_ok=True)
 
 
 class _Bar:
