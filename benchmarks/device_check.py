@@ -115,19 +115,10 @@ def copy_bandwidth(dev, nbytes: int = 1 << 30, repeats: int = 10) -> float:
     return 2 * nbytes * repeats / (time.perf_counter() - t)
 
 
-def timed(fn, repeats: int) -> float:
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[len(ts) // 2]
-
-
 def check(work: Path, gen: int) -> dict:
     from ds4tvm.gguf import open_gguf
     from ds4tvm.runtime.engine import Engine
-    from ds4tvm.runtime.speculative import verify_cost
+    from ds4tvm.runtime.speculative import median_seconds, verify_cost
 
     report = {}
     demo = work / "demo"
@@ -164,7 +155,7 @@ def check(work: Path, gen: int) -> dict:
         engine.prefill(prompt)
 
     prefill()
-    t_prefill = timed(prefill, 3)
+    t_prefill = median_seconds(prefill, 3)
     for _ in range(4):   # warm-up
         engine.decode(7)
     t = time.perf_counter()

@@ -52,6 +52,27 @@ def _dequant(qtype: QT):
     return lambda r, k, p0, p1: deq(dict(zip(names, (p0, p1))), r, k)
 
 
+@T.macro
+def _zero(acc, nt):
+    for t in T.unroll(nt):
+        for n in T.unroll(NR):
+            for lane in T.vectorized(16):
+                acc[t, n, lane] = T.float32(0)
+
+
+@T.macro
+def _fold_to_two(acc, nt):
+    """Each accumulator's 16 lanes summed in halves down to lanes 0 and 1 (16->8->4->2)."""
+    for t in T.unroll(nt):
+        for n in T.unroll(NR):
+            for lane in T.vectorized(8):
+                acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 8]
+            for lane in T.vectorized(4):
+                acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 4]
+            for lane in T.vectorized(2):
+                acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 2]
+
+
 @functools.lru_cache(maxsize=None)   # one PrimFunc per shape, shared by the layers
 def dense_linear(qtype: QT, N: int, K: int, parallel: bool, groups: int = 1):
     """y[T, N] = x[T, K] @ W[N, K]^T for any T. With groups G, x is [T, G*K] and output rows
@@ -70,24 +91,16 @@ def dense_linear(qtype: QT, N: int, K: int, parallel: bool, groups: int = 1):
     @T.macro
     def micro(inline, nt, t0, rt, rb, x, y, wt, p0, p1):
         acc = T.decl_buffer((nt, NR, 16), "float32", scope="local")
-        for t in T.unroll(nt):
-            for n in T.unroll(NR):
-                for lane in T.vectorized(16):
-                    acc[t, n, lane] = T.float32(0)
+        _zero(acc, nt)
         for kc in range(KC):
             for t in T.unroll(nt):
                 for n in T.unroll(NR):
                     for lane in T.vectorized(16):
                         acc[t, n, lane] = acc[t, n, lane] + x[t0 + t, x_col(rt) + kc * 16 + lane] * w_at(
                             inline, rt * RB + rb * NR + n, rb * NR + n, kc * 16 + lane, wt, p0, p1)
+        _fold_to_two(acc, nt)
         for t in T.unroll(nt):
             for n in T.unroll(NR):
-                for lane in T.vectorized(8):
-                    acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 8]
-                for lane in T.vectorized(4):
-                    acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 4]
-                for lane in T.vectorized(2):
-                    acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 2]
                 y[t0 + t, rt * RB + rb * NR + n] = acc[t, n, 0] + acc[t, n, 1]
 
     @T.macro
@@ -146,10 +159,7 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
     @T.macro
     def micro(inline, nt, s0_, et, rb, x, y, slots, wt, p0, p1):
         acc = T.decl_buffer((nt, NR, 16), "float32", scope="local")
-        for t in T.unroll(nt):
-            for n in T.unroll(NR):
-                for lane in T.vectorized(16):
-                    acc[t, n, lane] = T.float32(0)
+        _zero(acc, nt)
         for kc in range(KC):
             for t in T.unroll(nt):
                 for n in T.unroll(NR):
@@ -157,14 +167,9 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
                         acc[t, n, lane] = acc[t, n, lane] + x[
                             slots[s0_ + t] // J, x_slot(slots[s0_ + t]), kc * 16 + lane] * w_at(
                             inline, et // NT, et % NT * RB + rb * NR + n, rb * NR + n, kc * 16 + lane, wt, p0, p1)
+        _fold_to_two(acc, nt)
         for t in T.unroll(nt):
             for n in T.unroll(NR):
-                for lane in T.vectorized(8):
-                    acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 8]
-                for lane in T.vectorized(4):
-                    acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 4]
-                for lane in T.vectorized(2):
-                    acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 2]
                 y[slots[s0_ + t] // J, slots[s0_ + t] % J, et % NT * RB + rb * NR + n] = acc[t, n, 0] + acc[t, n, 1]
 
     @T.macro

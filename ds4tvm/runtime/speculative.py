@@ -260,15 +260,19 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
     return out, stats
 
 
+def median_seconds(fn, repeats: int) -> float:
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
+
+
 def verify_cost(engine, max_k: int = 6, repeats: int = 5) -> dict[int, float]:
     """Median time of verify(k) relative to one decode step, for k = 1..max_k."""
     def timed(fn):
-        ts = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return sorted(ts)[len(ts) // 2]
+        return median_seconds(fn, repeats)
 
     engine.reset()
     engine.prefill([1, 2, 3, 4])

@@ -49,3 +49,53 @@ def test_plane_kernels_match_gguf_dequantize(qtype):
     ref, ref_e = x @ W.T, np.einsum("tk,tjnk->tjn", x, We[sel])
     assert np.abs(y.numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
     assert np.abs(ye.numpy() - ref_e).max() <= 1e-5 * np.abs(ref_e).max()
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, QT.Q8_0], ids=lambda t: t.name)
+def test_cpu_kernels_match_gguf_dequantize(qtype):
+    """nn/cpu_kernels.py (chosen when exporting for a CPU target): dense, grouped and routed-expert
+    linears, for token counts that take every path (register dequantization, a dequantized tile
+    from 12 tokens, leftover blocks of 4/2/1, experts with no, few and many slots)."""
+    from tvm import relax
+    from tvm.relax.frontend import nn
+
+    from ds4tvm.nn.qweight import QWeight, for_cpu
+    from ds4tvm.schedules.llvm import pipeline
+
+    E, N, K, G, J = 4, 64, 128, 2, 3
+    rng = np.random.default_rng(int(qtype) + 100)
+
+    class M(nn.Module):
+        def __init__(self):
+            self.w = QWeight("w", qtype, (N, K))
+            self.we = QWeight("we", qtype, (E, N, K))
+
+        def f(self, x, xg, xe, sel):
+            return (self.w.linear(x), self.w.grouped_linear(xg, G), self.we.expert_linear(x, sel),
+                    self.we.expert_linear(xe, sel))
+
+    spec = {"f": {"x": nn.spec.Tensor(["t", K], "float32"), "xg": nn.spec.Tensor(["t", G, K], "float32"),
+                  "xe": nn.spec.Tensor(["t", J, K], "float32"), "sel": nn.spec.Tensor(["t", J], "int32"),
+                  "$": {"param_mode": "plain", "effect_mode": "none"}}}
+    with for_cpu(2):
+        mod, params = M().export_tvm(spec=spec)
+    script = mod.script()
+    assert "row_matmul" not in script and "expert_matmul" not in script   # no TE linear left
+    target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    vm = relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu())
+    raw, raw_e = random_blocks(qtype, (N, K), rng), random_blocks(qtype, (E, N, K), rng)
+    W, We = quants.dequantize(raw, qtype).astype(np.float64), quants.dequantize(raw_e, qtype).astype(np.float64)
+    planes = {"w": to_planes(raw, qtype, (N, K)), "we": to_planes(raw_e, qtype, (E, N, K))}
+    args = [tvm.runtime.tensor(np.ascontiguousarray(planes[n.split(".")[0]].fields[n.split("plane_")[1]]))
+            for n, _ in params]
+    for T in (1, 5, 13, 23):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        xg = rng.standard_normal((T, G, K)).astype(np.float32)
+        xe = rng.standard_normal((T, J, K)).astype(np.float32)
+        sel = rng.integers(0, E - 1, (T, J)).astype(np.int32)   # expert E-1 is never chosen
+        y, yg, ye, ye2 = vm["f"](tvm.runtime.tensor(x), tvm.runtime.tensor(xg), tvm.runtime.tensor(xe),
+                                 tvm.runtime.tensor(sel), *args)
+        refs = [x @ W.T, np.einsum("tgk,gok->tgo", xg, W.reshape(G, N // G, K)),
+                np.einsum("tk,tjnk->tjn", x, We[sel]), np.einsum("tjk,tjnk->tjn", xe, We[sel])]
+        for got, ref in zip((y, yg, ye, ye2), refs):
+            assert np.abs(got.numpy() - ref).max() <= 1e-5 * np.abs(ref).max(), (T, qtype)
