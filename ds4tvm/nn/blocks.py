@@ -17,10 +17,21 @@ NEG_INF = -3.0e38
 
 
 def rms(x: nn.Tensor, eps: float, weight: nn.Tensor | None = None) -> nn.Tensor:
-    """RMSNorm over the last axis (weightless when weight is None)."""
-    ms = op.sum(op.square(x), axis=-1, keepdims=True) / x.shape[-1]
-    y = x / op.sqrt(ms + eps)
-    return y * weight if weight is not None else y
+    """RMSNorm over the last axis (weightless when weight is None), as one kernel: written as
+    relax ops it was seven (square, sum, divide, add, sqrt, divide, multiply), each with its own VM
+    calls, and a model has dozens of norms per token."""
+    def f(x_te, *w):
+        D = x_te.shape[-1]
+        k = te.reduce_axis((0, D), name="k")
+        ss = te.compute(x_te.shape[:-1], lambda *i: te.sum(x_te[(*i, k)] * x_te[(*i, k)], axis=k), name="rms_ss")
+
+        def body(*i):
+            y = x_te[i] / te.sqrt(ss[i[:-1]] / D.astype(F32) + tirx.const(eps, F32))
+            return y * w[0][i[-1]] if w else y
+
+        return te.compute(x_te.shape, body, name="rms")
+
+    return op.tensor_expr_op(f, "rms", [x] + ([weight] if weight is not None else []))
 
 
 # ---------------------------------------------------------------------------- RoPE
@@ -85,15 +96,41 @@ def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: fl
     n, _, D = X.shape
     flat = rms(op.reshape(X, (n, hc * D)), eps)
     mix = fn.linear(flat, name="hc_mix")
-    m_pre, m_post, m_comb = op.split(mix, [hc, 2 * hc], axis=1)
-    b_pre, b_post, b_comb = op.split(base, [hc, 2 * hc], axis=0)
-    s_pre, s_post, s_comb = op.split(scale, 3, axis=0)
-    pre = op.sigmoid(m_pre * s_pre + b_pre) + hc_eps
-    post = op.sigmoid(m_post * s_post + b_post) * 2.0
-    c = op.reshape(m_comb * s_comb + b_comb, (n, hc, hc))          # c[t, dst, src]
-    c = sinkhorn(op.softmax(c, axis=2) + hc_eps, iters, hc_eps)
-    x = op.sum(op.reshape(pre, (n, hc, 1)) * X, axis=1)
-    return x, post, c
+    pre, post, c = hc_gates(mix, scale, base, hc, hc_eps)
+    c = sinkhorn(c, iters, hc_eps)
+
+    def weighted(x_te, p_te):
+        h = te.reduce_axis((0, hc), name="h")
+        return te.compute((n, D), lambda t, d: te.sum(p_te[t, h] * x_te[t, h, d], axis=h), name="hc_pre_sum")
+
+    return op.tensor_expr_op(weighted, "hc_pre_sum", [X, pre]), post, c
+
+
+def hc_gates(mix: nn.Tensor, scale: nn.Tensor, base: nn.Tensor, hc: int, hc_eps: float):
+    """From the mixing projection [T, (2 + hc) * hc]: pre = sigmoid(m * scale[0] + base) + eps,
+    post = 2 sigmoid(m * scale[1] + base), and the combine logits c[t, dst, src] = m * scale[2] +
+    base softmaxed over src, plus eps. One kernel: as relax ops it was some twenty (splits,
+    scale-and-shift, sigmoid, softmax), each with its own VM calls, twice per layer and token."""
+    def f(m, s, b):
+        n = m.shape[0]
+        sig = te.sigmoid
+        pre = te.compute((n, hc), lambda t, j: sig(m[t, j] * s[0] + b[j]) + tirx.const(hc_eps, F32), name="hc_pre")
+        post = te.compute((n, hc), lambda t, j: sig(m[t, hc + j] * s[1] + b[hc + j]) * tirx.const(2.0, F32),
+                          name="hc_post")
+
+        def logit(t, i, j):
+            return m[t, 2 * hc + i * hc + j] * s[2] + b[2 * hc + i * hc + j]
+
+        k = te.reduce_axis((0, hc), name="k")
+        mx = te.compute((n, hc), lambda t, i: te.max(logit(t, i, k), axis=k), name="hc_comb_max")
+        e = te.compute((n, hc, hc), lambda t, i, j: te.exp(logit(t, i, j) - mx[t, i]), name="hc_comb_exp")
+        k2 = te.reduce_axis((0, hc), name="k2")
+        den = te.compute((n, hc), lambda t, i: te.sum(e[t, i, k2], axis=k2), name="hc_comb_den")
+        comb = te.compute((n, hc, hc), lambda t, i, j: e[t, i, j] / den[t, i] + tirx.const(hc_eps, F32),
+                          name="hc_comb")
+        return [pre, post, comb]
+
+    return op.tensor_expr_op(f, "hc_gates", [mix, scale, base])
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,7 +233,10 @@ def ring_write(ring: nn.Tensor, rows: nn.Tensor, start, name: str) -> nn.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _emit_rows_func(rows: int, width: int, ratio: int):
+def _emit_rows_func(rows: int, width: int, ratio: int, compact: bool):
+    def end(start, i):   # the position where candidate i's window ends
+        return (start // ratio + i + 1) * ratio - 1 if compact else start + i
+
     @T.prim_func(s_tir=True)
     def emit_rows(table: T.handle, cand: T.handle, start: T.int64):
         n = T.int64()
@@ -205,37 +245,46 @@ def _emit_rows_func(rows: int, width: int, ratio: int):
         for i, j in T.grid(n, width):
             with T.sblock("emit"):
                 vi, vj = T.axis.remap("SS", [i, j])
-                if T.floordiv(start, ratio) + vi < rows:
-                    R[T.floordiv(start, ratio) + vi, vj] = X[vi, vj]
-    return emit_rows.with_attr("global_symbol", f"emit_rows_{rows}x{width}_r{ratio}")
+                if T.floormod(end(start, vi) + 1, ratio) == 0 and T.floordiv(end(start, vi) + 1, ratio) <= rows:
+                    R[T.floordiv(end(start, vi) + 1, ratio) - 1, vj] = X[vi, vj]
+    return emit_rows.with_attr("global_symbol", f"emit_rows_{rows}x{width}_r{ratio}{'_c' if compact else ''}")
 
 
-def emit_rows(table: nn.Tensor, candidates: nn.Tensor, start, ratio: int, name: str) -> nn.Tensor:
-    """Writes the rows of the windows that end among positions start.. (pooled_window's output,
-    one candidate per such window, in order): candidate i is row start // ratio + i."""
+def compacts(x: nn.Tensor) -> bool:
+    """Whether pooled_window pools only the windows that end among x's tokens. A call of a dynamic
+    number of tokens (prefill, verify) does; a decode step (one static token) pools its one window
+    whether it ends there or not, as a row count that depends on the position would make its
+    static-shape kernels allocate a dynamic size, which CUDA code generation refuses."""
+    return not isinstance(x.shape[0], int)
+
+
+def emit_rows(table: nn.Tensor, candidates: nn.Tensor, start, ratio: int, compact: bool, name: str) -> nn.Tensor:
+    """Writes into the row table the candidates (pooled_window's output) whose window ends a
+    compressed row: with compact, every candidate, in order from row start // ratio; else candidate
+    t, for position start + t, when (start + t + 1) % ratio == 0."""
     rows, width = table.shape
-    func = _emit_rows_func(int(rows), int(width), ratio)
-    return op.tensor_ir_inplace_op(func, f"emit_rows_{rows}x{width}_r{ratio}", args=[table, candidates, start], inplace_indices=[0],
-                                   out=nn.Tensor.placeholder(table.shape, table.dtype))
+    func = _emit_rows_func(int(rows), int(width), ratio, compact)
+    return op.tensor_ir_inplace_op(func, func.attrs["global_symbol"], args=[table, candidates, start],
+                                   inplace_indices=[0], out=nn.Tensor.placeholder(table.shape, table.dtype))
 
 
-def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width: int, name: str) -> nn.Tensor:
-    """The softmax-pooled row, per channel, of every window that ends among the new tokens
-    (positions start .. start + n - 1; window ends are the positions p with (p + 1) % ratio == 0):
-    (start + n) // ratio - start // ratio rows, in order. Only those rows are ever stored, so no
-    other token pays for the pooling. ctx rows are positions start-2*ratio ... For ratio 4 the
-    window is 8 tokens through two lanes: the previous 4 positions read lane 0 (first `width`
-    channels), the current 4 lane 1; the previous lane is absent for the first window. Other
-    ratios: one lane."""
+def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width: int, compact: bool,
+                  name: str) -> nn.Tensor:
+    """The softmax-pooled row, per channel, of the window ending at each new token (positions
+    start .. start + n - 1), or with compact only of the windows that end a compressed row there
+    (positions p with (p + 1) % ratio == 0: (start + n) // ratio - start // ratio rows, in order),
+    the only rows ever stored. ctx rows are positions start-2*ratio ... For ratio 4 the window is
+    8 tokens through two lanes: the previous 4 positions read lane 0 (first `width` channels), the
+    current 4 lane 1; the previous lane is absent for the first window. Other ratios: one lane."""
     two = ratio == 4
 
     def f(kv, sc, s):
         n = kv.shape[0] - 2 * ratio
-        m = (s + n) // ratio - s // ratio
+        m = (s + n) // ratio - s // ratio if compact else n
         L = 2 * ratio if two else ratio
 
         def end(i):   # the chunk row of window i's last position
-            return (s // ratio + i + 1) * ratio - 1 - s
+            return (s // ratio + i + 1) * ratio - 1 - s if compact else i
         a = te.reduce_axis((0, L), name="a")
 
         def src(t, a_, d):

@@ -17,7 +17,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import Bounds
-from ...nn.blocks import (emit_rows, gather_context, hc_head, hc_post, hc_pre, indexer_select, pooled_window,
+from ...nn.blocks import (compacts, emit_rows, gather_context, hc_head, hc_post, hc_pre, indexer_select, pooled_window,
                           ring_write, rms, rope, rope_inv_freq, sparse_window_attention)
 from ...nn.qweight import QWeight
 from ...nn.rounding import fp8_round_rows, hadamard_fp4
@@ -126,19 +126,22 @@ class Block(nn.Module):
 
     def _compress(self, N, start, states, wname, sname, width, rope_comp, round_rows=None):
         """Projections of the new tokens, the pooled row of every window that ends among them
-        (normalised, RoPE'd at the window start), written into the row table; only those windows
-        are pooled."""
+        (normalised, RoPE'd at the window start), written into the row table; a call of several
+        tokens pools only those windows (nn/blocks.compacts)."""
         c, r, w = self.cfg, self.ratio, self.w
         kv = w[f"{wname}_kv.weight"].linear(N)
         score = w[f"{wname}_gate.weight"].linear(N) + _ape_rows(self.v(f"{wname}_ape"), start, N, r, "ape")
         kv_front, sc_front = states[f"{sname}_kv_front"], states[f"{sname}_score_front"]
         kv_ctx = gather_context(kv_front, kv, start, 2 * r, name=f"{sname}_kv_context")
         sc_ctx = gather_context(sc_front, score, start, 2 * r, name=f"{sname}_score_context")
-        pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, name=f"{sname}_pool")
-        cand = rope(rms(pooled, c.rms_eps, self.v(f"{wname}_norm")), start, rope_comp, stride=r)   # at the window start
+        compact = compacts(N)
+        pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, compact, name=f"{sname}_pool")
+        # RoPE'd at the window's first position
+        cand = rope(rms(pooled, c.rms_eps, self.v(f"{wname}_norm")), start, rope_comp,
+                    **(dict(stride=r) if compact else dict(offset=1 - r)))
         if round_rows is not None:
             cand = round_rows(cand)
-        rows = emit_rows(states[f"{sname}_rows"], cand, start, r, name=f"{sname}_emit")
+        rows = emit_rows(states[f"{sname}_rows"], cand, start, r, compact, name=f"{sname}_emit")
         return rows, {f"{sname}_rows": rows,
                       f"{sname}_kv_front": ring_write(kv_front, kv, start, name=f"{sname}_kv_write"),
                       f"{sname}_score_front": ring_write(sc_front, score, start,
