@@ -6,8 +6,8 @@ The core is a micro-kernel of TB tokens x NR output rows whose TB*NR accumulator
 vectors of partial sums over k, folded 16->8->4->2->1 at the end: 24 of the 32 AVX-512 registers,
 each weight vector loaded once for TB tokens and each token vector once for NR rows. Output rows
 go in tiles of RB; with fewer than HT tokens (decode, verify) a tile's weights are dequantized in
-registers inside the micro-kernel; with more (prefill) the tile is dequantized once into an
-L1-sized [RB, K] buffer that every token block reads. Leftover tokens run 4-, 2- and 1-token
+registers inside the micro-kernel; with more (prefill) the tile is dequantized once into a
+[RB, K] buffer (32 KB at K = 512) that every token block reads. Leftover tokens run 4-, 2- and 1-token
 variants of the same core, so they still share each weight vector.
 
 Routed experts sort the (token, slot) pairs by expert first (a counting sort in the kernel), then
@@ -15,7 +15,7 @@ run the same tiles per expert over that expert's slots only: an expert used by 3
 prefill is read and dequantized once instead of 30 times, and experts nobody chose cost nothing.
 
 On the 127M benchmark model's shapes (2 threads, side by side with the TE schedules): dense
-1.5-4x faster at every token count from 1 to 128, experts 1.2-1.4x at 6 tokens and 2.5-4x at
+1.1-3.8x faster at every token count from 1 to 128, experts 1.2-1.4x at 6 tokens and 2.5-4x at
 64-128 (slower at one token, so decode keeps the TE kernel). BENCHMARKS.md has the model numbers.
 """
 
