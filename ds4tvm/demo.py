@@ -54,6 +54,20 @@ def _successors(engine, prompt: list[int], n: int, vocab: int) -> np.ndarray:
     return nxt
 
 
+def _current(art: Path) -> bool:
+    """Whether a cached demo artifact exists and this ds4tvm and TVM can run it (else: rebuild)."""
+    from .artifact import Manifest
+    from .errors import Ds4Error
+
+    if not (art / "manifest.json").is_file():
+        return False
+    try:
+        Manifest.read(art).check_runtime(art)
+    except Ds4Error:
+        return False
+    return True
+
+
 def build_demo(out_dir: Path, progress: bool = True):
     """Writes (once) the demo model, its DSpark support file and the artifact that pairs them.
     Returns (model path, support path, artifact dir, the demo prompt's token ids)."""
@@ -74,12 +88,12 @@ def build_demo(out_dir: Path, progress: bool = True):
     bounds = Bounds(max_context=512, max_verify=8, prefill_chunk=256)
     support = out_dir / SUPPORT_FILE
     art = out_dir / "artifact"
-    if not (art / "manifest.json").is_file() or not support.exists():
+    if not _current(art) or not support.exists():
         if progress:
             typer.echo("ds4 demo: first run: building the tiny DeepSeek-V4 + DSpark pair and compiling it "
                        "for this CPU (about a minute)", err=True)
         plain_art = out_dir / "artifact-target-only"
-        if not (plain_art / "manifest.json").is_file():
+        if not _current(plain_art):
             compile_gguf(model, "cpu", plain_art, bounds, progress=progress)
         nxt = _successors(Engine(plain_art), prompt, N_TOKENS, cfg.n_vocab)
         write_markov_dspark(support, cfg, nxt, seed=DEMO_SEED)
