@@ -73,6 +73,56 @@ def _fold_to_two(acc, nt):
                 acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 2]
 
 
+def _row_tiles(K: int, x_at, w_at, y_at):
+    """The tiled product both kernels share, as a macro row_tile(first, count, tile, x, y, ctx,
+    p0, p1): output rows tile*RB .. for the `count` token rows first .. first+count-1 of a list.
+    The accessors, evaluated while parsing, say where those rows live: x_at(x, ctx, i, tile, k)
+    the input of list entry i, y_at(ctx, i, tile, r) the output index of entry i and tile row r,
+    w_at(inline, tile, r, k, wt, p0, p1) weight row r of the tile (dequantized, or from wt)."""
+    KC = K // 16
+
+    @T.macro
+    def micro(inline, nt, i0, tile, rb, x, y, ctx, wt, p0, p1):
+        acc = T.decl_buffer((nt, NR, 16), "float32", scope="local")
+        _zero(acc, nt)
+        for kc in range(KC):
+            for t in T.unroll(nt):
+                for n in T.unroll(NR):
+                    for lane in T.vectorized(16):
+                        acc[t, n, lane] = acc[t, n, lane] + x_at(x, ctx, i0 + t, tile, kc * 16 + lane) * w_at(
+                            inline, tile, rb * NR + n, kc * 16 + lane, wt, p0, p1)
+        _fold_to_two(acc, nt)
+        for t in T.unroll(nt):
+            for n in T.unroll(NR):
+                T.buffer_store(y, acc[t, n, 0] + acc[t, n, 1], y_at(ctx, i0 + t, tile, rb * NR + n))
+
+    @T.macro
+    def blocks(inline, first, count, tile, x, y, ctx, wt, p0, p1):
+        for rb in range(RB // NR):
+            for blk in range(count // TB):
+                micro(inline, TB, first + blk * TB, tile, rb, x, y, ctx, wt, p0, p1)
+            # the last count % TB rows in blocks of 4, 2, 1 (still sharing each weight vector)
+            if count % TB >= 4:
+                micro(inline, 4, first + count // TB * TB, tile, rb, x, y, ctx, wt, p0, p1)
+            if count % TB % 4 >= 2:
+                micro(inline, 2, first + count // TB * TB + count % TB // 4 * 4, tile, rb, x, y, ctx, wt, p0, p1)
+            if count % TB % 2 == 1:
+                micro(inline, 1, first + count - 1, tile, rb, x, y, ctx, wt, p0, p1)
+
+    @T.macro
+    def row_tile(first, count, tile, x, y, ctx, p0, p1):
+        wt = T.decl_buffer((RB, K), "float32")
+        if count >= HT:
+            for r, kb in T.grid(RB, K // 32):
+                for kl in T.vectorized(32):
+                    wt[r, kb * 32 + kl] = w_at(True, tile, r, kb * 32 + kl, wt, p0, p1)
+            blocks(False, first, count, tile, x, y, ctx, wt, p0, p1)
+        else:
+            blocks(True, first, count, tile, x, y, ctx, wt, p0, p1)
+
+    return row_tile
+
+
 @functools.lru_cache(maxsize=None)   # one PrimFunc per shape, shared by the layers
 def dense_linear(qtype: QT, N: int, K: int, parallel: bool, groups: int = 1):
     """y[T, N] = x[T, K] @ W[N, K]^T for any T. With groups G, x is [T, G*K] and output rows
@@ -80,52 +130,17 @@ def dense_linear(qtype: QT, N: int, K: int, parallel: bool, groups: int = 1):
     deq = _dequant(qtype)
     rows_per_group = N // groups
     (s0, d0), (s1, d1) = _planes(qtype, (N,), K)
-    KC = K // 16
 
-    def w_at(inline, row, wrow, k, wt, p0, p1):   # evaluated while parsing: a dequantization or a load
-        return deq((row,), k, p0, p1) if inline else wt[wrow, k]
+    def x_at(x, _ctx, i, rt, k):   # a tile's input columns are its group's slice of x
+        return x[i, rt * RB // rows_per_group * K + k]
 
-    def x_col(rt):   # where the tile's input columns start: its group's slice of x
-        return rt * RB // rows_per_group * K
+    def w_at(inline, rt, r, k, wt, p0, p1):
+        return deq((rt * RB + r,), k, p0, p1) if inline else wt[r, k]
 
-    @T.macro
-    def micro(inline, nt, t0, rt, rb, x, y, wt, p0, p1):
-        acc = T.decl_buffer((nt, NR, 16), "float32", scope="local")
-        _zero(acc, nt)
-        for kc in range(KC):
-            for t in T.unroll(nt):
-                for n in T.unroll(NR):
-                    for lane in T.vectorized(16):
-                        acc[t, n, lane] = acc[t, n, lane] + x[t0 + t, x_col(rt) + kc * 16 + lane] * w_at(
-                            inline, rt * RB + rb * NR + n, rb * NR + n, kc * 16 + lane, wt, p0, p1)
-        _fold_to_two(acc, nt)
-        for t in T.unroll(nt):
-            for n in T.unroll(NR):
-                y[t0 + t, rt * RB + rb * NR + n] = acc[t, n, 0] + acc[t, n, 1]
+    def y_at(_ctx, i, rt, r):
+        return [i, rt * RB + r]
 
-    @T.macro
-    def tile(inline, n_tok, rt, x, y, wt, p0, p1):
-        for rb in range(RB // NR):
-            for blk in range(n_tok // TB):
-                micro(inline, TB, blk * TB, rt, rb, x, y, wt, p0, p1)
-            # the last n_tok % TB tokens in blocks of 4, 2, 1 (still sharing each weight vector)
-            if n_tok % TB >= 4:
-                micro(inline, 4, n_tok // TB * TB, rt, rb, x, y, wt, p0, p1)
-            if n_tok % TB % 4 >= 2:
-                micro(inline, 2, n_tok // TB * TB + n_tok % TB // 4 * 4, rt, rb, x, y, wt, p0, p1)
-            if n_tok % TB % 2 == 1:
-                micro(inline, 1, n_tok - 1, rt, rb, x, y, wt, p0, p1)
-
-    @T.macro
-    def row_tile(n_tok, rt, x, y, p0, p1):
-        wt = T.decl_buffer((RB, K), "float32")
-        if n_tok >= HT:
-            for r, kb in T.grid(RB, K // 32):
-                for kl in T.vectorized(32):
-                    wt[r, kb * 32 + kl] = deq((rt * RB + r,), kb * 32 + kl, p0, p1)
-            tile(False, n_tok, rt, x, y, wt, p0, p1)
-        else:
-            tile(True, n_tok, rt, x, y, wt, p0, p1)
+    row_tile = _row_tiles(K, x_at, w_at, y_at)
 
     @T.prim_func(private=True)
     def main(x_h: T.handle, p0: T.Buffer(s0, d0), p1: T.Buffer(s1, d1), y_h: T.handle):
@@ -135,66 +150,37 @@ def dense_linear(qtype: QT, N: int, K: int, parallel: bool, groups: int = 1):
         y = T.match_buffer(y_h, (n_tok, N), "float32")
         if parallel:
             for rt in T.parallel(N // RB):
-                row_tile(n_tok, rt, x, y, p0, p1)
+                row_tile(0, n_tok, rt, x, y, x, p0, p1)
         else:
             for rt in T.serial(N // RB):
-                row_tile(n_tok, rt, x, y, p0, p1)
+                row_tile(0, n_tok, rt, x, y, x, p0, p1)
 
     return main
 
 
 @functools.lru_cache(maxsize=None)
 def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool, parallel: bool):
-    """y[T, J, N] = x[T, (J|1), K] @ W[ids[t, j], N, K]^T for any T, grouped by expert."""
+    """y[T, J, N] = x[T, (J|1), K] @ W[ids[t, j], N, K]^T for any T, grouped by expert: tile et is
+    expert et // NT, rows et % NT * RB .., over the expert's entries of the sorted slot list."""
     deq = _dequant(qtype)
     (s0, d0), (s1, d1) = _planes(qtype, (E, N), K)
-    KC, NT, XJ = K // 16, N // RB, (J if per_slot_input else 1)
+    NT, XJ = N // RB, (J if per_slot_input else 1)
 
-    def w_at(inline, e, row, wrow, k, wt, p0, p1):
-        return deq((e, row), k, p0, p1) if inline else wt[wrow, k]
+    def x_at(x, slots, i, _et, k):
+        return x[slots[i] // J, slots[i] % J if per_slot_input else 0, k]
 
-    def x_slot(s):
-        return s % J if per_slot_input else 0
+    def w_at(inline, et, r, k, wt, p0, p1):
+        return deq((et // NT, et % NT * RB + r), k, p0, p1) if inline else wt[r, k]
 
-    @T.macro
-    def micro(inline, nt, s0_, et, rb, x, y, slots, wt, p0, p1):
-        acc = T.decl_buffer((nt, NR, 16), "float32", scope="local")
-        _zero(acc, nt)
-        for kc in range(KC):
-            for t in T.unroll(nt):
-                for n in T.unroll(NR):
-                    for lane in T.vectorized(16):
-                        acc[t, n, lane] = acc[t, n, lane] + x[
-                            slots[s0_ + t] // J, x_slot(slots[s0_ + t]), kc * 16 + lane] * w_at(
-                            inline, et // NT, et % NT * RB + rb * NR + n, rb * NR + n, kc * 16 + lane, wt, p0, p1)
-        _fold_to_two(acc, nt)
-        for t in T.unroll(nt):
-            for n in T.unroll(NR):
-                y[slots[s0_ + t] // J, slots[s0_ + t] % J, et % NT * RB + rb * NR + n] = acc[t, n, 0] + acc[t, n, 1]
+    def y_at(slots, i, et, r):
+        return [slots[i] // J, slots[i] % J, et % NT * RB + r]
 
-    @T.macro
-    def tile(inline, et, x, y, slots, cnt, off, wt, p0, p1):
-        for rb in range(RB // NR):
-            for blk in range(cnt[et // NT] // TB):
-                micro(inline, TB, off[et // NT] + blk * TB, et, rb, x, y, slots, wt, p0, p1)
-            if cnt[et // NT] % TB >= 4:
-                micro(inline, 4, off[et // NT] + cnt[et // NT] // TB * TB, et, rb, x, y, slots, wt, p0, p1)
-            if cnt[et // NT] % TB % 4 >= 2:
-                micro(inline, 2, off[et // NT] + cnt[et // NT] // TB * TB + cnt[et // NT] % TB // 4 * 4, et, rb,
-                      x, y, slots, wt, p0, p1)
-            if cnt[et // NT] % TB % 2 == 1:
-                micro(inline, 1, off[et // NT] + cnt[et // NT] - 1, et, rb, x, y, slots, wt, p0, p1)
+    row_tile = _row_tiles(K, x_at, w_at, y_at)
 
     @T.macro
     def expert_tile(et, x, y, slots, cnt, off, p0, p1):
-        wt = T.decl_buffer((RB, K), "float32")
-        if cnt[et // NT] >= HT:
-            for r, kb in T.grid(RB, K // 32):
-                for kl in T.vectorized(32):
-                    wt[r, kb * 32 + kl] = deq((et // NT, et % NT * RB + r), kb * 32 + kl, p0, p1)
-            tile(False, et, x, y, slots, cnt, off, wt, p0, p1)
-        elif cnt[et // NT] > 0:
-            tile(True, et, x, y, slots, cnt, off, wt, p0, p1)
+        if cnt[et // NT] > 0:   # experts nobody chose cost nothing
+            row_tile(off[et // NT], cnt[et // NT], et, x, y, slots, p0, p1)
 
     @T.prim_func(private=True)
     def main(x_h: T.handle, ids_h: T.handle, p0: T.Buffer(s0, d0), p1: T.Buffer(s1, d1), y_h: T.handle):
