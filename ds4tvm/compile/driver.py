@@ -201,6 +201,7 @@ def _compile_module(mod, tgt_spec, records: Path | None = None):
     tgt = tvm.target.Target(tgt_spec.tvm)
     fatbin = cuda_fatbin(tgt_spec.arches) if tgt_spec.device == "cuda" else contextlib.nullcontext()
     with tgt, fatbin:
+        records = _records(tgt_spec, records)
         relax_pipeline = (cpu_pipeline(tgt, records if _applies(records) else None) if tgt_spec.device == "cpu"
                           else gpu_pipeline(tgt, tgt_spec.device))
         return tvm.compile(mod, target=tgt, relax_pipeline=relax_pipeline)
@@ -226,7 +227,7 @@ def compile_shapes(target: str, bounds, out_dir: Path, progress: bool = False) -
         phases.next()
         mod, named = _export(model, tgt_spec)
         phases.next()
-        ex = _compile_module(mod, tgt_spec, _records(tgt_spec, None))
+        ex = _compile_module(mod, tgt_spec)
         phases.next()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,10 @@ def supports(qtype: QT, N: int, K: int, groups: int = 1) -> bool:
     return qtype in FORMATS and N % (RB * groups) == 0 and K % 32 == 0
 
 
+def _parallel(threads: int, N: int, K: int) -> bool:
+    return threads > 1 and N * K >= PARALLEL_MIN_WEIGHTS
+
+
 def _planes(qtype: QT, lead: tuple, K: int) -> list[tuple[tuple, str]]:
     """(shape, dtype) of each plane, padded to two (the kernels take two plane arguments)."""
     out = [((*lead, f.per_row(K)), f.dtype) for f in plane_format(qtype).fields]
@@ -124,9 +128,10 @@ def _row_tiles(K: int, x_at, w_at, y_at):
 
 
 @functools.lru_cache(maxsize=None)   # one PrimFunc per shape, shared by the layers
-def dense_linear(qtype: QT, N: int, K: int, parallel: bool, groups: int = 1):
+def dense_linear(qtype: QT, N: int, K: int, threads: int, groups: int = 1):
     """y[T, N] = x[T, K] @ W[N, K]^T for any T. With groups G, x is [T, G*K] and output rows
     g*N/G .. (g+1)*N/G read x[:, g*K : (g+1)*K] (a grouped projection)."""
+    parallel = _parallel(threads, N, K)
     deq = _dequant(qtype)
     rows_per_group = N // groups
     (s0, d0), (s1, d1) = _planes(qtype, (N,), K)
@@ -159,10 +164,11 @@ def dense_linear(qtype: QT, N: int, K: int, parallel: bool, groups: int = 1):
 
 
 @functools.lru_cache(maxsize=None)
-def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool, parallel: bool):
+def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool, threads: int):
     """y[T, J, N] = x[T, (J|1), K] @ W[ids[t, j], N, K]^T for any T, grouped by expert: tile et is
     expert et // NT, rows et % NT * RB .., over the expert's entries of the sorted slot list."""
     deq = _dequant(qtype)
+    parallel = _parallel(threads, N, K)   # per expert; calls with few slots also stay on one core
     (s0, d0), (s1, d1) = _planes(qtype, (E, N), K)
     NT, XJ = N // RB, (J if per_slot_input else 1)
 

@@ -179,7 +179,7 @@ class QWeight(nn.Module):
         N, K = self.shape
         threads = _CPU_THREADS.get()
         if threads is not None and cpu_kernels.supports(self.qtype, N, K):
-            func = cpu_kernels.dense_linear(self.qtype, N, K, threads > 1 and N * K >= cpu_kernels.PARALLEL_MIN_WEIGHTS)
+            func = cpu_kernels.dense_linear(self.qtype, N, K, threads)
             return op.tensor_ir_op(func, name, [x, *self._padded_planes()],
                                    nn.Tensor.placeholder((x.shape[0], N), F32))
         args, names = self._te_args()
@@ -200,8 +200,7 @@ class QWeight(nn.Module):
         No = N // groups
         threads = _CPU_THREADS.get()
         if threads is not None and cpu_kernels.supports(self.qtype, N, K, groups):
-            func = cpu_kernels.dense_linear(self.qtype, N, K, threads > 1 and N * K >= cpu_kernels.PARALLEL_MIN_WEIGHTS,
-                                            groups)
+            func = cpu_kernels.dense_linear(self.qtype, N, K, threads, groups)
             T = x.shape[0]
             y = op.tensor_ir_op(func, name, [op.reshape(x, (T, groups * K)), *self._padded_planes()],
                                 nn.Tensor.placeholder((T, N), F32))
@@ -224,8 +223,7 @@ class QWeight(nn.Module):
         threads, T, J = _CPU_THREADS.get(), x.shape[0], experts.shape[1]
         # one token (decode) keeps the TE kernel: grouping by expert has nothing to share there
         if threads is not None and cpu_kernels.supports(self.qtype, N, K) and not isinstance(T, int):
-            func = cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input,
-                                                 threads > 1 and N * K >= cpu_kernels.PARALLEL_MIN_WEIGHTS)
+            func = cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads)
             xs = x if per_expert_input else op.reshape(x, (T, 1, K))
             return op.tensor_ir_op(func, name, [xs, experts, *self._padded_planes()],
                                    nn.Tensor.placeholder((T, J, N), F32))
