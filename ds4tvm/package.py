@@ -206,8 +206,10 @@ def host_cpu() -> str:
         return codegen.llvm_get_system_cpu()
     from .runtime.loader import cache_root
 
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
+    try:   # the identifying lines only: "cpu MHz" changes from one read to the next
+        cpuinfo = "\n".join(sorted({line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                                    if line.split(":")[0].strip() in ("vendor_id", "cpu family", "model",
+                                                                      "model name", "flags")}))
     except OSError:
         cpuinfo = platform.processor()
     key = hashlib.sha256(f"{cpuinfo}{host_machine()}{tvm.__version__}".encode()).hexdigest()[:16]
