@@ -160,10 +160,17 @@ def schedule_kernels(threads: int):
     return _pass
 
 
+def legalize_passes() -> list:
+    """Relax ops to kernels: the module as the schedules (and the tuning) see it."""
+    from tvm.relax import backend, transform
+
+    return [backend.DispatchSampling(), backend.DispatchSortScan(), transform.LegalizeOps()]
+
+
 def pipeline(target: tvm.target.Target, records: str | None = None):
     """records: a meta-schedule database directory (schedules/tuning.py) applied before the
     hand schedules, which then skip what it scheduled."""
-    from tvm.relax import backend, transform
+    from tvm.relax import transform
 
     database = contextlib.nullcontext()
     if records:   # entered as the current database: given a path, the pass logs a warning on every compile
@@ -175,7 +182,7 @@ def pipeline(target: tvm.target.Target, records: str | None = None):
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target, database:
             seq = tvm.transform.Sequential([
-                backend.DispatchSampling(), backend.DispatchSortScan(), transform.LegalizeOps(),
+                *legalize_passes(),
                 *([transform.MetaScheduleApplyDatabase()] if records else []),
                 schedule_kernels(int(target.attrs.get("num-cores", 1))), transform.RewriteDataflowReshape(),
                 transform.ToNonDataflow(), transform.RemovePurityChecking(),

@@ -7,7 +7,8 @@ schedule are measured side by side with meta-schedule's own builder and runner; 
 that wins is recorded (so applying the database never makes a kernel slower than the hand
 schedule, and a later change to a hand schedule is never masked by an old copy of it). Every
 kernel's numbers go to report.json beside the database. Records go to a meta-schedule JSON
-database, by default ds4tvm/schedules/tuned/<target name>/ (shipped with the package); compiling for that target applies them before the hand schedules (llvm.pipeline).
+database, by default ds4tvm/schedules/tuned/<target name>/ (shipped with the package); compiling
+for that target applies them before the hand schedules (llvm.pipeline).
 Records match kernels by structural hash, so they apply to any model with the same kernel shapes.
 """
 
@@ -21,7 +22,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from ..nn.qweight import EXPERT_MATMUL, ROW_MATMUL
-from .llvm import hand_schedule
+from .llvm import hand_schedule, legalize_passes
 
 TUNED = Path(__file__).parent / "tuned"
 WORKLOADS = "database_workload.json"
@@ -38,11 +39,8 @@ def has_records(path: Path) -> bool:
 
 
 def _legalized(mod: tvm.IRModule, target) -> tvm.IRModule:
-    from tvm.relax import backend, transform
-
     with target:
-        return tvm.transform.Sequential([backend.DispatchSampling(), backend.DispatchSortScan(),
-                                         transform.LegalizeOps()])(mod)
+        return tvm.transform.Sequential(legalize_passes())(mod)
 
 
 def _static(func: tirx.PrimFunc) -> bool:
