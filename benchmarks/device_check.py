@@ -33,14 +33,14 @@ def all_logits(engine, ids: list[int]) -> dict[str, np.ndarray]:
     """Logits of every token of ids from one prefill, token-by-token decode, and verify blocks."""
     out = {}
     engine.reset()
-    out["prefill"] = engine.prefill(ids, all_logits=True)
+    out["prefill"] = engine.prefill(ids, all_logits=True).logits
     engine.reset()
-    out["decode"] = np.stack([engine.decode(t) for t in ids])
+    out["decode"] = np.stack([engine.decode(t).logits for t in ids])
     engine.reset()
     parts = []
     for i in range(0, len(ids), engine.max_verify):
         part = ids[i:i + engine.max_verify]
-        parts.append(engine.verify(part))
+        parts.append(engine.verify(part).logits)
         engine.commit(len(part))
     out["verify"] = np.concatenate(parts)
     return {k: v.astype(np.float32) for k, v in out.items()}
@@ -54,7 +54,8 @@ def speculative_tokens(engine, prompt: list[int]) -> tuple[list[int], dict]:
     engine.reset()
     toks, stats = generate(engine, prompt, N_SPEC, SamplingParams(temperature=0.0), np.random.default_rng(0),
                            drafter=DSparkDrafter(engine))
-    return toks, {"proposed": stats.proposed, "accepted": stats.accepted_draft, "tok_s": stats.generated / stats.seconds}
+    return toks, {"proposed": stats.counters["proposed"], "accepted": stats.counters["accepted_draft"],
+                  "tok_s": stats.tok_s}
 
 
 def big_config():
@@ -122,8 +123,8 @@ def check(work: Path, gen: int) -> dict:
 
     report = {}
     demo = work / "demo"
-    gpu = Engine(work / "demo-cuda", gguf_path=demo / "ds4-demo-tiny-deepseek4.gguf",
-                 support_path=demo / "ds4-demo-tiny-dspark.gguf")
+    gpu = Engine(work / "demo-cuda", weights={"model": demo / "ds4-demo-tiny-deepseek4.gguf",
+                                              "support": demo / "ds4-demo-tiny-dspark.gguf"})
     report["device"] = str(gpu.dev)
     ref = np.load(work / "reference.npz")
     got = all_logits(gpu, tiny_ids(gpu.n_vocab))
@@ -146,7 +147,7 @@ def check(work: Path, gen: int) -> dict:
     expert_bytes = sum(t.n_bytes for n, t in f.tensors.items() if "_exps" in n)
     embd_bytes = f.tensors["token_embd.weight"].n_bytes
     per_token = weight_bytes - embd_bytes - expert_bytes * (1 - cfg.n_expert_used / cfg.n_expert)
-    engine = Engine(work / "big-cuda", gguf_path=big)
+    engine = Engine(work / "big-cuda", weights={"model": big})
     report["copy_bandwidth_gb_s"] = round(copy_bandwidth(engine.dev) / 1e9, 1)
     prompt = list(range(4, 260))
 

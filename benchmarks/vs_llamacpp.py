@@ -62,13 +62,13 @@ def ours(artifact: Path) -> dict:
 
     e = Engine(artifact)
     t = time.perf_counter()
-    logits = e.prefill(PROMPT)
+    logits = e.prefill(PROMPT).logits
     tp = time.perf_counter() - t
     toks = []
     t = time.perf_counter()
     for _ in range(GEN):
         toks.append(int(np.argmax(logits)))
-        logits = e.decode(toks[-1])
+        logits = e.decode(toks[-1]).logits
     return {"prefill": len(PROMPT) / tp, "decode": GEN / (time.perf_counter() - t), "tokens": toks}
 
 

@@ -1,5 +1,11 @@
 """Compiled artifacts: a directory with manifest.json, the compiled library per target and the
-tokenizer/template data; weights stay in the GGUF, referenced by path, size and fingerprint."""
+tokenizer/template data; weights stay in their GGUF files (the model and any support files),
+each referenced by path, size and fingerprint.
+
+The manifest says everything the runtime needs to drive a model without knowing its family: the
+state tensors (`StateSpec`), the compiled functions with their named inputs and outputs
+(`FunctionSpec`), which GGUF file and plane each weight argument comes from, and the drafters
+compiled in with their settings."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from pathlib import Path
 from . import __version__
 from .errors import Ds4Error
 
-SCHEMA_VERSION = 2  # 2: params carry the file they come from (target or DSpark support)
+SCHEMA_VERSION = 3  # 3: typed states and functions, any number of weight files, drafters by name
 MANIFEST = "manifest.json"
 _FINGERPRINT_SPAN = 8 << 20
 
@@ -59,22 +65,69 @@ def same_file(path: Path, identity: dict) -> bool:
     return os.path.getsize(path) == identity["gguf_size"] and file_fingerprint(path) == identity["gguf_fingerprint"]
 
 
+MODEL = "model"   # the weight file role of the GGUF that was compiled; support files have others
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A state tensor the runtime allocates (zeroed) and passes to the functions of its group.
+    ring: for state indexed by position modulo a length (rows or recurrent slots), that length;
+    the runtime keeps `ring - 1` positions of room past the committed length."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    group: str = MODEL
+    ring: int | None = None
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StateSpec":
+        return cls(**{**d, "shape": tuple(d["shape"])})
+
+
+# Input kinds of a FunctionSpec: token ids (int32, checked against the vocabulary before any
+# call), a float32 or int32 tensor, the start position (a shape value), or a host input that the
+# family's provider computes from the call's inputs and the engine's token history
+# (families.Family.host_inputs).
+INPUT_KINDS = ("tokens", "float32", "int32", "position", "host")
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    """A compiled function: arguments are `inputs` in order, then the state tensors of the group
+    `states` (if any), then the bound weights; it returns `outputs` in order, then (with states)
+    the updated states, which are written in place."""
+    name: str
+    inputs: tuple[tuple[str, str], ...]     # (name, kind)
+    outputs: tuple[str, ...]
+    states: str | None = None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "inputs": [list(i) for i in self.inputs], "outputs": list(self.outputs),
+                "states": self.states}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "FunctionSpec":
+        return cls(d["name"], tuple(tuple(i) for i in d["inputs"]), tuple(d["outputs"]), d.get("states"))
+
+
 @dataclass
 class Manifest:
     family: str
     architecture: str
     target: dict
     target_name: str
-    gguf_path: str
-    gguf_sha256: str
-    gguf_size: int
-    gguf_fingerprint: str
+    weights: dict                      # role -> file_identity(); MODEL is the compiled GGUF
     bounds: dict
     kv_rounding: bool
-    functions: list[str]
-    params: list[list]                 # [argument, GGUF tensor, plane field or null, "target"|"draft"]
-    states: list[list]                 # [name, shape]
+    functions: list[dict]              # FunctionSpec.to_json()
+    params: list[list]                 # [argument, GGUF tensor, plane field or null, weight file role]
+    states: list[dict]                 # StateSpec.to_json()
     library: str
+    n_vocab: int = 0
+    drafters: dict = field(default_factory=dict)   # drafter name -> its settings (the family's data)
     tokenizer: str = "tokenizer.json"
     device: str = "cpu"                # cpu | cuda | rocm | metal
     arches: list = field(default_factory=list)   # GPU architectures the library holds code for
@@ -82,6 +135,16 @@ class Manifest:
     tvm_version: str = ""
     ds4tvm_version: str = __version__
     extra: dict = field(default_factory=dict)
+
+    def state_specs(self) -> list[StateSpec]:
+        return [StateSpec.from_json(d) for d in self.states]
+
+    def function_specs(self) -> dict[str, FunctionSpec]:
+        return {d["name"]: FunctionSpec.from_json(d) for d in self.functions}
+
+    @property
+    def model(self) -> dict:
+        return self.weights[MODEL]
 
     def write(self, out_dir: Path) -> Path:
         path = Path(out_dir) / MANIFEST
@@ -115,7 +178,18 @@ class Manifest:
             raise Ds4Error(f"{art_dir}: built by ds4tvm {self.ds4tvm_version}, this is {__version__}; "
                            f"recompile the artifact")
 
-    def check_gguf(self, gguf_path: Path, art_dir: Path) -> None:
-        if not same_file(gguf_path, asdict(self)):
-            raise Ds4Error(f"{art_dir}: was compiled from a different GGUF than {gguf_path} "
-                           f"(expected sha256 {self.gguf_sha256[:16]}..., {self.gguf_size} bytes)")
+    def weight_paths(self, art_dir: Path, overrides: dict | None = None) -> dict[str, Path]:
+        """The weight file of every role, as compiled or as `overrides` (role -> path) say, each
+        checked to be the file the artifact was compiled from."""
+        out = {}
+        for role, ident in self.weights.items():
+            path = Path((overrides or {}).get(role) or ident["gguf_path"])
+            what = "GGUF" if role == MODEL else f"{role} file"
+            if not path.is_file():
+                hint = "; pass the model file with -m" if role == MODEL else ""
+                raise Ds4Error(f"{art_dir}: its {what} {path} is missing{hint}")
+            if not same_file(path, ident):
+                raise Ds4Error(f"{art_dir}: was compiled from a different {what} than {path} "
+                               f"(expected sha256 {ident['gguf_sha256'][:16]}..., {ident['gguf_size']} bytes)")
+            out[role] = path
+        return out

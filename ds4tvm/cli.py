@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -61,7 +61,8 @@ def inspect(model: Path = typer.Argument(..., help="GGUF file"),
     typer.echo(f"  family        {r['family']} ({r['architecture']}, {r['role']})")
     typer.echo(f"  layers        {r['n_layers']}")
     typer.echo(f"  width         {r['n_embd']}")
-    typer.echo(f"  vocab         {r['n_vocab']}")
+    vocab = r["n_vocab"] or "the target model's (a support file)"
+    typer.echo(f"  vocab         {vocab}")
     typer.echo(f"  tensors       {r['n_tensors']}")
     typer.echo(f"  parameters    {r['n_params']:,}")
     typer.echo(f"  file size     {r['file_bytes']:,} bytes")
@@ -116,10 +117,21 @@ def convert(hf_dir: Path = typer.Argument(..., help="transformers checkpoint dir
             experts_type: Optional[str] = typer.Option(None, "--experts-type",
                                                        help="routed experts: q8_0|mxfp4|f16|f32 (default: --type)"),
             quiet: bool = typer.Option(False, "--quiet", help="no progress bar")):
-    """Write a GGUF in the DS4 engine's layout from a transformers checkpoint."""
-    from .gguf.convert import convert_hf
+    """Write a GGUF in the DS4 engine's layout from a transformers checkpoint (the family is chosen by
+    config.json's model_type)."""
+    from .families import REGISTRY, load_attr
 
-    path = convert_hf(hf_dir, out, dense_type=type_, experts_type=experts_type, progress=not quiet)
+    if not hf_dir.is_dir():
+        raise Ds4Error(f"{hf_dir}: not a directory (expected a transformers checkpoint directory)")
+    try:
+        model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError, AttributeError) as e:
+        raise Ds4Error(f"{hf_dir / 'config.json'}: unreadable transformers config ({e})") from None
+    fam = next((f for f in REGISTRY.values() if model_type in f.hf_model_types and f.convert), None)
+    if fam is None:
+        known = sorted(t for f in REGISTRY.values() if f.convert for t in f.hf_model_types)
+        raise Ds4Error(f"{hf_dir / 'config.json'}: model_type is {model_type!r}; ds4 convert reads {', '.join(known)}")
+    path = load_attr(fam.convert)(hf_dir, out, dense_type=type_, experts_type=experts_type, progress=not quiet)
     typer.echo(f"wrote {path}")
 
 
@@ -144,10 +156,54 @@ def _threads(n: int | None) -> None:
     os.environ["TVM_NUM_THREADS"] = str(n)
 
 
-def _bounds(max_context: int, max_verify: int, prefill_chunk: int):
+def _bounds(model: Path | None, max_context: int | None = None, max_verify: int | None = None,
+            prefill_chunk: int | None = None, family: str | None = None):
+    """The bounds to compile with: what the flags say, the rest as the model's family prefers (a
+    recurrent family keeps max_verify small). Artifacts and packages keep theirs."""
+    from dataclasses import replace
+
     from .artifact import Bounds
 
-    return Bounds(max_context=max_context, max_verify=max_verify, prefill_chunk=prefill_chunk)
+    default = Bounds()
+    if family is not None or (model is not None and model.is_file() and model.suffix != ".tar"):
+        from .families import family_for, family_named
+        from .gguf import open_gguf
+
+        default = (family_named(family) if family else family_for(open_gguf(model))).default_bounds
+    given = {"max_context": max_context, "max_verify": max_verify, "prefill_chunk": prefill_chunk}
+    return replace(default, **{k: v for k, v in given.items() if v is not None})
+
+
+# The speculation flags, defined once for run, serve and bench (ds4's spellings and meanings).
+MtpOpt = Annotated[Optional[str], typer.Option(
+    "--mtp", "--mtp-model", help="support GGUF of the drafter (DSpark or legacy MTP); a bare --mtp: the draft "
+                                 "layer inside the model GGUF")]
+MtpDraftOpt = Annotated[int, typer.Option("--mtp-draft", help="legacy MTP: tokens per cycle, the chosen one "
+                                                               "included (1: off, max 16, recommended 2)")]
+MtpMarginOpt = Annotated[Optional[float], typer.Option(
+    "--mtp-margin", help="legacy MTP: verify a draft only when its top-1 minus top-2 logit margin is at least "
+                         "this (default 3.0, DS4_MTP_MIN_MARGIN)")]
+MtpTimingOpt = Annotated[bool, typer.Option("--mtp-timing", help="MTP: print one timing line per cycle "
+                                                                  "(enables MTP)")]
+DSparkOpt = Annotated[bool, typer.Option("--dspark", help="speculate with the DSpark drafter")]
+DSparkConfidenceOpt = Annotated[Optional[float], typer.Option(
+    "--dspark-confidence", help="confidence threshold (default 0.7, 0.8 with exact sampling; 0: full blocks); "
+                                "implies --dspark")]
+DSparkStrictOpt = Annotated[bool, typer.Option("--dspark-strict", help="load and check the drafter, decode "
+                                                                        "target-only")]
+QualityOpt = Annotated[bool, typer.Option("--quality", help="target-only decoding (no speculative acceptance)")]
+ExactOpt = Annotated[bool, typer.Option("--mtp-exact-sampling", help="exact speculative sampling")]
+
+
+def _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict, quality,
+                  exact_sampling):
+    from .runtime.drafters import SpecOptions
+
+    if mtp is not None and mtp != "" and not Path(mtp).exists():
+        raise Ds4Error(f"--mtp {mtp}: no such support file")
+    return SpecOptions(mtp=mtp, mtp_draft=mtp_draft, mtp_margin=mtp_margin, mtp_timing=mtp_timing, dspark=dspark,
+                       dspark_confidence=dspark_confidence, dspark_strict=dspark_strict,
+                       exact_sampling=exact_sampling, quality=quality)
 
 
 @app.command()
@@ -161,22 +217,16 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
         top_k: int = typer.Option(0, "--top-k", help="0: off"),
         min_p: float = typer.Option(0.05, "--min-p"),
         seed: int = typer.Option(0, "--seed"),
-        mtp: Optional[Path] = typer.Option(None, "--mtp", "--mtp-model", help="DSpark support GGUF"),
-        dspark: bool = typer.Option(False, "--dspark", help="speculate with the DSpark drafter"),
-        dspark_confidence: Optional[float] = typer.Option(
-            None, "--dspark-confidence", help="confidence threshold (default 0.7, 0.8 with exact sampling; 0: full "
-                                               "blocks); implies --dspark"),
-        dspark_strict: bool = typer.Option(False, "--dspark-strict", help="load and check the drafter, decode "
-                                                                           "target-only"),
-        quality: bool = typer.Option(False, "--quality", help="target-only decoding (no speculative acceptance)"),
-        exact_sampling: bool = typer.Option(False, "--mtp-exact-sampling", help="exact speculative sampling"),
+        mtp: MtpOpt = None, mtp_draft: MtpDraftOpt = 1, mtp_margin: MtpMarginOpt = None, mtp_timing: MtpTimingOpt = False,
+        dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None, dspark_strict: DSparkStrictOpt = False,
+        quality: QualityOpt = False, exact_sampling: ExactOpt = False,
         verify_depth: bool = typer.Option(False, "--dspark-verify-depth", help="print the accepted-length "
                                                                                 "histogram"),
         ctx: int = typer.Option(4096, "--ctx", help="context when compiling a GGUF on first use"),
         target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use"),
         as_json: bool = typer.Option(False, "--json", help="print tokens, text and speeds as JSON"),
         threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core)")):
-    """Generate text from a prompt, optionally with DSpark speculative decoding."""
+    """Generate text from a prompt, optionally with speculative decoding (DSpark, MTP)."""
     _threads(threads)
     import numpy as np
 
@@ -188,8 +238,9 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
         raise Ds4Error("give exactly one of -p/--prompt and --tokens")
     if n_predict < 0:
         raise Ds4Error(f"-n {n_predict}: expected a count >= 0")
-    engine, drafter = _speculative_engine(model, mtp, dspark, dspark_confidence, dspark_strict, quality,
-                                          exact_sampling, target, ctx, progress=not as_json)
+    options = _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
+                            quality, exact_sampling)
+    engine, drafter = _speculative_engine(model, options, target, ctx, progress=not as_json)
     ids, tok = _prompt_ids(engine, model, prompt, tokens, raw)
     from .runtime.textstream import TextStream
 
@@ -225,7 +276,7 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
     if drafter is not None:
         print(stats.line(), file=sys.stderr)
         if verify_depth:
-            print("ds4: DSpark verify depth " + " ".join(f"{k}:{v}" for k, v in sorted(stats.depth.items())),
+            print("ds4: verify depth " + " ".join(f"{k}:{v}" for k, v in stats.counters["depth"].items()),
                   file=sys.stderr)
 
 
@@ -239,13 +290,9 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="artifact, packa
           top_p: float = typer.Option(1.0, "--top-p"),
           top_k: int = typer.Option(0, "--top-k", help="0: off"),
           min_p: float = typer.Option(0.05, "--min-p"),
-          mtp: Optional[Path] = typer.Option(None, "--mtp", "--mtp-model", help="DSpark support GGUF"),
-          dspark: bool = typer.Option(False, "--dspark", help="speculate with the DSpark drafter"),
-          dspark_confidence: Optional[float] = typer.Option(None, "--dspark-confidence",
-                                                            help="confidence threshold; implies --dspark"),
-          dspark_strict: bool = typer.Option(False, "--dspark-strict", help="check the drafter, decode target-only"),
-          quality: bool = typer.Option(False, "--quality", help="target-only decoding"),
-          exact_sampling: bool = typer.Option(False, "--mtp-exact-sampling", help="exact speculative sampling"),
+          mtp: MtpOpt = None, mtp_draft: MtpDraftOpt = 1, mtp_margin: MtpMarginOpt = None,
+          mtp_timing: MtpTimingOpt = False, dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None,
+          dspark_strict: DSparkStrictOpt = False, quality: QualityOpt = False, exact_sampling: ExactOpt = False,
           keepalive: float = typer.Option(5.0, "--keepalive", help="seconds between SSE keep-alives"),
           target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use"),
           threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core)")):
@@ -269,43 +316,41 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="artifact, packa
             probe.bind((host, port))
         except OSError as e:
             raise Ds4Error(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
-    engine, drafter = _speculative_engine(model, mtp, dspark, dspark_confidence, dspark_strict, quality,
-                                          exact_sampling, target, ctx, progress=True)
+    options = _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
+                            quality, exact_sampling)
+    engine, drafter = _speculative_engine(model, options, target, ctx, progress=True)
     import uvicorn
+
+    from .families import family_named, load_attr
 
     from .server.api import Defaults
     from .server.app import create_app
     from .server.service import Service
 
     tok = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model))
-    service = Service(engine, tok, drafter, exact=exact_sampling, ctx=ctx)
+    syntax = family_named(engine.manifest.family).tool_syntax
+    service = Service(engine, tok, drafter, exact=exact_sampling, ctx=ctx,
+                      tool_syntax=load_attr(syntax) if syntax else None)
     served = alias or (model.name if model.is_dir() else model.stem)
     application = create_app(service, served, Defaults(temp, top_p, top_k, min_p), keepalive=keepalive)
     print(f"ds4 serve: {served} on http://{host}:{port}/v1 (context {service.ctx}, "
-          f"{'DSpark' if drafter is not None else 'target-only'} decoding)", file=sys.stderr, flush=True)
+          f"{type(drafter).__name__ if drafter is not None else 'target-only'} decoding)", file=sys.stderr, flush=True)
     uvicorn.run(application, host=host, port=port, log_level="warning")
 
 
-def _speculative_engine(model, mtp, dspark, dspark_confidence, dspark_strict, quality, exact_sampling, target,
-                        ctx, progress):
+def _speculative_engine(model: Path, options, target: str, ctx: int, progress: bool):
     """The engine, and the drafter the speculation flags ask for (None: target-only decoding)."""
+    from .runtime.drafters import check_support_given, choose_drafter
     from .runtime.loader import open_engine
 
-    speculate = dspark or dspark_confidence is not None or dspark_strict
-    if speculate and mtp is None and model.is_file() and model.suffix != ".tar":
-        raise Ds4Error("--dspark needs the DSpark support file: pass --mtp SUPPORT.gguf")
-    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=progress, support=mtp,
-                         lean=True)
-    if not speculate:
-        return engine, None
-    if engine.draft is None:
-        raise Ds4Error(f"{model}: the artifact has no DSpark drafter; compile it with --mtp SUPPORT.gguf")
-    from .runtime.drafters.dspark import DEFAULT_THETA, EXACT_DEFAULT_THETA, DSparkDrafter
+    if model.is_file() and model.suffix != ".tar":   # a GGUF, compiled on first use
+        from .families import family_for
+        from .gguf import open_gguf
 
-    theta = dspark_confidence if dspark_confidence is not None else (
-        EXACT_DEFAULT_THETA if exact_sampling else DEFAULT_THETA)
-    drafter = DSparkDrafter(engine, theta)  # built (and so checked) under --dspark-strict too
-    return engine, (None if dspark_strict or quality else drafter)
+        check_support_given(family_for(open_gguf(model)), options, model)
+    engine = open_engine(model, target=target, bounds=_bounds(model, ctx), progress=progress,
+                         support=options.support, lean=True)
+    return engine, choose_drafter(engine, options, model)
 
 
 @contextlib.contextmanager
@@ -363,18 +408,18 @@ def logits(model: Path = typer.Option(..., "-m", "--model", help="artifact direc
     ids = parse_ids(tokens, "--tokens")
     if not ids:
         raise Ds4Error("--tokens: no token ids given")
-    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=False, lean=True)
+    engine = open_engine(model, target=target, bounds=_bounds(model, ctx), progress=False, lean=True)
     if len(ids) > engine.max_context:
         raise Ds4Error(f"{len(ids)} tokens exceed the compiled context of {engine.max_context}")
     if mode == "prefill":
-        rows = engine.prefill(ids, all_logits=True)
+        rows = engine.prefill(ids, all_logits=True).logits
     elif mode == "decode":
-        rows = np.stack([engine.decode(t) for t in ids])
+        rows = np.stack([engine.decode(t).logits for t in ids])
     else:
         parts = []
         for i in range(0, len(ids), engine.max_verify):
             part = ids[i:i + engine.max_verify]
-            parts.append(engine.verify(part))
+            parts.append(engine.verify(part).logits)
             engine.commit(len(part))
         rows = np.concatenate(parts)
     np.save(out, rows.astype(np.float32))
@@ -383,8 +428,8 @@ def logits(model: Path = typer.Option(..., "-m", "--model", help="artifact direc
 
 @app.command()
 def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact directory or GGUF"),
-          mtp: Optional[Path] = typer.Option(None, "--mtp", "--mtp-model", help="DSpark support GGUF"),
-          dspark: bool = typer.Option(False, "--dspark", help="also measure DSpark speculative decoding"),
+          mtp: MtpOpt = None, mtp_draft: MtpDraftOpt = 1, mtp_margin: MtpMarginOpt = None,
+          dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None,
           prompt_len: int = typer.Option(128, "--prompt-len"),
           gen: int = typer.Option(64, "--gen"),
           verify_k: int = typer.Option(6, "--verify-k", help="measure verify(k) for k = 1..K"),
@@ -394,28 +439,25 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
           as_json: bool = typer.Option(False, "--json"),
           plot_file: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of verify cost vs k"),
           threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core)")):
-    """Prefill / decode speed, verify cost per k, and speculative speed with acceptance."""
+    """Prefill / decode speed, verify cost per k, and speculative speed with acceptance (with a
+    drafter's flags: --dspark, --mtp-draft N)."""
     _threads(threads)
     from .runtime import bench as b
-    from .runtime.loader import open_engine
-
     for flag, v, lo in (("--prompt-len", prompt_len, 1), ("--gen", gen, 1), ("--verify-k", verify_k, 1),
                         ("--repeats", repeats, 1)):
         if v < lo:
             raise Ds4Error(f"{flag} {v}: expected a value >= {lo}")
     if verify_k > 16:
         raise Ds4Error(f"--verify-k {verify_k}: expected 1..16")
-    engine = open_engine(model, target=target, bounds=_bounds(ctx, 16, 256), progress=not as_json, support=mtp,
-                         lean=True)
+    options = _spec_options(mtp, mtp_draft, mtp_margin, False, dspark, dspark_confidence, False, False, False)
+    engine, drafter = _speculative_engine(model, options, target, ctx, progress=not as_json)
     if prompt_len + 16 >= engine.max_context:
         raise Ds4Error(f"--prompt-len {prompt_len} leaves no room in the compiled context of {engine.max_context}")
     factory = None
-    if dspark:
-        if engine.draft is None:
-            raise Ds4Error(f"{model}: the artifact has no DSpark drafter; compile it with --mtp SUPPORT.gguf")
-        from .runtime.drafters.dspark import DSparkDrafter
+    if drafter is not None:
+        from .runtime.drafters import choose_drafter
 
-        factory = DSparkDrafter
+        factory = lambda e: choose_drafter(e, options, model)  # noqa: E731  a fresh drafter per run
     from .runtime.tokenizer import Tokenizer
 
     stops = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model)).stop_ids
@@ -438,16 +480,20 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                   package: Optional[Path] = typer.Option(None, "--package",
                                                          help="write a package (a directory, or a .tar file) "
                                                               "with the weights and every --target"),
-                  max_context: int = typer.Option(4096, "--max-context"),
-                  max_verify: int = typer.Option(16, "--max-verify"),
-                  prefill_chunk: int = typer.Option(256, "--prefill-chunk"),
+                  max_context: Optional[int] = typer.Option(None, "--max-context", help="default 4096"),
+                  max_verify: Optional[int] = typer.Option(None, "--max-verify",
+                                                           help="widest verify (default: the family's, 16 for "
+                                                                "DeepSeek-V4)"),
+                  prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="default 256"),
                   no_kv_rounding: bool = typer.Option(False, "--no-kv-rounding",
                                                       help="skip the FP8/FP4 round trips (for oracle comparisons)"),
                   mtp: Optional[Path] = typer.Option(None, "--mtp", "--mtp-model",
-                                                     help="DSpark support GGUF compiled into the same artifact"),
+                                                     help="support GGUF of a drafter (DSpark or legacy MTP), "
+                                                          "compiled into the same artifact"),
                   shapes_only: bool = typer.Option(False, "--shapes-only",
-                                                   help="compile DeepSeek-V4-Flash + DSpark at the published "
-                                                        "shapes without weights (no MODEL); report time and memory"),
+                                                   help="compile --family at its published shapes and types "
+                                                        "without weights (no MODEL); report time and memory"),
+                  family: str = typer.Option("deepseek4", "--family", help="the family --shapes-only compiles"),
                   tune: int = typer.Option(0, "--tune", metavar="TRIALS",
                                            help="tune the static-shape linears with meta-schedule on this CPU, "
                                                 "TRIALS candidates each; winners are saved to --records"),
@@ -455,7 +501,8 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                                                          help="tuning database directory to apply and tune into "
                                                               "(default: ds4tvm/schedules/tuned/<target>)"),
                   quiet: bool = typer.Option(False, "--quiet", help="no progress bar")):
-    """Compile MODEL (and its DSpark drafter) for TARGET into an artifact directory or a package."""
+    """Compile MODEL (and the drafter of its --mtp support file) for TARGET into an artifact directory or a
+    package."""
     import shutil
     import tempfile
 
@@ -482,7 +529,7 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                        "use --package for several")
     if package is not None and out is not None:
         raise Ds4Error("give either -o/--out (an artifact directory) or --package, not both")
-    bounds = _bounds(max_context, max_verify, prefill_chunk)
+    bounds = _bounds(model, max_context, max_verify, prefill_chunk, family if shapes_only else None)
     if not 0 <= tune <= 100000:
         raise Ds4Error(f"--tune {tune}: expected a number of trials per kernel, 0..100000")
     if records is not None and records.exists() and not records.is_dir():
@@ -491,7 +538,7 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
         from .compile.driver import compile_shapes
 
         out = out or Path(f"ds4-flash-shapes-{resolve(targets[0]).name}")
-        _echo_json(compile_shapes(targets[0], bounds, out, progress=not quiet))
+        _echo_json(compile_shapes(family, targets[0], bounds, out, progress=not quiet))
         return
     if package is None:
         out = out or Path(f"{model.stem}-{resolve(targets[0]).name}.ds4tvm")
@@ -525,10 +572,18 @@ def _run(typer_app) -> None:
         sys.exit(130)
 
 
+def _bare_mtp(argv: list[str]) -> list[str]:
+    """`--mtp` with no file (the next word is a flag, or nothing) selects the draft layer inside the
+    model GGUF, as in ds4; click's options need a value, so it becomes `--mtp=`."""
+    return [("--mtp=" if a == "--mtp" and (i + 1 == len(argv) or argv[i + 1].startswith("-")) else a)
+            for i, a in enumerate(argv)]
+
+
 def main() -> None:
     # `ds4 -m MODEL -p PROMPT` (no subcommand) is `ds4 run`, as in the reference engine's command lines.
     if len(sys.argv) > 1 and sys.argv[1].startswith("-") and sys.argv[1] not in ("--help", "-h"):
         sys.argv.insert(1, "run")
+    sys.argv[1:] = _bare_mtp(sys.argv[1:])
     _run(app)
 
 

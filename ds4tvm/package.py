@@ -1,9 +1,10 @@
 """Model packages: one self-describing directory or `.tar` holding the compiled artifact for one or
-more targets, the GGUF weights (model and DSpark support file), the tokenizer and chat template
-data, and `package.json` with the sha256 of every file and a content hash over itself.
+more targets, the GGUF weight files (the model and any support files, one per role of the
+manifest), the tokenizer and chat template data, and `package.json` with the sha256 of every file
+and a content hash over itself.
 
     package.json
-    weights/<model>.gguf, weights/<support>.gguf
+    weights/<role>/<file>.gguf
     targets/<target name>/{manifest.json, lib-<target>.so, tokenizer.json}
 
 Loading checks every file against its hash (a file that passed once is not hashed again while its
@@ -29,7 +30,7 @@ from .errors import Ds4Error
 
 PACKAGE = "package.json"
 FORMAT = "ds4tvm-package"
-VERSION = 1
+VERSION = 2   # 2: weights/<role>/, any number of weight files
 
 
 def is_package(path: Path) -> bool:
@@ -61,8 +62,7 @@ def build_package(artifacts: list[Path], out: Path, progress: bool = False) -> P
     manifests = [Manifest.read(a) for a in artifacts]
     first = manifests[0]
     for m, a in zip(manifests, artifacts):
-        if m.gguf_sha256 != first.gguf_sha256 or (m.extra.get("draft") or {}).get("gguf_sha256") != \
-                (first.extra.get("draft") or {}).get("gguf_sha256"):
+        if {r: w["gguf_sha256"] for r, w in m.weights.items()} != {r: w["gguf_sha256"] for r, w in first.weights.items()}:
             raise Ds4Error(f"{a}: was compiled from other weights than {artifacts[0]}; a package holds one model")
     names = [m.target_name for m in manifests]
     if len(set(names)) != len(names):
@@ -73,13 +73,11 @@ def build_package(artifacts: list[Path], out: Path, progress: bool = False) -> P
     if stage.exists() and any(stage.iterdir()):
         raise Ds4Error(f"{stage}: exists and is not empty; remove it or choose another --package path")
     stage.mkdir(parents=True, exist_ok=True)
-    model = Path(first.gguf_path)
-    weights = {"model": f"weights/{model.name}"}
-    _place(model, stage / weights["model"])
-    draft = first.extra.get("draft")
-    if draft is not None:
-        weights["support"] = f"weights/{Path(draft['gguf_path']).name}"
-        _place(Path(draft["gguf_path"]), stage / weights["support"])
+    weights, known = {}, {}
+    for role, ident in first.weights.items():
+        weights[role] = f"weights/{role}/{Path(ident['gguf_path']).name}"
+        _place(Path(ident["gguf_path"]), stage / weights[role])
+        known[weights[role]] = (ident["gguf_size"], ident["gguf_sha256"])   # GGUF hashes: from compile time
     targets = []
     for m, a in zip(manifests, artifacts):
         d = f"targets/{m.target_name}"
@@ -89,15 +87,12 @@ def build_package(artifacts: list[Path], out: Path, progress: bool = False) -> P
         targets.append({"name": m.target_name, "dir": d, "device": m.device, "arches": m.arches,
                         "machine": host_machine() if m.device == "cpu" else None, "mcpu": m.target.get("mcpu")})
     files = {}
-    known = {weights["model"]: (first.gguf_size, first.gguf_sha256)}
-    if draft is not None:
-        known[weights["support"]] = (draft["gguf_size"], draft["gguf_sha256"])
     for p in sorted(stage.rglob("*")):
         if p.is_file() and p.name != PACKAGE:
             rel = p.relative_to(stage).as_posix()
-            size, sha = known.get(rel) or (p.stat().st_size, file_sha256(p))   # GGUF hashes: from compile time
+            size, sha = known.get(rel) or (p.stat().st_size, file_sha256(p))
             files[rel] = {"size": size, "sha256": sha}
-    meta = {"format": FORMAT, "version": VERSION, "name": model.stem, "family": first.family,
+    meta = {"format": FORMAT, "version": VERSION, "name": Path(first.model["gguf_path"]).stem, "family": first.family,
             "architecture": first.architecture, "ds4tvm_version": __version__, "tvm_version": first.tvm_version,
             "weights": weights, "targets": targets, "files": files}
     meta["content_sha256"] = content_hash(meta)
@@ -140,7 +135,7 @@ def check_meta(meta, source: Path) -> dict:
 
 
 def _stamp_dir() -> Path:
-    from .runtime.loader import cache_root
+    from .cache import cache_root
 
     return cache_root().parent / "verified"
 
@@ -167,7 +162,7 @@ def _verify(root: Path, meta: dict, full: bool = False) -> None:
 
 
 def _unpack(tar_path: Path) -> Path:
-    from .runtime.loader import cache_root
+    from .cache import cache_root
 
     try:
         with tarfile.open(tar_path) as tar:
@@ -204,7 +199,7 @@ def host_cpu() -> str:
         from tvm.target import codegen
 
         return codegen.llvm_get_system_cpu()
-    from .runtime.loader import cache_root
+    from .cache import cache_root
 
     try:   # the identifying lines only: "cpu MHz" changes from one read to the next
         cpuinfo = "\n".join(sorted({line for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -229,7 +224,7 @@ def host_cpu() -> str:
 def pick_target(meta: dict, source: Path) -> dict:
     """The package's target this machine runs: a GPU target for the GPU here, else the one built for
     this CPU, else generic code for this architecture."""
-    from .runtime.engine import probe_device
+    from .devices import probe_device
 
     cpu, machine = host_cpu(), host_machine()
 
@@ -252,14 +247,12 @@ def pick_target(meta: dict, source: Path) -> dict:
     return best
 
 
-def open_package(path: Path):
-    from .runtime.engine import Engine
-
+def resolve_package(path: Path) -> tuple[Path, dict[str, Path]]:
+    """The artifact directory of the package's target for this machine and its weight files by
+    role, after checking every file against its hash (a .tar is unpacked into the cache once)."""
     path = Path(path)
     root = _unpack(path) if path.is_file() else path
     meta = read_meta(root, path)
     _verify(root, meta)
     target = pick_target(meta, path)
-    w = meta["weights"]
-    return Engine(root / target["dir"], gguf_path=root / w["model"],
-                  support_path=root / w["support"] if "support" in w else None)
+    return root / target["dir"], {role: root / rel for role, rel in meta["weights"].items()}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4tvm.runtime.speculative import Proposal
+from ds4tvm.runtime.engine import Step
+from ds4tvm.runtime.speculative import DraftCounters
 
 
 class TableEngine:
@@ -28,18 +29,18 @@ class TableEngine:
     def prefill(self, ids, on_chunk=None):
         self.tokens = list(ids)
         self.pos = len(self.tokens)
-        return self._row(self.tokens)
+        return Step("prefill", self._row(self.tokens))
 
     def decode(self, token):
         self.tokens = self.tokens[:self.pos] + [token]
         self.pos += 1
-        return self._row(self.tokens)
+        return Step("decode", self._row(self.tokens))
 
     def verify(self, drafts):
         base = self.tokens[:self.pos]
         self._pending_tokens = list(drafts)
         self.pending = len(drafts)
-        return np.stack([self._row(base + list(drafts[:i + 1])) for i in range(len(drafts))])
+        return Step("verify", np.stack([self._row(base + list(drafts[:i + 1])) for i in range(len(drafts))]))
 
     def commit(self, k):
         assert 0 <= k <= self.pending
@@ -52,29 +53,60 @@ class TableEngine:
 
 
 class ScriptedDrafter:
-    """Proposes script[len(committed) - len(prompt) ...]: the continuation a test wants, optionally
-    wrong at block index `wrong_at` (replaced by another token)."""
+    """Proposes the continuation a test wants: script[i], i = tokens committed after the prompt,
+    optionally wrong at block index `wrong_at` (replaced by another token). In "guess" mode (as
+    DSpark) script[i] is offered as a guess for the next token and script[i + 1:] are the drafts
+    after it when it was right; in "after" mode (as MTP) nothing is guessed and the drafts after
+    the chosen token are script[i + 1:]. Like ds4's drafters it stays silent in the last
+    tail_min_tokens tokens."""
 
     def __init__(self, script: list[int], block_size: int = 5, wrong_at: int | None = None, vocab: int = 512,
-                 empty: bool = False):
+                 empty: bool = False, mode: str = "guess", tail_min_tokens: int = 10):
         self.script, self.block_size, self.wrong_at, self.vocab, self.empty = script, block_size, wrong_at, vocab, empty
+        self.mode, self.tail_min_tokens = mode, tail_min_tokens
         self.observed: list[int] = []
+        self.block: list[int] = []
+        self.stats, self.no_draft, self.remaining = DraftCounters(), 0, 0
 
-    def begin(self, engine, prompt):
-        self.n_prompt = len(prompt)
-        self.observed = []
-
-    def observe(self, engine, tokens, speculative):
-        self.observed += list(tokens)
-
-    def draft(self, engine, anchor, max_tokens):
-        if self.empty:
-            return Proposal([], first_confidence=0.1)
-        i = len(self.observed)
-        toks = list(self.script[i:i + min(self.block_size, max_tokens)])
+    def _block(self, start: int, n: int) -> list[int]:
+        toks = list(self.script[start:start + n])
         if self.wrong_at is not None and self.wrong_at < len(toks):
             toks[self.wrong_at] = (toks[self.wrong_at] + 1) % self.vocab
-        return Proposal(toks, first_confidence=0.9)
+        return toks
+
+    def begin(self, engine, step, stop_ids):
+        self.observed = []
+
+    def guess(self, engine, remaining):
+        self.block, self.remaining = [], remaining
+        if self.mode != "guess" or remaining < self.tail_min_tokens:
+            return None
+        if self.empty:
+            self.no_draft += 1
+            return None
+        self.block = self._block(len(self.observed), min(self.block_size, remaining, engine.max_verify))
+        return self.block[0] if self.block else None
+
+    def draft(self, engine, token, max_tokens):
+        if self.mode == "guess":
+            return self.block[1:1 + max_tokens] if self.block and token == self.block[0] else []
+        if self.remaining < self.tail_min_tokens:
+            return []
+        self.block = self._block(len(self.observed) + 1, min(self.block_size - 1, max_tokens))
+        return self.block
+
+    def result(self, accepted):
+        self.stats.record(len(self.block), accepted)
+        self.block = []
+
+    def observe(self, engine, step, tokens):
+        self.observed += list(tokens)
+
+    def counters(self):
+        return {**self.stats.as_dict(), "no_draft": self.no_draft}
+
+    def stats_line(self, tok_s):
+        return f"ds4: scripted stats proposed={self.stats.proposed} t/s={tok_s:.2f}"
 
 
 class ScriptEngine:
@@ -86,7 +118,7 @@ class ScriptEngine:
                  margin: float = 8.0):
         self.script, self.vocab, self.end, self.margin = list(script), vocab, end, margin
         self.max_context, self.max_verify = max_context, max_verify
-        self.draft = None
+        self.drafters = {}
         self.n_prompt = self.pos = self.pending = 0
 
     def _row(self, generated: int) -> np.ndarray:
@@ -99,15 +131,15 @@ class ScriptEngine:
 
     def prefill(self, ids, on_chunk=None):
         self.n_prompt = self.pos = len(ids)
-        return self._row(0)
+        return Step("prefill", self._row(0))
 
     def decode(self, token):
         self.pos += 1
-        return self._row(self.pos - self.n_prompt)
+        return Step("decode", self._row(self.pos - self.n_prompt))
 
     def verify(self, drafts):
         self.pending = len(drafts)
-        return np.stack([self._row(self.pos - self.n_prompt + i + 1) for i in range(len(drafts))])
+        return Step("verify", np.stack([self._row(self.pos - self.n_prompt + i + 1) for i in range(len(drafts))]))
 
     def commit(self, k):
         assert 0 <= k <= self.pending

@@ -9,9 +9,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..artifact import Manifest, file_identity
+from ..artifact import MODEL, Manifest, file_identity
 from ..errors import Ds4Error
-from ..families import load_model
+from ..families import BuildRequest, family_named, load_attr, load_model, tensor_types
 from ..gguf import open_gguf
 from .targets import resolve
 from .toolchains import cuda_fatbin, prepare
@@ -51,19 +51,49 @@ class Phases:
             self.p.stop()
 
 
-def _tokenizer_data(f) -> dict:
+def _tokenizer_data(f, family) -> dict:
+    """The GGUF's tokenizer keys; its family's chat template when the file carries none."""
     out = {}
     for key in TOKENIZER_KEYS:
         field = f._reader.get_field(key)
         if field is not None:
-            value = field.contents()
-            out[key] = value
+            out[key] = field.contents()
+    if "tokenizer.chat_template" not in out and family.chat_template is not None:
+        out["tokenizer.chat_template"] = load_attr(family.chat_template)
     return out
 
 
+def _load_pair(gguf_path: Path, support: Path | None):
+    """The validated target model and, with --mtp, its support file, checked to be one of the
+    drafters the target's family offers and paired with the target's config."""
+    m = load_model(open_gguf(gguf_path))
+    if m.family.role != "target":
+        raise Ds4Error(f"{gguf_path}: is a {m.family.name} {m.family.role} file; compile its target model "
+                       f"and pass it with --mtp")
+    if m.family.build is None:
+        raise Ds4Error(f"{gguf_path}: compiling the {m.family.name} family is not supported yet")
+    if support is None:
+        return m, None, None
+    dm = load_model(open_gguf(support))
+    offered = [d.support for d in m.family.drafters if d.support]
+    if m.family.drafter_for_support(dm.family) is None:
+        raise Ds4Error(f"{support}: --mtp expects a support file of {m.family.name} ({', '.join(offered) or 'none'}), "
+                       f"got {dm.family.name} ({dm.gguf.architecture})")
+    return m, dm, load_attr(dm.family.pair)(dm.config, m.config)
+
+
+def check_bounds(family, cfg, bounds) -> None:
+    if not 1 <= bounds.max_verify <= 64:
+        raise Ds4Error(f"--max-verify {bounds.max_verify}: expected 1..64")
+    if not 1 <= bounds.prefill_chunk <= bounds.max_context:
+        raise Ds4Error(f"--prefill-chunk {bounds.prefill_chunk}: expected 1..max-context")
+    if family.check_bounds is not None:
+        family.check_bounds(cfg, bounds)
+
+
 def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_rounding: bool = True,
-                 progress: bool = False, capture_layers: tuple[int, ...] = (), support: Path | None = None,
-                 tune_trials: int = 0, records: Path | None = None) -> Path:
+                 progress: bool = False, support: Path | None = None, tune_trials: int = 0,
+                 records: Path | None = None) -> Path:
     """records: the tuning database to apply (and, with tune_trials > 0, to tune into); by default
     the one shipped for the target (schedules/tuning.py)."""
     tgt_spec = resolve(target)
@@ -73,49 +103,20 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
     prepare(tgt_spec.device)   # for CUDA, before TVM is imported (toolchains.py)
     import tvm
 
-    from ..families.deepseek4.model import parameter_sources, state_shapes, tensor_types
-
-    f = open_gguf(gguf_path)
-    m = load_model(f)
-    if m.family.role != "target":
-        raise Ds4Error(f"{gguf_path}: is a {m.family.name} {m.family.role} file; compile its target model "
-                       f"and pass it with --mtp")
-    if m.family.name != "deepseek4":
-        raise Ds4Error(f"{gguf_path}: compiling the {m.family.name} family is not supported yet")
-    if bounds.max_context % 128 or bounds.max_context <= 0:
-        raise Ds4Error(f"--max-context {bounds.max_context}: expected a positive multiple of 128")
-    if not 1 <= bounds.max_verify <= 64:
-        raise Ds4Error(f"--max-verify {bounds.max_verify}: expected 1..64")
-    if not 1 <= bounds.prefill_chunk <= bounds.max_context:
-        raise Ds4Error(f"--prefill-chunk {bounds.prefill_chunk}: expected 1..max-context")
-    draft = None
-    if support is not None:
-        from ..families.dspark.config import paired_with
-
-        sf = open_gguf(support)
-        dm = load_model(sf)
-        if dm.family.name != "dspark":
-            raise Ds4Error(f"{support}: --mtp expects a DSpark support file (deepseek4-dspark), got "
-                           f"{dm.family.name} ({sf.architecture})")
-        draft = (sf, paired_with(dm.config, m.config))
-        capture_layers = draft[1].target_layer_ids
-    bad = [i for i in capture_layers if not 0 <= i < m.config.n_layers]
-    if bad:
-        raise Ds4Error(f"capture layers {bad} are outside 0..{m.config.n_layers - 1}")
+    m, dm, support_cfg = _load_pair(gguf_path, support)
+    check_bounds(m.family, m.config, bounds)
     records = _records(tgt_spec, records)
     phases = Phases(["validate", "build module", "export", *(["tune"] if tune_trials else []), "compile",
                      "write artifact"], progress and not tune_trials)
     tuning = None
     try:
         phases.next()
-        model = _build_model(m.config, tensor_types(f), bounds, kv_rounding, capture_layers,
-                             draft[1] if draft else None, tensor_types(draft[0]) if draft else None)
+        built = load_attr(m.family.build)(BuildRequest(
+            m.config, tensor_types(m.gguf), bounds, kv_rounding, dm.family if dm else None, support_cfg,
+            tensor_types(dm.gguf) if dm else {}))
         phases.next()
-        mod, named = _export(model, tgt_spec)
-        sources = parameter_sources(model)
-        # [argument, GGUF tensor, plane field, file]: drafter tensors ("mtp.*") live in the support file
-        params = [[name, *sources[id(p)], "draft" if sources[id(p)][0].startswith("mtp.") else "target"]
-                  for name, p in named]
+        mod, named = _export(built.module, tgt_spec)
+        params = [[name, *built.sources[id(p)]] for name, p in named]
         phases.next()
         if tune_trials:
             from ..schedules.tuning import tune
@@ -126,47 +127,25 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         phases.next()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        lib = tgt_spec.library
-        ex.export_library(str(out_dir / lib))
-        (out_dir / "tokenizer.json").write_text(json.dumps(_tokenizer_data(f)))
+        ex.export_library(str(out_dir / tgt_spec.library))
+        (out_dir / "tokenizer.json").write_text(json.dumps(_tokenizer_data(m.gguf, m.family)))
+        weights = {MODEL: file_identity(gguf_path), **({"support": file_identity(support)} if dm else {})}
         manifest = Manifest(
-            family=m.family.name, architecture=f.architecture, target=tgt_spec.tvm, target_name=tgt_spec.name,
-            device=tgt_spec.device, arches=list(tgt_spec.arches),
-            **file_identity(gguf_path), bounds=asdict(bounds),
-            kv_rounding=kv_rounding, extra={"capture_layers": list(capture_layers)}, functions=["prefill", "prefill_all", "decode", "verify"], params=params,
-            states=[[n, list(s)] for n, s in state_shapes(m.config, bounds)], library=lib,
-            tvm_version=tvm.__version__)
+            family=m.family.name, architecture=m.gguf.architecture, target=tgt_spec.tvm,
+            target_name=tgt_spec.name, device=tgt_spec.device, arches=list(tgt_spec.arches), weights=weights,
+            bounds=asdict(bounds), kv_rounding=kv_rounding, functions=[f.to_json() for f in built.functions],
+            params=params, states=[s.to_json() for s in built.states], library=tgt_spec.library,
+            n_vocab=m.config.n_vocab, drafters=built.drafters, tvm_version=tvm.__version__)
         phases.next()
         manifest.extra["compile_seconds"] = phases.times
         if _applies(records):
             manifest.extra["tuning_records"] = str(records)
         if tuning is not None:
             manifest.extra["tuning"] = tuning
-        if draft is not None:
-            from ..families.dspark.model import ring_shapes
-
-            dc = draft[1]
-            manifest.extra["draft"] = {
-                "family": "dspark", **file_identity(support),
-                "block_size": dc.block_size, "markov_rank": dc.markov_rank, "noise_token_id": dc.noise_token_id,
-                "target_layer_ids": list(dc.target_layer_ids), "n_stages": dc.n_stages,
-                "rings": [[n, list(s)] for n, s in ring_shapes(dc)],
-                "functions": ["dspark_observe", "dspark_observe_direct", "dspark_block", "dspark_logits",
-                              "dspark_markov"]}
         manifest.write(out_dir)
         return out_dir
     finally:
         phases.close()
-
-
-def _build_model(cfg, types: dict, bounds, kv_rounding: bool, capture_layers, draft_cfg=None, draft_types=None):
-    from ..families.deepseek4.model import DeepSeekV4
-
-    if draft_cfg is None:
-        return DeepSeekV4(cfg, types, bounds, kv_rounding=kv_rounding, capture_layers=capture_layers)
-    from ..families.dspark.model import with_dspark
-
-    return with_dspark(DeepSeekV4)(cfg, types, bounds, kv_rounding, draft_cfg, draft_types)
 
 
 def _export(model, tgt_spec):
@@ -207,25 +186,23 @@ def _compile_module(mod, tgt_spec, records: Path | None = None):
         return tvm.compile(mod, target=tgt, relax_pipeline=relax_pipeline)
 
 
-def compile_shapes(target: str, bounds, out_dir: Path, progress: bool = False) -> dict:
-    """Compiles DeepSeek-V4-Flash with its DSpark drafter at the published shapes and Q2 recipe
-    types, without weights; writes the library to out_dir and returns times and sizes."""
+def compile_shapes(family: str, target: str, bounds, out_dir: Path, progress: bool = False) -> dict:
+    """Compiles a family at its published shapes and tensor types (with the drafter its entry
+    pairs), without weights; writes the library to out_dir and returns times and sizes."""
     import resource
 
     tgt_spec = resolve(target)
     prepare(tgt_spec.device)
-    from ..families.deepseek4.published import flash_config, flash_dspark_config, q2_recipe_type
-    from ..families.deepseek4.tensors import tensor_specs
-    from ..families.dspark.tensors import tensor_specs as dspark_specs
-
-    cfg = flash_config()
-    dcfg = flash_dspark_config(cfg)
+    fam = family_named(family)
+    if fam.published is None:
+        raise Ds4Error(f"--shapes-only: the {fam.name} family has no published shapes to compile")
     phases = Phases(["build module", "export", "compile", "write library"], progress)
     try:
-        model = _build_model(cfg, {s.name: q2_recipe_type(s) for s in tensor_specs(cfg)}, bounds, True, (),
-                             dcfg, {s.name: q2_recipe_type(s) for s in dspark_specs(dcfg)})
+        req = load_attr(fam.published)()
+        req.bounds = bounds
+        built = load_attr(fam.build)(req)
         phases.next()
-        mod, named = _export(model, tgt_spec)
+        mod, named = _export(built.module, tgt_spec)
         phases.next()
         ex = _compile_module(mod, tgt_spec)
         phases.next()
@@ -235,7 +212,8 @@ def compile_shapes(target: str, bounds, out_dir: Path, progress: bool = False) -
         phases.next()
     finally:
         phases.close()
-    return {"model": "DeepSeek-V4-Flash + DSpark (published shapes, Q2 recipe types)", "target": tgt_spec.name,
-            "n_params_arguments": len(named), "seconds": phases.times, "total_seconds": round(sum(phases.times.values()), 1),
+    return {"model": f"{fam.name} + {', '.join(built.drafters) or 'no drafter'} (published shapes and types)",
+            "target": tgt_spec.name, "n_params_arguments": len(named), "seconds": phases.times,
+            "total_seconds": round(sum(phases.times.values()), 1),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "library_mb": round((out_dir / tgt_spec.library).stat().st_size / 2**20, 1)}

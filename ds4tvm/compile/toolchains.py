@@ -91,7 +91,7 @@ def prepare_cuda() -> None:
     try:
         ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)   # a real driver: nothing to stub
     except OSError:
-        from ..runtime.loader import cache_root
+        from ..cache import cache_root
 
         ctypes.CDLL(str(_find_cudart(_cuda_root(nvcc))), mode=ctypes.RTLD_GLOBAL)
         ctypes.CDLL(str(_driver_stub(cache_root().parent / "cuda-stub")), mode=ctypes.RTLD_GLOBAL)

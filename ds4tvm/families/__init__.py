@@ -1,39 +1,125 @@
-"""Model families, keyed by `general.architecture`.
+"""Model families, keyed by `general.architecture`: the contract between a family and the
+family-blind pipeline.
 
-A family is data plus a module: a `Config` read from GGUF metadata, a tensor table (GGUF name,
-ggml shape, accepted types), and later the model graph. Nothing outside `families/` switches on a
-family name; new families register here.
+A family is data plus a module. Its `Family` entry says how to read a config from GGUF metadata,
+which tensors it expects (one or more name tables), how to build its TVM module with the state and
+function specs the runtime drives it by, which weights come from which file, the bounds it allows
+and prefers, the drafters it offers and the flags that enable them, its tool-call syntax and its
+converter. `compile/`, `runtime/` (outside `runtime/drafters/`), `server/`, `schedules/`,
+`artifact.py` and `package.py` use these entries and name no family; a new family adds a package
+here and one line in `_registry`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..artifact import Bounds, FunctionSpec, StateSpec
 from ..errors import Ds4Error
 from ..gguf.reader import GGUFFile
 from ..gguf.validate import TensorSpec, check_tensors
+
+
+def load_attr(path: str):
+    """'package.module:attribute' imported on first use: a family's entry names its model, drafter
+    and tool-syntax code without importing TVM or the runtime when the registry loads."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """A drafter a target family offers: its name in the manifest, how users call it (label) and
+    the flags that select it (for messages); support: the family name of the support file it
+    reads, or None when its weights are in the model GGUF; enabled(options): whether the
+    speculation flags (runtime/drafters.SpecOptions) ask for it; drafter: 'module:factory' with
+    factory(engine, options) -> the runtime drafter."""
+    name: str
+    label: str
+    flags: str
+    support: str | None
+    enabled: Callable[[Any], bool]
+    drafter: str
+
+
+@dataclass
+class BuildRequest:
+    """What a family's builder gets: its config and tensor types (from the GGUF, or published
+    shapes), the bounds, and the support file's family, config and types when one is paired."""
+    config: Any
+    types: dict
+    bounds: Bounds
+    kv_rounding: bool = True
+    support: "Family | None" = None
+    support_config: Any = None
+    support_types: dict = field(default_factory=dict)
+
+
+@dataclass
+class Build:
+    """A family's compiled-to-be model: the nn.Module whose `spec()` names the exported functions,
+    the state and function specs written to the manifest, where each parameter comes from
+    (id(parameter) -> (GGUF tensor, plane field or None, weight file role)), and the settings of
+    each drafter compiled in (manifest `drafters`)."""
+    module: Any
+    states: list[StateSpec]
+    functions: list[FunctionSpec]
+    sources: dict[int, tuple[str, str | None, str]]
+    drafters: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Family:
     name: str                                       # package name under ds4tvm/families
     architecture: str                               # general.architecture
-    role: str                                       # "target" or "draft"
+    role: str                                       # "target" or "draft" (a support file)
     config_from_gguf: Callable[[GGUFFile], Any]     # -> Config with n_layers, n_embd, n_vocab
     tensor_specs: Callable[[Any], list[TensorSpec]]
+    # Files whose architecture key does not say what they are (shared with another family, or
+    # absent): claims(f) picks this family before the key is looked up.
+    claims: Callable[[GGUFFile], bool] | None = None
+    build: str | None = None                        # 'module:function', BuildRequest -> Build
+    pair: str | None = None                         # support families: 'module:function' (cfg, target_cfg) -> cfg
+    check_bounds: Callable[[Any, Bounds], None] | None = None
+    default_bounds: Bounds = Bounds()
+    drafters: tuple[DraftSpec, ...] = ()
+    tool_syntax: str | None = None                  # 'module:Class' of the chat template's tool-call syntax
+    chat_template: str | None = None                # 'module:NAME' of a template for GGUFs that carry none
+    hf_model_types: tuple[str, ...] = ()            # transformers model_type values `ds4 convert` reads
+    convert: str | None = None                      # 'module:function' (hf_dir, out, ...) -> Path
+    published: str | None = None                    # 'module:function' () -> BuildRequest, for --shapes-only
+    # Host inputs (FunctionSpec kind "host"): name -> 'module:function' (engine, inputs) -> array, computed
+    # from the call's other inputs and the engine (its token history): rows of a table too large to
+    # bind, read lazily
+    host_inputs: dict = field(default_factory=dict)
+
+    def drafter_for_support(self, support: "Family") -> DraftSpec | None:
+        return next((d for d in self.drafters if d.support == support.name), None)
 
 
 def _registry() -> dict[str, Family]:
-    from . import deepseek4, dspark
+    from . import deepseek4, deepseek4_mtp, dspark
 
-    return {f.architecture: f for f in (deepseek4.FAMILY, dspark.FAMILY)}
+    return {f.architecture: f for f in (deepseek4.FAMILY, dspark.FAMILY, deepseek4_mtp.FAMILY)}
 
 
 REGISTRY: dict[str, Family] = _registry()
 
 
+def family_named(name: str) -> Family:
+    for fam in REGISTRY.values():
+        if fam.name == name:
+            return fam
+    raise Ds4Error(f"family '{name}' is not part of this ds4tvm; expected one of "
+                   f"{', '.join(sorted(f.name for f in REGISTRY.values()))}")
+
+
 def family_for(f: GGUFFile) -> Family:
+    for fam in REGISTRY.values():
+        if fam.claims is not None and fam.claims(f):
+            return fam
     fam = REGISTRY.get(f.architecture)
     if fam is None:
         raise Ds4Error(f"{f.name}: architecture '{f.architecture}' is not supported; expected one of "
@@ -49,6 +135,12 @@ class LoadedModel:
     family: Family
     config: Any
     unused_tensors: list[str]
+
+
+def tensor_types(f: GGUFFile) -> dict:
+    from gguf import GGMLQuantizationType as QT
+
+    return {name: QT(t.ggml_type) for name, t in f.tensors.items()}
 
 
 def load_model(f: GGUFFile) -> LoadedModel:

@@ -16,7 +16,7 @@ BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sen
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 
 # A DeepSeek-style template, small enough for tiny models: tool schemas, then User/Assistant turns;
-# assistant tool calls and tool results in DeepSeek-V4's DSML layout (runtime/tools.py parses it).
+# assistant tool calls and tool results in DeepSeek-V4's DSML layout (families/deepseek4/tools.py parses it).
 _DSML = "｜DSML｜"
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% if tools %}{{ '## Tools\\n' }}{% for t in tools %}{{ t['function'] | tojson }}{{ '\\n' }}"

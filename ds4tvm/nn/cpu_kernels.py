@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType as QT
 from tvm.script import tirx as T
 
 from ..gguf.quant import plane_format
+from .dequant import DEQUANT
 
 RB, NR, TB, HT = 16, 4, 6, 12     # row tile, rows per micro-kernel, tokens per micro-kernel, tile threshold
 PARALLEL_MIN_WEIGHTS = 1 << 16    # smaller linears run on one core (the pool's launch costs more)
@@ -49,8 +50,6 @@ def _planes(qtype: QT, lead: tuple, K: int) -> list[tuple[tuple, str]]:
 
 
 def _dequant(qtype: QT):
-    from .qweight import DEQUANT
-
     names = [f.name for f in plane_format(qtype).fields]
     deq = DEQUANT[qtype]
     return lambda r, k, p0, p1: deq(dict(zip(names, (p0, p1))), r, k)

@@ -24,16 +24,16 @@ def bench(engine, prompt_len: int = 128, gen: int = 64, verify_k: int = 6, repea
     prompt = [int(t) for t in rng.integers(0, vocab, prompt_len) if int(t) not in stop_ids][:prompt_len]
     gen = max(1, min(gen, engine.max_context - len(prompt) - engine.max_verify))
     engine.reset()
-    engine.decode(int(argmax(engine.prefill(prompt[:8]))))  # warm-up
+    engine.decode(int(argmax(engine.prefill(prompt[:8]).logits)))  # warm-up
     prefill_s, decode_s = [], []
     for _ in range(repeats):
         engine.reset()
         t = time.perf_counter()
-        logits = engine.prefill(prompt)
+        logits = engine.prefill(prompt).logits
         prefill_s.append(time.perf_counter() - t)
         t = time.perf_counter()
         for _ in range(gen):
-            logits = engine.decode(argmax(logits))
+            logits = engine.decode(argmax(logits)).logits
         decode_s.append(time.perf_counter() - t)
     out = {"prompt_len": len(prompt), "gen": gen, "repeats": repeats,
            "prefill_tok_s": round(_median_rate(len(prompt), prefill_s), 2),

@@ -13,12 +13,9 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..artifact import MANIFEST, file_fingerprint
+from ..artifact import MANIFEST, MODEL, file_fingerprint
+from ..cache import cache_root
 from ..errors import Ds4Error
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DS4TVM_CACHE", Path.home() / ".cache" / "ds4tvm")) / "artifacts"
 
 
 def tvm_version() -> str:
@@ -40,25 +37,26 @@ def runtime_only_tvm() -> None:
 def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding: bool = True,
                 progress: bool = True, support: str | Path | None = None, lean: bool = False):
     """An Engine for an artifact directory, a package, or a GGUF (compiled on first use, cached).
+    support: the support GGUF (--mtp FILE) to compile with, or to check an artifact against.
     lean: when nothing needs compiling, load TVM's runtime alone (the CLI's choice; see
     runtime_only_tvm)."""
     from ..artifact import Bounds
-    from ..package import is_package, open_package
+    from ..package import is_package, resolve_package
     from .engine import Engine
 
     path = Path(model)
     if is_package(path):
         if support is not None:
-            raise Ds4Error(f"{path}: a package brings its own DSpark support file; drop --mtp")
+            raise Ds4Error(f"{path}: a package brings its own support file; drop --mtp {support}")
         if lean:
             runtime_only_tvm()
-        return open_package(path)
+        return Engine(*resolve_package(path))
     if path.is_dir():  # an artifact's bounds and drafter were fixed when it was compiled
         if lean:
             runtime_only_tvm()
         engine = Engine(path)
-        if support is not None and (engine.draft is None or
-                                    Path(engine.draft["gguf_path"]).resolve() != Path(support).resolve()):
+        compiled = engine.manifest.weights.get("support", {}).get("gguf_path")
+        if support is not None and (compiled is None or Path(compiled).resolve() != Path(support).resolve()):
             raise Ds4Error(f"{path}: the artifact was not compiled with the support file {support}")
         return engine
     if not path.exists():
@@ -80,4 +78,4 @@ def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding
         tmp.rename(out)
     elif lean:
         runtime_only_tvm()
-    return Engine(out, gguf_path=path)
+    return Engine(out, weights={MODEL: path, **({"support": support} if support else {})})

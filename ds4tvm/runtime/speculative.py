@@ -1,13 +1,15 @@
-"""The one speculative decoding loop, for every drafter (DSpark; the MTP drafters later).
+"""The one speculative decoding loop, for every drafter (runtime/drafters/).
 
-A cycle, after the target has committed an anchor token and holds the distribution of the next
-position (`logits`):
-  1. the scheduler decides whether to propose; the drafter proposes up to `block` tokens;
-  2. draft 0 is checked against `logits` (free: the target already computed them);
-  3. the remaining drafts are verified in one batched target pass, row i giving the distribution
-     after draft i; the accepted run is committed, the rest rolled back (counters only);
-  4. the next cycle starts from the last accepted row; a rejected draft in exact mode first draws
-     its replacement from the residual distribution.
+A cycle, with the target's distribution of the next position in hand (`logits`):
+  1. choose the next token t from the target's logits, greedy or sampled; a drafter may offer its
+     guess for t first (DSpark's draft 0), which is then checked for free;
+  2. ask the drafter for drafts after t (an MTP layer reads t's embedding and the target's hidden
+     state; DSpark continues its block when its guess was right);
+  3. verify [t, *drafts] in one target pass (a plain decode when there is nothing to check): row i
+     is the distribution after token i;
+  4. accept the longest prefix of the drafts, commit t and it (append-only state: counters only);
+  5. the row after the last accepted token gives the next cycle's logits; in exact mode a rejected
+     draft is first excluded from it (the residual distribution).
 Acceptance: greedy at temperature 0; opportunistic (drafts accepted when they equal the target
 argmax, ordinary tokens sampled; biased toward greedy text, as in ds4); exact (the draft is a point
 mass, accepted with its probability under the filtered target distribution, else the replacement
@@ -15,15 +17,15 @@ is drawn from the renormalised remainder, so the output law is that of plain sam
 
 Sampling modes (ds4-spec §6, the server's tool boundary): `mode(out)` may change the sampling
 parameters after any emitted token (the server switches to greedy inside tool-call syntax). When
-an accepted block crosses such a boundary, the block is cut back to the boundary (the state rewinds
-to the block start plus the tokens before the boundary: with append-only state that is commit(j))
-and the boundary token is evaluated again under the new mode from the verifier row before it.
+t itself crosses such a boundary its drafts are dropped; when an accepted draft does, the block is
+cut back to it (commit of the tokens up to the boundary) and the next token is evaluated under the
+new mode from the verifier row after the boundary token. The drafter owns its policy (DSpark's
+back-off, MTP's margin skip) and its statistics line.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,127 +35,76 @@ import numpy as np
 from .sampler import SamplingParams, argmax, filtered_probs, sample
 
 
-@dataclass
-class Proposal:
-    tokens: list[int]
-    first_confidence: float | None = None   # sigma(c_0), for the scheduler's cold start rule
-
-
 class Drafter(Protocol):
-    block_size: int
+    def begin(self, engine, step, stop_ids) -> None:
+        """The target has prefilled the prompt (`step`: its Step, with the named extra outputs)."""
 
-    def begin(self, engine, prompt: list[int]) -> None:
-        """The target has prefilled `prompt`; the drafter reads what it needs from the engine."""
+    def guess(self, engine, remaining: int) -> int | None:
+        """A guess for the next token, or None; remaining: tokens left to generate."""
 
-    def observe(self, engine, tokens: list[int], speculative: bool) -> None:
-        """The target committed `tokens` (the last len(tokens) positions); speculative is False for
-        plain decode steps (ds4 maintains the drafter rings through a cheaper path then)."""
+    def draft(self, engine, token: int, max_tokens: int) -> list[int]:
+        """Up to max_tokens drafts for the positions after `token`, the one just chosen."""
 
-    def draft(self, engine, anchor: int, max_tokens: int) -> Proposal:
-        """Up to max_tokens proposals for the positions after the committed anchor token."""
+    def observe(self, engine, step, tokens: list[int]) -> None:
+        """The target committed `tokens`: the first len(tokens) rows of `step`."""
 
+    def result(self, accepted: int) -> None:
+        """How many of this cycle's proposed tokens (guess included) the target accepted."""
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
+    def counters(self) -> dict:
+        """The drafter's statistics (`DraftCounters.as_dict()` and its own)."""
 
-
-@dataclass
-class Scheduler:
-    """ds4's count-based DSpark back-off (ds4-spec §3); defaults overridable by DS4_DSPARK_*."""
-
-    enabled: bool = True
-    window: int = 4
-    skip: int = 2
-    slow_skip: int = 4
-    min_avg_milli: int = 1500
-    no_draft_skip: int = 3
-    short_accept_no_draft_skip: int = 4
-    cold_low_confidence_skip: int = 7
-    cold_low_confidence_milli: int = 500
-    tail_min_tokens: int = 10
-    pending_skip: int = 0
-    ever_accepted: int = 0          # drafts accepted so far
-    max_accepted: int = 0           # most drafts accepted in one cycle
-    attempts: list = field(default_factory=list)   # accepted counts (-1: empty proposal) of this window
-
-    @classmethod
-    def from_env(cls) -> "Scheduler":
-        s = cls()
-        s.enabled = os.environ.get("DS4_DSPARK_SCHEDULER", "1") not in ("0", "off", "false")
-        for f in ("window", "skip", "slow_skip", "min_avg_milli", "no_draft_skip", "short_accept_no_draft_skip",
-                  "cold_low_confidence_skip", "cold_low_confidence_milli", "tail_min_tokens"):
-            setattr(s, f, _env_int(f"DS4_DSPARK_{f.upper()}", getattr(s, f)))
-        return s
-
-    def should_propose(self, remaining: int) -> bool:
-        if remaining < self.tail_min_tokens:
-            return False
-        if self.enabled and self.pending_skip > 0:
-            self.pending_skip -= 1
-            return False
-        return True
-
-    def record(self, accepted: int | None, first_confidence: float | None = None) -> None:
-        """accepted: drafts accepted in a cycle, or None for an empty proposal."""
-        if accepted is None:
-            skip = self.no_draft_skip
-            if self.ever_accepted and self.max_accepted <= 2:
-                skip = max(skip, self.short_accept_no_draft_skip)
-            if not self.ever_accepted and first_confidence is not None and \
-                    first_confidence <= self.cold_low_confidence_milli / 1000:
-                skip = max(skip, self.cold_low_confidence_skip)
-            self._skip_at_least(skip)
-        else:
-            self.ever_accepted += accepted
-            self.max_accepted = max(self.max_accepted, accepted)
-        self.attempts.append(-1 if accepted is None else accepted)
-        if len(self.attempts) >= self.window:
-            counts = [max(a, 0) for a in self.attempts]
-            if sum(a < 0 for a in self.attempts) * 2 >= len(self.attempts):
-                self._skip_at_least(self.slow_skip)
-            elif 1000 * sum(counts) / len(counts) < self.min_avg_milli:
-                self._skip_at_least(self.skip)
-            self.attempts.clear()
-
-    def _skip_at_least(self, n: int) -> None:
-        if self.enabled:
-            self.pending_skip = max(self.pending_skip, n)
+    def stats_line(self, tok_s: float) -> str:
+        """Its one-line summary for stderr."""
 
 
 @dataclass
-class SpecStats:
-    cycles: int = 0            # cycles that proposed (or tried to); each has one first token
+class DraftCounters:
+    """Counts every drafter keeps: cycles that proposed, tokens proposed and accepted (a guess
+    counts as one), full and partial accepts, misses of the first token, accepted per cycle."""
+    cycles: int = 0
     proposed: int = 0
     accepted_draft: int = 0
     full: int = 0
     partial: int = 0
     miss_first: int = 0
-    no_draft: int = 0
-    scheduler_skips: int = 0
-    generated: int = 0
-    seconds: float = 0.0
-    depth: dict = field(default_factory=dict)   # accepted drafts per cycle -> count
+    depth: dict = field(default_factory=dict)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.cycles += 1
+        self.proposed += proposed
+        self.accepted_draft += accepted
+        self.full += accepted == proposed
+        self.partial += 0 < accepted < proposed
+        self.miss_first += accepted == 0
+        self.depth[accepted] = self.depth.get(accepted, 0) + 1
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("cycles", "proposed", "accepted_draft", "full", "partial", "miss_first",
-                                           "no_draft", "scheduler_skips")}
-        d["first_tokens"] = self.cycles
+        d = {k: getattr(self, k) for k in ("cycles", "proposed", "accepted_draft", "full", "partial", "miss_first")}
         d["accept_rate"] = self.accepted_draft / self.proposed if self.proposed else 0.0
         d["avg_accept"] = self.accepted_draft / self.cycles if self.cycles else 0.0
-        d["tok_s"] = self.generated / self.seconds if self.seconds > 0 else 0.0
         d["depth"] = {str(k): v for k, v in sorted(self.depth.items())}
         return d
 
+
+@dataclass
+class SpecStats:
+    """What one generation did: tokens, time, and the drafter's counters (empty without one)."""
+    generated: int = 0
+    seconds: float = 0.0
+    counters: dict = field(default_factory=dict)
+    drafter: object = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.generated / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**self.counters, "tok_s": self.tok_s}
+
     def line(self) -> str:
-        d = self.as_dict()
-        return (f"ds4: DSpark stats cycles={d['cycles']} first_tokens={d['first_tokens']} proposed={d['proposed']} "
-                f"accepted_draft={d['accepted_draft']} accept_rate={100 * d['accept_rate']:.2f}% "
-                f"avg_accept={d['avg_accept']:.3f} full={d['full']} partial={d['partial']} "
-                f"miss_first={d['miss_first']} no_draft={d['no_draft']} scheduler_skips={d['scheduler_skips']} "
-                f"t/s={d['tok_s']:.2f}")
+        return self.drafter.stats_line(self.tok_s) if self.drafter is not None else \
+            f"ds4: generated={self.generated} t/s={self.tok_s:.2f}"
 
 
 def _accept(draft: int, logits: np.ndarray, params: SamplingParams, exact: bool, rng) -> bool:
@@ -171,22 +122,47 @@ def _residual(logits: np.ndarray, draft: int, params: SamplingParams, rng) -> in
     return int(rng.choice(p.size, p=p / total))
 
 
+def _until_stop(tokens: list[int], stop_ids) -> list[int]:
+    """Nothing is proposed past an end-of-sequence token."""
+    for i, d in enumerate(tokens):
+        if d in stop_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
+def _choose(logits, guess: int | None, rejected: int | None, params: SamplingParams, exact: bool, rng) -> int:
+    """The next token: in exact mode the residual of a draft the target just rejected; else the
+    drafter's guess when the target accepts it (checked for free); else a sample (in exact mode,
+    from the residual of the refused guess)."""
+    if rejected is not None:
+        return _residual(logits, rejected, params, rng)
+    if guess is not None and _accept(guess, logits, params, exact, rng):
+        return guess
+    return _residual(logits, guess, params, rng) if guess is not None and exact else sample(logits, params, rng)
+
+
+def _agreeing(drafts: list[int], rows: np.ndarray, params: SamplingParams, exact: bool, rng) -> int:
+    """How many drafts the target accepts, in order: draft i is checked against row i."""
+    k = 0
+    while k < len(drafts) and _accept(drafts[k], rows[k], params, exact, rng):
+        k += 1
+    return k
+
+
 def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, rng: np.random.Generator,
-             drafter: Drafter | None = None, exact: bool = False, stop_ids=frozenset(),
-             scheduler: Scheduler | None = None, on_token=None, mode=None,
+             drafter: Drafter | None = None, exact: bool = False, stop_ids=frozenset(), on_token=None, mode=None,
              on_prefill=None) -> tuple[list[int], SpecStats]:
     """Generates up to n_tokens after `prompt`; stops after a token in stop_ids, or when on_token(t)
     returns True. With a drafter, speculates as described above; without one, plain decoding.
     mode(out) -> SamplingParams, when given, is asked for the parameters after every emitted token;
     on_prefill(done, total) after every prefill chunk (True cancels)."""
-    stats, sched = SpecStats(), scheduler or Scheduler.from_env()
     out: list[int] = []
     budget = min(n_tokens, engine.max_context - len(prompt))
-    logits = engine.prefill(prompt) if on_prefill is None else engine.prefill(prompt, on_chunk=on_prefill)
+    step = engine.prefill(prompt, on_chunk=on_prefill)
     if drafter is not None:
-        drafter.begin(engine, prompt)
+        drafter.begin(engine, step, stop_ids)
     t0 = time.perf_counter()
-    current = params
+    logits, current, rejected = step.logits, params, None
 
     def emit(t: int) -> bool:
         """Appends t; True when generation must end. Updates the sampling mode."""
@@ -199,64 +175,40 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
 
     done = budget <= 0
     while not done:
-        remaining = budget - len(out)
-        room = min(remaining, engine.max_context - engine.pos)
-        exact_now = exact and current.temperature > 0
-        proposal = None
-        if drafter is not None:
-            if sched.should_propose(remaining):
-                stats.cycles += 1
-                proposal = drafter.draft(engine, out[-1] if out else prompt[-1],
-                                         min(drafter.block_size, engine.max_verify, room))
-            elif remaining >= sched.tail_min_tokens:
-                stats.scheduler_skips += 1
-        drafts = proposal.tokens if proposal is not None else []
-        for i, d in enumerate(drafts):  # nothing is proposed past an end-of-sequence token
-            if d in stop_ids:
-                drafts = drafts[:i + 1]
-                break
-        if proposal is not None and not drafts:
-            stats.no_draft += 1
-            sched.record(None, proposal.first_confidence)
-        if drafts and _accept(drafts[0], logits, current, exact_now, rng):
-            stats.proposed += len(drafts)
-            rows = engine.verify(drafts)
-            k = 1
-            while k < len(drafts) and _accept(drafts[k], rows[k - 1], current, exact_now, rng):
-                k += 1
-            stats.accepted_draft += k
-            stats.depth[k] = stats.depth.get(k, 0) + 1
-            stats.full += k == len(drafts)
-            stats.partial += k < len(drafts)
-            sched.record(k)
-            block_params, kept = current, 0
+        exact_now, chosen_under = exact and current.temperature > 0, current
+        # 1. choose t
+        guess = drafter.guess(engine, budget - len(out)) if drafter is not None and rejected is None else None
+        t, rejected = _choose(logits, guess, rejected, current, exact_now, rng), None
+        if guess is not None and t != guess:
+            drafter.result(0)
+        if emit(t):
+            break
+        # 2. drafts after t, unless a guess was wrong or t crossed a mode boundary
+        drafts, kept = [], 0
+        if drafter is not None and guess in (None, t) and current == chosen_under:
+            room = min(budget - len(out), engine.max_context - engine.pos - 1, engine.max_verify - 1)
+            drafts = _until_stop(drafter.draft(engine, t, room), stop_ids) if room > 0 else []
+        if not drafts and guess != t:
+            step = engine.decode(t)
+        else:
+            # 3-4. verify [t, *drafts], accept the longest agreeing prefix, commit
+            step = engine.verify([t, *drafts])
+            k = _agreeing(drafts, step.logits, current, exact_now, rng)
+            drafter.result(k + (guess is not None))
             while kept < k and not done:
                 done = emit(drafts[kept])
                 kept += 1
-                if current != block_params:
-                    break  # the block crossed a mode boundary: keep it up to here
-            engine.commit(kept)
-            if drafter is not None:
-                drafter.observe(engine, drafts[:kept], speculative=True)
-            logits = rows[kept - 1]
-            if done or kept == len(drafts) or current != block_params or not exact_now:
-                continue
-            token = _residual(logits, drafts[kept], current, rng)   # exact: the rejected draft's residual
-        elif drafts:
-            stats.proposed += len(drafts)
-            stats.miss_first += 1
-            stats.depth[0] = stats.depth.get(0, 0) + 1
-            sched.record(0)
-            token = _residual(logits, drafts[0], current, rng) if exact_now else sample(logits, current, rng)
-        else:
-            token = sample(logits, current, rng)
-        if emit(token):
-            break
-        logits = engine.decode(token)
+                if current != chosen_under:
+                    break  # an accepted draft crossed a mode boundary: keep the block up to it
+            engine.commit(1 + kept)
+            if exact_now and not done and kept == k < len(drafts) and current == chosen_under:
+                rejected = drafts[k]
         if drafter is not None:
-            drafter.observe(engine, [token], speculative=False)
-    stats.generated = len(out)
-    stats.seconds = time.perf_counter() - t0
+            drafter.observe(engine, step, [t, *drafts[:kept]])
+        logits = step.logits[kept] if step.logits.ndim == 2 else step.logits
+    stats = SpecStats(len(out), time.perf_counter() - t0)
+    if drafter is not None:
+        stats.counters, stats.drafter = drafter.counters(), drafter
     return out, stats
 
 

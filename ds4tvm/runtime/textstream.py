@@ -9,11 +9,10 @@ could still be the start of the block, and parsed once generation ends.
 
 from __future__ import annotations
 
-from .tools import ToolSyntax
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop_ids=frozenset(), stop_strings=(), tools: ToolSyntax | None = None):
+    def __init__(self, tokenizer, stop_ids=frozenset(), stop_strings=(), tools=None):
         self.tok, self.stop_ids = tokenizer, frozenset(stop_ids)
         self.stop_strings = [s for s in stop_strings if s]
         self.tools = tools

@@ -20,7 +20,6 @@ from ..errors import Cancelled, Ds4Error
 from ..runtime.sampler import SamplingParams
 from ..runtime.speculative import generate
 from ..runtime.textstream import TextStream
-from ..runtime.tools import ToolSyntax
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -50,8 +49,12 @@ class Result:
 
 
 class Service:
-    def __init__(self, engine, tokenizer, drafter=None, exact: bool = False, ctx: int | None = None):
+    def __init__(self, engine, tokenizer, drafter=None, exact: bool = False, ctx: int | None = None,
+                 tool_syntax=None):
+        """tool_syntax: the class of the model family's tool-call syntax (families.Family.tool_syntax);
+        None: tool definitions are rendered into the prompt, replies are not parsed for calls."""
         self.engine, self.tok, self.drafter, self.exact = engine, tokenizer, drafter, exact
+        self.tool_syntax = tool_syntax
         self.ctx = min(ctx or engine.max_context, engine.max_context)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.busy = threading.Lock()   # held while a job runs (tests and /health read it)
@@ -85,7 +88,7 @@ class Service:
 
     def run(self, job: Job) -> Result:
         """Generates for one job on this thread; text pieces go to job.send as they become final."""
-        tools = ToolSyntax() if job.tools else None
+        tools = self.tool_syntax() if job.tools and self.tool_syntax is not None else None
         stream = TextStream(self.tok, self.tok.stop_ids, job.stop, tools)
 
         def on_token(t: int) -> bool:

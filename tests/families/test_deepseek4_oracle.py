@@ -3,7 +3,9 @@
 Fair-oracle configuration (reference/oracles.md): ratios 0, 0, 4, 128, 4 with a hash layer,
 16 indexer heads of width 64, YaRN on the compressed layers, every parameter randomised (1-D ones
 and tid2eid included), 300 tokens so the ratio-128 layer emits rows and the indexer selects.
-FP8/FP4 round trips, which transformers does not have, are compiled out (--no-kv-rounding).
+FP8/FP4 round trips, which transformers does not have, are compiled out (--no-kv-rounding). The
+topk8 artifact is compiled with a random DSpark support file reading layers 1-3, so it also
+returns the captured hidden states (the drafter's functions change nothing of the target's).
 """
 
 import numpy as np
@@ -14,6 +16,7 @@ from conftest import run_ds4, run_ds4_compile
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS = 300
 TOLERANCE = 1e-4
+CAPTURED = (1, 2, 3)
 
 
 @pytest.fixture(scope="module", params=[8, 512], ids=["topk8-selecting", "topk512-all-rows"])
@@ -28,7 +31,16 @@ def case(request, tmp_path_factory):
     gguf = d / "tiny.gguf"
     assert run_ds4("convert", hf, gguf, "--type", "f32", "--quiet").returncode == 0
     art = d / "art"
-    r = run_ds4_compile(gguf, "--target", "llvm", "-o", art, "--max-context", "512", "--no-kv-rounding", "--quiet")
+    support = []
+    if request.param == 8:
+        from ds4tvm.families.deepseek4.config import Config
+        from ds4tvm.families.dspark.random_model import write_random_dspark
+        from ds4tvm.gguf import open_gguf
+
+        cfg = Config.from_gguf(open_gguf(gguf))
+        support = ["--mtp", write_random_dspark(d / "support.gguf", cfg, seed=4, target_layer_ids=CAPTURED)]
+    r = run_ds4_compile(gguf, "--target", "llvm", "-o", art, "--max-context", "512", "--no-kv-rounding", "--quiet",
+                        *support)
     assert r.returncode == 0, r.stderr
     ids = np.random.default_rng(request.param).integers(0, 512, N_TOKENS)
     model = DeepseekV4ForCausalLM.from_pretrained(hf).eval()
@@ -71,7 +83,7 @@ def test_verify_with_rejections_and_rollback(case):
             e.verify(drafts)
             e.rollback()  # the whole block rejected
             continue
-        out = e.verify(drafts)
+        out = e.verify(drafts).logits
         e.commit(j)
         rows.append(out[:j])
         i += j
@@ -110,20 +122,15 @@ def test_run_errors_exit_2(case, tmp_path):
         assert r.returncode == 2 and expect in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
 
 
-def test_artifact_from_another_gguf(tmp_path):
+def test_artifact_from_another_gguf(tiny_artifact, tmp_path):
     """An artifact refuses to run on a GGUF other than the one it was compiled from."""
-    import shutil
-
+    from ds4tvm.errors import Ds4Error
     from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+    from ds4tvm.runtime.engine import Engine
 
-    cfg = tiny_config(n_layers=2, compress_ratios=(0, 4))
-    model = write_random_deepseek4(tmp_path / "m.gguf", cfg, seed=1)
-    r = run_ds4_compile(model, "--target", "llvm", "-o", tmp_path / "art", "--max-context", "256", "--quiet")
-    assert r.returncode == 0, r.stderr
-    other = write_random_deepseek4(tmp_path / "other.gguf", cfg, seed=2)
-    shutil.copy(other, model)
-    r = run_ds4("run", "-m", tmp_path / "art", "-p", "hi", "-n", "1")
-    assert r.returncode == 2 and "different GGUF" in r.stderr, r.stderr
+    other = write_random_deepseek4(tmp_path / "other.gguf", tiny_config(), seed=2)
+    with pytest.raises(Ds4Error, match="was compiled from a different GGUF than .*other.gguf"):
+        Engine(tiny_artifact, weights={"model": other})
 
 
 def test_fp8_fp4_rounding_stays_close_to_the_unrounded_model(case, tmp_path):
@@ -157,32 +164,29 @@ def test_fp8_fp4_rounding_stays_close_to_the_unrounded_model(case, tmp_path):
     print("greedy continuation, plain:  ", greedy["plain"])
 
 
-def test_capture_of_layer_outputs(case, tmp_path):
-    """Artifacts compiled with capture layers also return the mean of the HC streams after those
-    layers (what a DSpark drafter reads); transformers exposes the same streams as hidden_states."""
+def test_capture_of_layer_outputs(case):
+    """Artifacts compiled with a DSpark support file also return the mean of the HC streams after
+    its target layers (what the drafter reads); transformers exposes the same streams as
+    hidden_states."""
     import torch
     from transformers import DeepseekV4ForCausalLM
 
-    from ds4tvm.compile.driver import compile_gguf
-    from ds4tvm.artifact import Bounds
     from ds4tvm.runtime.engine import Engine
 
     art, ids, ref = case
     if "topk8" not in art.parent.name:
         pytest.skip("one configuration is enough")
-    layers = (1, 2, 3)
-    out = compile_gguf(art.parent / "tiny.gguf", "llvm", tmp_path / "cap", Bounds(512, 16, 256),
-                       kv_rounding=False, capture_layers=layers)
-    e = Engine(out)
+    e = Engine(art)
+    assert "dspark" in e.drafters
     ids = ids[:200]  # one prefill chunk
-    logits = e.prefill(ids, all_logits=True)
-    assert np.abs(logits - ref[:200]).max() <= TOLERANCE
+    step = e.prefill(ids, all_logits=True)
+    assert np.abs(step.logits - ref[:200]).max() <= TOLERANCE
     model = DeepseekV4ForCausalLM.from_pretrained(art.parent / "hf").eval()
     with torch.no_grad():
         hidden = model(torch.tensor(ids[None]), output_hidden_states=True).hidden_states
-    for j, il in enumerate(layers):
+    for j, il in enumerate(CAPTURED):
         want = hidden[il + 1][0].float().numpy().mean(1)  # hidden_states[0] is the embedding
-        assert np.abs(e.captured[:, j] - want).max() <= TOLERANCE
+        assert np.abs(step.outputs["captured"][:, j] - want).max() <= TOLERANCE
 
 
 def test_artifact_from_another_tvm_version(case, tmp_path):

@@ -1,12 +1,14 @@
-"""The speculative loop: identity, rollback, exactness of exact sampling, opportunistic bias,
-and the DSpark scheduler's back-off rules."""
+"""The speculative loop: identity, rollback, exactness of exact sampling, opportunistic bias, the
+tool boundary, for drafters that guess the next token (DSpark's way) and drafters that draft after
+the chosen token (MTP's way); and the DSpark scheduler's back-off rules."""
 
 import numpy as np
 import pytest
 from fakes import ScriptedDrafter, TableEngine
 
 from ds4tvm.runtime.sampler import SamplingParams
-from ds4tvm.runtime.speculative import Scheduler, generate
+from ds4tvm.runtime.drafters.dspark import Scheduler
+from ds4tvm.runtime.speculative import generate
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -27,36 +29,42 @@ def _plain(engine, n):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("block", [1, 2, 3, 4, 5])
-def test_identity_agreeing_drafter_accepts_everything(engines, block):
+@pytest.mark.parametrize("mode", ["guess", "after"])
+@pytest.mark.parametrize("block", [1, 2, 3, 5])
+def test_identity_agreeing_drafter_accepts_everything(engines, block, mode):
     spec_engine, plain_engine = engines
     want = _plain(plain_engine, 200)
     spec_engine.reset()
     got, stats = generate(spec_engine, PROMPT, 200, GREEDY, np.random.default_rng(0),
-                          drafter=ScriptedDrafter(want, block_size=block), stop_ids=frozenset())
+                          drafter=ScriptedDrafter(want, block_size=block, mode=mode), stop_ids=frozenset())
     assert got == want
-    assert stats.proposed > 0 and stats.accepted_draft == stats.proposed and stats.miss_first == 0
-    assert stats.partial == 0 and stats.full == sum(stats.depth.values())
+    c = stats.counters
+    if mode == "after" and block == 1:   # nothing to draft after the chosen token: plain decoding
+        assert c["proposed"] == 0
+        return
+    assert c["proposed"] > 0 and c["accepted_draft"] == c["proposed"] and c["miss_first"] == 0
+    assert c["partial"] == 0 and c["full"] == sum(c["depth"].values())
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("wrong_at", [0, 1, 2, 3, 4])
-def test_rollback_disagreeing_drafter_equals_target_only(engines, wrong_at):
+@pytest.mark.parametrize("mode,wrong_at", [("guess", 0), ("guess", 1), ("guess", 2), ("guess", 4),
+                                           ("after", 0), ("after", 2)])
+def test_rollback_disagreeing_drafter_equals_target_only(engines, mode, wrong_at):
     spec_engine, plain_engine = engines
     want = _plain(plain_engine, 60)
     spec_engine.reset()
     got, stats = generate(spec_engine, PROMPT, 60, GREEDY, np.random.default_rng(0),
-                          drafter=ScriptedDrafter(want, block_size=5, wrong_at=wrong_at),
-                          scheduler=Scheduler(enabled=False))
+                          drafter=ScriptedDrafter(want, block_size=5, wrong_at=wrong_at, mode=mode))
     assert got == want
+    c = stats.counters
     if wrong_at == 0:
-        assert stats.miss_first > 0 and stats.accepted_draft == 0
+        assert c["miss_first"] > 0 and c["accepted_draft"] == 0
     else:
-        assert stats.partial > 0 and stats.accepted_draft < stats.proposed
+        assert c["partial"] > 0 and c["accepted_draft"] < c["proposed"]
     # The state after speculation equals the state reached without it: the next row is the same.
-    assert spec_engine.pos == plain_engine.pos
+    assert spec_engine.pos == plain_engine.pos and spec_engine.history == plain_engine.history
     nxt = want[-1]
-    np.testing.assert_array_equal(spec_engine.decode(nxt), plain_engine.decode(nxt))
+    np.testing.assert_array_equal(spec_engine.decode(nxt).logits, plain_engine.decode(nxt).logits)
 
 
 def _law(params, runs, drafter_factory, exact, seed0):
@@ -64,8 +72,7 @@ def _law(params, runs, drafter_factory, exact, seed0):
     for s in range(runs):
         eng = TableEngine(vocab=6, seed=3)
         out, _ = generate(eng, [1, 2], 2, params, np.random.default_rng(seed0 + s),
-                          drafter=drafter_factory() if drafter_factory else None, exact=exact,
-                          scheduler=Scheduler(enabled=False, tail_min_tokens=0))
+                          drafter=drafter_factory() if drafter_factory else None, exact=exact)
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     return counts
 
@@ -74,7 +81,7 @@ def _exact_law(params):
     from ds4tvm.runtime.sampler import filtered_probs
 
     eng = TableEngine(vocab=6, seed=3)
-    p1 = filtered_probs(eng.prefill([1, 2]), params)
+    p1 = filtered_probs(eng.prefill([1, 2]).logits, params)
     law = {}
     for a in range(6):
         p2 = filtered_probs(eng.table[2, a], params)
@@ -84,15 +91,17 @@ def _exact_law(params):
     return law
 
 
+@pytest.mark.parametrize("mode", ["guess", "after"])
 @pytest.mark.parametrize("params", [SamplingParams(0.7, top_p=0.9, min_p=0.0), SamplingParams(0.7, min_p=0.1)],
                          ids=["temp0.7-top_p0.9", "temp0.7-min_p0.1"])
-def test_exact_sampling_keeps_the_law_of_plain_sampling(params):
+def test_exact_sampling_keeps_the_law_of_plain_sampling(params, mode):
     from scipy.stats import chisquare
 
     runs = 20000
     law = _exact_law(params)
     # Drafts that are sometimes right and sometimes wrong: a fixed scripted pair.
-    spec = _law(params, runs, lambda: ScriptedDrafter([3, 1, 4, 1, 5], block_size=2, vocab=6), True, 1)
+    spec = _law(params, runs, lambda: ScriptedDrafter([3, 1, 4, 1, 5], block_size=2, vocab=6, mode=mode,
+                                                      tail_min_tokens=0), True, 1)
     plain = _law(params, runs, None, False, 10 ** 6)
     keys = sorted(law)
     assert set(spec) <= set(keys) and set(plain) <= set(keys)
@@ -108,9 +117,10 @@ def test_opportunistic_mode_is_biased_toward_greedy():
     argmax-proposing drafter makes greedy tokens more frequent than plain sampling does."""
     params = SamplingParams(1.0, min_p=0.0)
     eng = TableEngine(vocab=6, seed=3)
-    greedy_first = int(np.argmax(eng.prefill([1, 2])))
+    greedy_first = int(np.argmax(eng.prefill([1, 2]).logits))
     runs = 4000
-    spec = _law(params, runs, lambda: ScriptedDrafter([greedy_first] * 5, block_size=1, vocab=6), False, 7)
+    spec = _law(params, runs, lambda: ScriptedDrafter([greedy_first] * 5, block_size=1, vocab=6, tail_min_tokens=0),
+                False, 7)
     plain = _law(params, runs, None, False, 7)
     f_spec = sum(v for k, v in spec.items() if k[0] == greedy_first) / runs
     f_plain = sum(v for k, v in plain.items() if k[0] == greedy_first) / runs
@@ -146,12 +156,13 @@ def test_scheduler_backoff_rules():
     assert off.should_propose(100)
 
 
-def test_scheduler_counts_skips_in_stats():
+def test_drafter_owns_its_stats():
     eng = TableEngine(vocab=6, seed=3)
     out, stats = generate(eng, [1, 2], 40, GREEDY, np.random.default_rng(0),
                           drafter=ScriptedDrafter([], empty=True, vocab=6))
-    assert len(out) == 40 and stats.no_draft > 0 and stats.scheduler_skips > 0
-    assert "scheduler_skips=" in stats.line() and stats.line().startswith("ds4: DSpark stats cycles=")
+    # asked while 40..10 tokens remain (silent in the last 10)
+    assert len(out) == 40 and stats.counters["no_draft"] == 31 and stats.counters["proposed"] == 0
+    assert stats.line().startswith("ds4: scripted stats proposed=0 t/s=")
 
 
 def _boundary_engine():
@@ -179,18 +190,17 @@ def test_tool_boundary_rewinds_the_block_and_resamples_the_boundary_token_greedi
     crossed_without_mode, rewound = 0, 0
     for seed in range(40):
         control, _ = generate(_boundary_engine(), prompt, 12, params, np.random.default_rng(seed),
-                              drafter=ScriptedDrafter(script, block_size=5), exact=True,
-                              scheduler=Scheduler(enabled=False))
+                              drafter=ScriptedDrafter(script, block_size=5, tail_min_tokens=0), exact=True)
         if 5 in control:
             crossed_without_mode += control[control.index(5) + 1:][:1] == [2]
-        engine, drafter = _boundary_engine(), ScriptedDrafter(script, block_size=5)
+        engine, drafter = _boundary_engine(), ScriptedDrafter(script, block_size=5, tail_min_tokens=0)
         kept = []
         commit = engine.commit
         engine.commit = lambda k: (kept.append(k), commit(k))
         out, stats = generate(engine, prompt, 12, params, np.random.default_rng(seed), drafter=drafter,
-                              exact=True, scheduler=Scheduler(enabled=False), mode=mode)
+                              exact=True, mode=mode)
         # accepted drafts that were not committed: a block was cut back at the boundary
-        rewound += stats.accepted_draft > sum(kept)
+        rewound += stats.counters["accepted_draft"] > sum(kept)
         if 5 not in out:
             continue
         b = out.index(5)

@@ -9,6 +9,7 @@ import pytest
 from fakes import ScriptEngine
 from serving import InProcessServer
 
+from ds4tvm.families.deepseek4.tools import DSMLToolSyntax
 from ds4tvm.gguf.vocab import synthetic_vocab
 from ds4tvm.runtime.tokenizer import Tokenizer
 from ds4tvm.server.service import Service
@@ -33,7 +34,8 @@ def server():
     tok = Tokenizer.from_metadata(meta)
     script = tok.encode("Let me check.\n\n" + BLOCK, add_bos=False)
     # margin 10 over 511 others: the scripted token has p ~ 0.98 at temperature 1
-    s = InProcessServer(Service(ScriptEngine(script, tok.n_vocab, tok.eos_id, margin=10.0), tok), "scripted")
+    s = InProcessServer(Service(ScriptEngine(script, tok.n_vocab, tok.eos_id, margin=10.0), tok,
+                                    tool_syntax=DSMLToolSyntax), "scripted")
     yield s
     s.stop()
 

@@ -41,7 +41,7 @@ def _compile(demo_pair, tmp_path, target):
         pytest.skip(f"toolchain for {target} absent: {r.stderr.strip()}")
     assert r.returncode == 0, r.stderr
     m = Manifest.read(out)
-    assert "dspark_block" in m.extra["draft"]["functions"]
+    assert "dspark" in m.drafters and "dspark_block" in {f["name"] for f in m.functions}
     refused = run_ds4("run", "-m", out, "-p", "hi", "-n", 2)
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and len(lines) == 1 and m.target_name in lines[0], refused.stderr

@@ -7,7 +7,7 @@ import pytest
 from ds4tvm.gguf.vocab import synthetic_vocab
 from ds4tvm.runtime.textstream import TextStream
 from ds4tvm.runtime.tokenizer import Tokenizer
-from ds4tvm.runtime.tools import ToolSyntax
+from ds4tvm.families.deepseek4.tools import DSMLToolSyntax as ToolSyntax
 
 pytestmark = pytest.mark.unit
 

@@ -15,16 +15,17 @@ def tiny_module(tmp_path_factory):
     import tvm
 
     from ds4tvm.artifact import Bounds
-    from ds4tvm.compile.driver import _build_model, _export
+    from ds4tvm.compile.driver import _export
     from ds4tvm.compile.targets import resolve
-    from ds4tvm.families.deepseek4.model import tensor_types
+    from ds4tvm.families import BuildRequest, tensor_types
+    from ds4tvm.families.deepseek4.build import build
     from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
     from ds4tvm.gguf import open_gguf
 
     path = write_random_deepseek4(tmp_path_factory.mktemp("tune") / "tiny.gguf", tiny_config(), seed=3)
     f = open_gguf(path)
     spec = resolve("llvm")
-    model = _build_model(tiny_config(), tensor_types(f), Bounds(512, 8, 256), True, (), None, None)
+    model = build(BuildRequest(tiny_config(), tensor_types(f), Bounds(512, 8, 256))).module
     mod, _ = _export(model, spec)
     return mod, tvm.target.Target(spec.tvm), path
 
@@ -84,8 +85,10 @@ def test_shipped_tuning_covers_the_benchmark_models_kernels():
     from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 
     from ds4tvm.artifact import Bounds
-    from ds4tvm.compile.driver import _build_model, _export
+    from ds4tvm.compile.driver import _export
     from ds4tvm.compile.targets import resolve
+    from ds4tvm.families import BuildRequest
+    from ds4tvm.families.deepseek4.build import build
     from ds4tvm.families.deepseek4.tensors import tensor_specs
     from ds4tvm.schedules.tuning import REPORT, TUNED, has_records, tunable_kernels
 
@@ -95,8 +98,7 @@ def test_shipped_tuning_covers_the_benchmark_models_kernels():
     reports = sorted(TUNED.glob(f"*/{REPORT}"))
     assert reports, "no tuning report shipped"
     cfg = config()
-    model = _build_model(cfg, {s.name: type_of(s, "q8_0") for s in tensor_specs(cfg)}, Bounds(), True, (), None,
-                         None)
+    model = build(BuildRequest(cfg, {s.name: type_of(s, "q8_0") for s in tensor_specs(cfg)}, Bounds())).module
     spec = resolve("llvm")
     mod, _ = _export(model, spec)
     have = {str(tvm_ffi.structural_hash(_normalize_mod(f)["main"])): name

@@ -1,8 +1,28 @@
-"""DeepSeek-V4-Flash (`deepseek4`): hyper-connections, compressed sparse attention, hash + routed MoE."""
+"""DeepSeek-V4-Flash (`deepseek4`): hyper-connections, compressed sparse attention, hash + routed MoE.
+Drafters: DSpark (`--mtp DSPARK.gguf --dspark`) and the legacy one-stage MTP
+(`--mtp MTP.gguf --mtp-draft N`), each from its own support file."""
 
-from .. import Family
+from ... import artifact
+from .. import DraftSpec, Family
+from .build import check_bounds
 from .config import ARCH, Config
 from .tensors import tensor_specs
 
-FAMILY = Family(name="deepseek4", architecture=ARCH, role="target",
-                config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs)
+_HERE = "ds4tvm.families.deepseek4"
+
+FAMILY = Family(
+    name="deepseek4", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf,
+    tensor_specs=tensor_specs,
+    build=f"{_HERE}.build:build", check_bounds=check_bounds, default_bounds=artifact.Bounds(),
+    drafters=(
+        DraftSpec("dspark", "DSpark", "--dspark", support="dspark",
+                  enabled=lambda o: o.dspark or o.dspark_confidence is not None or o.dspark_strict,
+                  drafter="ds4tvm.runtime.drafters.dspark:from_options"),
+        DraftSpec("mtp", "legacy MTP", "--mtp-draft", support="deepseek4_mtp",
+                  enabled=lambda o: o.mtp_draft > 1 or o.mtp_timing,
+                  drafter="ds4tvm.runtime.drafters.mtp:from_options"),
+    ),
+    tool_syntax=f"{_HERE}.tools:DSMLToolSyntax", chat_template="ds4tvm.gguf.vocab:CHAT_TEMPLATE",
+    hf_model_types=("deepseek_v4",), convert="ds4tvm.gguf.convert:convert_hf",
+    published=f"{_HERE}.build:published",
+)

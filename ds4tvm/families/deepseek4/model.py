@@ -11,36 +11,38 @@ from __future__ import annotations
 
 import math
 
-from gguf import GGMLQuantizationType as QT
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...artifact import Bounds
-from ...nn.blocks import (compacts, emit_rows, gather_context, hc_head, hc_post, hc_pre, indexer_select, pooled_window,
-                          ring_write, rms, rope, rope_inv_freq, sparse_window_attention)
+from ...artifact import MODEL, Bounds, FunctionSpec, StateSpec
+from ...nn.blocks import hc_head, hc_post, hc_pre, indexer_select, rms, rope, rope_inv_freq, sparse_window_attention
 from ...nn.qweight import QWeight
 from ...nn.rounding import fp8_round_rows, hadamard_fp4
+from ...nn.state import gather_context, ring_write
+from .compressor import compacts, emit_rows, pooled_window
 from .config import Config
 from .tensors import tensor_specs
 
 
-def state_shapes(cfg: Config, b: Bounds) -> list[tuple[str, tuple[int, int]]]:
-    """(name, shape) of every float32 state tensor, in argument order."""
+def state_specs(cfg: Config, b: Bounds) -> list[StateSpec]:
+    """Every float32 state tensor, in argument order: rings of rows indexed by position modulo
+    their length, and the compressed-row tables (row number = position // ratio)."""
     out = []
     for il in range(cfg.n_layers):
         r, p = cfg.ratio(il), f"blk.{il}."
-        out.append((p + "kv_ring", (cfg.sliding_window + b.max_verify, cfg.head_dim)))
+        window = cfg.sliding_window + b.max_verify
+        out.append(StateSpec(p + "kv_ring", (window, cfg.head_dim), ring=window))
         if r:
             lanes = 2 if r == 4 else 1
             front = 2 * r + b.max_verify
-            out += [(p + "comp_kv_front", (front, lanes * cfg.head_dim)),
-                    (p + "comp_score_front", (front, lanes * cfg.head_dim)),
-                    (p + "comp_rows", (b.max_context // r, cfg.head_dim))]
+            out += [StateSpec(p + "comp_kv_front", (front, lanes * cfg.head_dim), ring=front),
+                    StateSpec(p + "comp_score_front", (front, lanes * cfg.head_dim), ring=front),
+                    StateSpec(p + "comp_rows", (b.max_context // r, cfg.head_dim))]
             if r == 4:
-                out += [(p + "idx_kv_front", (front, 2 * cfg.idx_head_dim)),
-                        (p + "idx_score_front", (front, 2 * cfg.idx_head_dim)),
-                        (p + "idx_rows", (b.max_context // r, cfg.idx_head_dim))]
+                out += [StateSpec(p + "idx_kv_front", (front, 2 * cfg.idx_head_dim), ring=front),
+                        StateSpec(p + "idx_score_front", (front, 2 * cfg.idx_head_dim), ring=front),
+                        StateSpec(p + "idx_rows", (b.max_context // r, cfg.idx_head_dim))]
     return out
 
 
@@ -83,21 +85,30 @@ class Block(nn.Module):
     def v(self, short: str) -> nn.Tensor:
         return self.w[short + ".weight"].values(name=short.replace(".", "_"))
 
+    def attn_input(self, X):
+        """HC pre of the attention sublayer and attn_norm: (N, post, comb)."""
+        c, w = self.cfg, self.w
+        x, post, comb = hc_pre(X, w["hc_attn_fn.weight"], self.v("hc_attn_scale"), self.v("hc_attn_base"),
+                               c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        return rms(x, c.rms_eps, self.v("attn_norm")), post, comb
+
+    def kv_rows(self, N, start, freq, kv_rounding: bool):
+        """The K=V row of each token: attn_kv, kv_a_norm, RoPE at its position, FP8 rounding (the
+        cache keeps FP8 values: the token attends to its rounded row too)."""
+        c = self.cfg
+        KV = rope(rms(self.w["attn_kv.weight"].linear(N), c.rms_eps, self.v("attn_kv_a_norm")), start, freq)
+        return fp8_round_rows(KV, c.head_dim - c.n_rot) if kv_rounding else KV
+
     def attention(self, X, start, states, rope_main, rope_comp, kv_rounding: bool):
         c, r, w = self.cfg, self.ratio, self.w
         n = X.shape[0]
         H, Dh = c.n_head, c.head_dim
-        x, post, comb = hc_pre(X, w["hc_attn_fn.weight"], self.v("hc_attn_scale"), self.v("hc_attn_base"),
-                               c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters)
-        N = rms(x, c.rms_eps, self.v("attn_norm"))
+        N, post, comb = self.attn_input(X)
         QR = rms(w["attn_q_a.weight"].linear(N), c.rms_eps, self.v("attn_q_a_norm"))
         Q = rms(op.reshape(w["attn_q_b.weight"].linear(QR), (n, H, Dh)), c.rms_eps)
-        KV = rms(w["attn_kv.weight"].linear(N), c.rms_eps, self.v("attn_kv_a_norm"))
         freq = rope_comp if r else rope_main
         Q = rope(Q, start, freq)
-        KV = rope(KV, start, freq)
-        if kv_rounding:  # the cache keeps FP8 values: the token attends to its rounded row too
-            KV = fp8_round_rows(KV, Dh - c.n_rot)
+        KV = self.kv_rows(N, start, freq, kv_rounding)
         ring = states["kv_ring"]
         ctx = gather_context(ring, KV, start, c.sliding_window - 1, name="kv_context")
         new_states = {}
@@ -185,12 +196,16 @@ class Block(nn.Module):
 
 
 class DeepSeekV4(nn.Module):
+    """The target. Every call returns the logits, then the extra outputs a paired drafter reads:
+    `captured` [n, L, D] (the mean of the HC streams after capture_layers: DSpark's input) and
+    `hc_state` [n, hc, D] (the final HC streams before the output head: legacy MTP's input)."""
+
+    TARGET_FUNCTIONS = ("prefill", "prefill_all", "decode", "verify")
+
     def __init__(self, cfg: Config, types: dict, bounds: Bounds = Bounds(), kv_rounding: bool = False,
-                 capture_layers: tuple[int, ...] = ()):
+                 capture_layers: tuple[int, ...] = (), hc_state: bool = False):
         self.cfg, self.bounds, self.kv_rounding = cfg, bounds, kv_rounding
-        # Layers whose output (the mean of the HC streams) every call also returns: the hidden
-        # states a DSpark drafter reads (its target_layer_ids).
-        self.capture_layers = tuple(capture_layers)
+        self.capture_layers, self.hc_state = tuple(capture_layers), hc_state
         specs = {s.name: s for s in tensor_specs(cfg)}
         top = Weights(self, specs, types, "")
         self.token_embd = top("token_embd.weight")
@@ -203,7 +218,17 @@ class DeepSeekV4(nn.Module):
         self.rope_main = rope_inv_freq(cfg.n_rot, cfg.rope_base, None)
         self.rope_comp = rope_inv_freq(cfg.n_rot, cfg.compress_rope_base,
                                        (cfg.yarn_factor, cfg.yarn_orig_ctx, cfg.yarn_beta_fast, cfg.yarn_beta_slow))
-        self.state_names = [name for name, _ in state_shapes(cfg, bounds)]
+        self.state_names = [s.name for s in state_specs(cfg, bounds)]
+
+    def extra_outputs(self) -> tuple[str, ...]:
+        return (("captured",) if self.capture_layers else ()) + (("hc_state",) if self.hc_state else ())
+
+    def logits_of(self, X, head_fn, head_scale, head_base, norm, name: str):
+        """HC head (streams -> one row), RMSNorm and the target's output head."""
+        c = self.cfg
+        h = hc_head(X, head_fn, head_scale.values(name=f"{name}_hc_scale"), head_base.values(name=f"{name}_hc_base"),
+                    c.rms_eps, c.hc_eps)
+        return self.output.linear(rms(h, c.rms_eps, norm.values(name=f"{name}_norm")), name=f"{name}_lm_head")
 
     def _forward(self, ids, start, states, last_only: bool):
         c = self.cfg
@@ -221,19 +246,16 @@ class DeepSeekV4(nn.Module):
             out_states.update({p + k: v for k, v in new.items()})
             if il in self.capture_layers:
                 captured.append(op.reshape(op.sum(X, axis=1) * (1.0 / c.hc), (n, 1, c.n_embd)))
+        extras = ([op.concat(captured, dim=1)] if captured else []) + ([X] if self.hc_state else [])
         if last_only:
             X = op.tensor_expr_op(lambda x: te.compute((1, c.hc, c.n_embd), lambda _, i, d: x[x.shape[0] - 1, i, d],
                                                        name="last_row"), "last_row", [X])
-        h = hc_head(X, self.output_hc_fn, self.output_hc_scale.values(name="hc_head_scale"),
-                    self.output_hc_base.values(name="hc_head_base"), c.rms_eps, c.hc_eps)
-        logits = self.output.linear(rms(h, c.rms_eps, self.output_norm.values(name="output_norm")), name="lm_head")
-        states = tuple(out_states[k] for k in self.state_names)
-        if captured:
-            return logits, op.concat(captured, dim=1), states
-        return logits, states
+        logits = self.logits_of(X, self.output_hc_fn, self.output_hc_scale, self.output_hc_base, self.output_norm,
+                                "output")
+        return (logits, *extras, tuple(out_states[k] for k in self.state_names))
 
     def prefill(self, ids: nn.Tensor, start, states):
-        """A chunk of the prompt; logits of its last token [1, V]."""
+        """A chunk of the prompt; logits of its last token [1, V], extra outputs of every token."""
         return self._forward(ids, start, states, last_only=True)
 
     def prefill_all(self, ids: nn.Tensor, start, states):
@@ -244,39 +266,45 @@ class DeepSeekV4(nn.Module):
         return self._forward(ids, start, states, last_only=False)
 
     def verify(self, ids: nn.Tensor, start, states):
-        """k <= max_verify drafted tokens; logits of every row, so any prefix can be committed."""
+        """k <= max_verify tokens; logits of every row, so any prefix can be committed."""
         return self._forward(ids, start, states, last_only=False)
 
+    def state_specs(self) -> list[StateSpec]:
+        return state_specs(self.cfg, self.bounds)
+
+    def function_specs(self) -> list[FunctionSpec]:
+        inputs = (("ids", "tokens"), ("start", "position"))
+        return [FunctionSpec(f, inputs, ("logits", *self.extra_outputs()), states="model")
+                for f in self.TARGET_FUNCTIONS]
+
+    def drafter_settings(self) -> dict:
+        return {}
+
     def spec(self) -> dict:
-        st = [nn.spec.Tensor(list(shape), "float32") for _, shape in state_shapes(self.cfg, self.bounds)]
+        st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in state_specs(self.cfg, self.bounds)]
         mode = {"param_mode": "plain", "effect_mode": "none"}
-        return {
-            "prefill": {"ids": nn.spec.Tensor(["n"], "int32"), "start": int, "states": st, "$": mode},
-            "prefill_all": {"ids": nn.spec.Tensor(["n"], "int32"), "start": int, "states": st, "$": mode},
-            "decode": {"ids": nn.spec.Tensor([1], "int32"), "start": int, "states": st, "$": mode},
-            "verify": {"ids": nn.spec.Tensor(["k"], "int32"), "start": int, "states": st, "$": mode},
-        }
+        rows = {"prefill": "n", "prefill_all": "n", "decode": 1, "verify": "k"}
+        return {f: {"ids": nn.spec.Tensor([rows[f]], "int32"), "start": int, "states": st, "$": mode}
+                for f in self.TARGET_FUNCTIONS}
 
 
-def tensor_types(gguf_file) -> dict:
-    return {name: QT(t.ggml_type) for name, t in gguf_file.tensors.items()}
-
-
-def parameter_sources(model: DeepSeekV4) -> dict[int, tuple[str, str | None]]:
-    """id(Parameter) -> (GGUF tensor, plane field or None for a tensor passed as is)."""
+def parameter_sources(model: nn.Module, drafter_role: str = "support") -> dict[int, tuple[str, str | None, str]]:
+    """id(Parameter) -> (GGUF tensor, plane field or None for a tensor passed as is, weight file
+    role): the weights of the `drafter` submodule come from the support file."""
     out = {}
-    stack = [model]
+    stack = [(model, MODEL)]
     while stack:
-        m = stack.pop()
+        m, role = stack.pop()
         if isinstance(m, QWeight):
             for f in m.fields:
-                out[id(getattr(m, f"plane_{f}"))] = (m.gguf_name, f)
+                out[id(getattr(m, f"plane_{f}"))] = (m.gguf_name, f, role)
             continue
         if isinstance(m, Block) and hasattr(m, "tid2eid"):
-            out[id(m.tid2eid)] = (m.tid2eid_name, None)
-        for v in vars(m).values():
+            out[id(m.tid2eid)] = (m.tid2eid_name, None, role)
+        for name, v in vars(m).items():
+            sub = drafter_role if name == "drafter" else role
             if isinstance(v, nn.ModuleList):
-                stack.extend(v)
+                stack.extend((x, sub) for x in v)
             elif isinstance(v, nn.Module):
-                stack.append(v)
+                stack.append((v, sub))
     return out

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from ...errors import Ds4Error
 from ...gguf.reader import GGUFFile
 from ..deepseek4.config import Config as V4Config
+from ..deepseek4.support import block_shapes, paired_block, tensor_shape
 
 ARCH = "deepseek4-dspark"
 MAX_BLOCK_SIZE = 16
@@ -68,56 +69,18 @@ class Config:
         return cls(stages, block_size, rank, noise, layers, block)
 
 
-def _shape(f: GGUFFile, name: str, ndim: int) -> tuple[int, ...]:
-    t = f.tensor(name)
-    if len(t.shape) != ndim:
-        raise Ds4Error(f"{f.name}: tensor {name} has {len(t.shape)} dimensions, expected {ndim}")
-    return t.shape
-
-
 def _block_shapes(f: GGUFFile, stages: int) -> V4Config:
     last = f"mtp.{stages - 1}."
-    E, = _shape(f, "mtp.0.attn_norm.weight", 1)
-    _, q_lora = _shape(f, "mtp.0.attn_q_a.weight", 2)
-    _, D = _shape(f, "mtp.0.attn_kv.weight", 2)
-    H, = _shape(f, "mtp.0.attn_sinks.weight", 1)
-    group_in, group_out = _shape(f, "mtp.0.attn_output_a.weight", 2)
-    if D <= 0 or group_in % D or H % max(1, group_in // D):
-        raise Ds4Error(f"{f.name}: tensor mtp.0.attn_output_a.weight shape [{group_in}, {group_out}] "
-                       f"does not group {H} heads of {D}")
-    o_groups = H // (group_in // D)
-    _, n_expert = _shape(f, "mtp.0.ffn_gate_inp.weight", 2)
-    _, n_ff, _ = _shape(f, "mtp.0.ffn_gate_exps.weight", 3)
-    _, n_ff_sh = _shape(f, "mtp.0.ffn_gate_shexp.weight", 2)
-    hc, = _shape(f, last + "hc_head_base.weight", 1)
-    rank, vocab = _shape(f, last + "markov_head.markov_w1.weight", 2)
-    n_rot = 64 if D >= 64 else D  # drafter RoPE covers the same tail as the target's
-    # Fields with no tensor to read them from are placeholders until paired with the target.
-    return V4Config(
-        n_layers=stages, n_embd=E, n_vocab=vocab, n_head=H, head_dim=D, n_rot=n_rot,
-        q_lora_rank=q_lora, o_lora_rank=group_out // o_groups, o_groups=o_groups,
-        n_expert=n_expert, n_expert_used=min(6, n_expert), n_ff_exp=n_ff,
-        n_expert_shared=max(1, n_ff_sh // max(1, n_ff)), n_hash_layers=0, sliding_window=128,
-        idx_n_head=0, idx_head_dim=0, idx_top_k=0, hc=hc, hc_sinkhorn_iters=20, hc_eps=1e-6,
-        rope_base=10000.0, compress_rope_base=10000.0, yarn_factor=1.0, yarn_beta_fast=32.0,
-        yarn_beta_slow=1.0, yarn_orig_ctx=0, expert_weights_scale=1.5, expert_weights_norm=True,
-        rms_eps=1e-6, compress_ratios=(0,) * stages, swiglu_clamp=(10.0,) * stages)
+    hc, = tensor_shape(f, last + "hc_head_base.weight", 1)
+    _, vocab = tensor_shape(f, last + "markov_head.markov_w1.weight", 2)
+    return block_shapes(f, stages, hc, vocab)
 
 
 def paired_with(cfg: Config, target: V4Config) -> Config:
     """The drafter config with the block hyper-parameters of its target, after checking that the
     support file matches the model (width, vocabulary, heads, layer ids in range)."""
-    b = cfg.block
     problems = []
-    for field in ("n_embd", "n_vocab", "n_head", "head_dim", "q_lora_rank", "hc"):
-        if getattr(b, field) != getattr(target, field):
-            problems.append(f"{field} {getattr(b, field)} vs {getattr(target, field)}")
     if cfg.target_layer_ids[-1] >= target.n_layers:
         problems.append(f"target_layer_ids {list(cfg.target_layer_ids)} not all < {target.n_layers}")
-    if problems:
-        raise Ds4Error("support file does not match this model: " + "; ".join(problems))
-    block = replace(target, n_layers=cfg.n_stages, n_hash_layers=0, o_groups=b.o_groups,
-                    o_lora_rank=b.o_lora_rank, n_expert=b.n_expert, n_ff_exp=b.n_ff_exp,
-                    n_expert_shared=b.n_expert_shared, compress_ratios=(0,) * cfg.n_stages,
-                    swiglu_clamp=target.swiglu_clamp[:1] * cfg.n_stages)
+    block = paired_block(cfg.block, target, ("n_embd", "n_vocab", "n_head", "head_dim", "q_lora_rank", "hc"), problems)
     return replace(cfg, block=block)

@@ -18,9 +18,9 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...nn.blocks import (attend_with_sinks, gather_context, hc_head, hc_post, hc_pre, ring_write, rms, rope,
-                          rope_inv_freq)
-from ...nn.rounding import fp8_round_rows
+from ...artifact import FunctionSpec, StateSpec
+from ...nn.blocks import attend_with_sinks, hc_head, hc_post, rms, rope, rope_inv_freq
+from ...nn.state import gather_context, ring_write
 from ..deepseek4.model import Block, Weights
 from .config import Config
 from .tensors import tensor_specs
@@ -73,17 +73,8 @@ class DSparkDrafter(nn.Module):
         h = self.main_proj.linear(op.reshape(captured, (n, L * D)), name="main_proj")
         return rms(h, b.rms_eps, self.main_norm.values(name="main_norm"))
 
-    def _kv(self, stage: Block, n_in: nn.Tensor, start, offset_rows: int = 0) -> nn.Tensor:
-        b = self.cfg.block
-        kv = rms(stage.w["attn_kv.weight"].linear(n_in), b.rms_eps, stage.v("attn_kv_a_norm"))
-        kv = rope(kv, start, self.rope, offset=offset_rows)
-        return fp8_round_rows(kv, b.head_dim - b.n_rot) if self.kv_rounding else kv
-
-    def _normed_attn_input(self, stage: Block, X: nn.Tensor):
-        b = self.cfg.block
-        x, post, comb = hc_pre(X, stage.w["hc_attn_fn.weight"], stage.v("hc_attn_scale"), stage.v("hc_attn_base"),
-                               b.hc, b.rms_eps, b.hc_eps, b.hc_sinkhorn_iters)
-        return rms(x, b.rms_eps, stage.v("attn_norm")), post, comb
+    def _kv(self, stage: Block, n_in: nn.Tensor, start) -> nn.Tensor:
+        return stage.kv_rows(n_in, start, self.rope, self.kv_rounding)
 
     def observe(self, captured, start, rings, direct: bool):
         """Context rows for n committed positions start..: written into every stage's ring."""
@@ -96,7 +87,7 @@ class DSparkDrafter(nn.Module):
                 kv = self._kv(stage, mx, start)
             else:
                 X = op.broadcast_to(op.reshape(mx, (n, 1, b.n_embd)), (n, b.hc, b.n_embd))
-                kv = self._kv(stage, self._normed_attn_input(stage, X)[0], start)
+                kv = self._kv(stage, stage.attn_input(X)[0], start)
             out.append(ring_write(ring, kv, start, name="dspark_ring_write"))
         return tuple(out)
 
@@ -110,7 +101,7 @@ class DSparkDrafter(nn.Module):
         H, Dh = b.n_head, b.head_dim
         for stage, ring in zip(self.stages, rings):
             X = op.concat([row0, T], dim=0)                               # [B+1, hc, D]
-            N, post, comb = self._normed_attn_input(stage, X)
+            N, post, comb = stage.attn_input(X)
             kv0 = self._kv(stage, _rows(N, 0, 1, "row0"), start)          # row 0 at P
             kvt = self._kv(stage, _rows(N, 1, B + 1, "token_rows"), start)  # token rows at P..P+B-1
             keys = gather_context(ring, op.concat([kv0, kvt], dim=0), start, WINDOW - 1, name="dspark_keys")
@@ -136,9 +127,9 @@ class DSparkDrafter(nn.Module):
         return m, self.markov_w2.linear(m, name="markov_w2")
 
 
-def with_dspark(target_cls):
+def extend(target_cls):
     """The target module class extended with the drafter's functions (one artifact, shared
-    embedding and output head)."""
+    embedding and output head); its rings are the state group "dspark"."""
 
     class TargetWithDSpark(target_cls):
         def __init__(self, cfg, types: dict, bounds, kv_rounding: bool, draft_cfg: Config, draft_types: dict):
@@ -160,6 +151,25 @@ def with_dspark(target_cls):
 
         def dspark_markov(self, prev):
             return self.drafter.markov(prev)
+
+        def state_specs(self):
+            return super().state_specs() + [StateSpec(n, s, group="dspark", ring=WINDOW) for n, s in ring_shapes(self.draft_cfg)]
+
+        def function_specs(self):
+            pos, cap = ("start", "position"), ("captured", "float32")
+            return super().function_specs() + [
+                FunctionSpec("dspark_observe", (cap, pos), (), states="dspark"),
+                FunctionSpec("dspark_observe_direct", (cap, pos), (), states="dspark"),
+                FunctionSpec("dspark_block", (cap, ("tokens", "tokens"), pos), ("r",), states="dspark"),
+                FunctionSpec("dspark_logits", (("r", "float32"),), ("logits",)),
+                FunctionSpec("dspark_markov", (("prev", "tokens"),), ("m", "bias")),
+            ]
+
+        def drafter_settings(self) -> dict:
+            d = self.draft_cfg
+            return {"dspark": {"block_size": d.block_size, "markov_rank": d.markov_rank,
+                               "noise_token_id": d.noise_token_id, "target_layer_ids": list(d.target_layer_ids),
+                               "n_stages": d.n_stages}}
 
         def spec(self) -> dict:
             spec = super().spec()

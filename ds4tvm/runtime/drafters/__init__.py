@@ -1,1 +1,72 @@
-"""Drafters for the speculative loop (runtime/speculative.py)."""
+"""Drafters for the speculative loop (runtime/speculative.py), and the one place the speculation
+flags are turned into a drafter: the model's family lists the drafters it offers and the flags
+that enable each (families.DraftSpec); the artifact says which were compiled in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import Ds4Error
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """The speculation flags of `ds4 run / serve / bench` (ds4's meanings). mtp: the support file
+    (--mtp FILE), "" for a bare --mtp (the draft layer in the model GGUF), None when absent."""
+    mtp: str | None = None
+    mtp_draft: int = 1
+    mtp_margin: float | None = None
+    mtp_timing: bool = False
+    dspark: bool = False
+    dspark_confidence: float | None = None
+    dspark_strict: bool = False
+    exact_sampling: bool = False
+    quality: bool = False
+
+    @property
+    def support(self) -> Path | None:
+        return Path(self.mtp) if self.mtp else None
+
+
+def wanted(family, options: SpecOptions) -> list:
+    """The family's drafters (DraftSpec) that the flags ask for."""
+    return [d for d in family.drafters if d.enabled(options)]
+
+
+def check_support_given(family, options: SpecOptions, model: Path) -> None:
+    """Before a GGUF is compiled on first use: a drafter that reads a support file needs --mtp FILE,
+    and that file must hold this drafter."""
+    from ...families import family_for
+    from ...gguf import open_gguf
+
+    for d in wanted(family, options):
+        if d.support is None:
+            continue
+        if options.support is None:
+            raise Ds4Error(f"{d.flags} needs the {d.label} support file: pass --mtp SUPPORT.gguf with {model}")
+        held = family.drafter_for_support(family_for(open_gguf(options.support)))
+        if held is not None and held.name != d.name:
+            raise Ds4Error(f"{options.support}: holds the {held.name} drafter; {d.flags} needs a {d.label} support file")
+
+
+def choose_drafter(engine, options: SpecOptions, model: Path):
+    """The drafter the flags ask for, built (and so checked) on this engine; None for target-only
+    decoding (no speculation flag, --quality, or a drafter's own check-only flag)."""
+    from ...families import family_named, load_attr
+
+    asked = wanted(family_named(engine.manifest.family), options)
+    if len(asked) > 1:
+        raise Ds4Error(f"{' and '.join(d.flags for d in asked)}: choose one drafter")
+    if not asked:
+        return None
+    d = asked[0]
+    if d.name not in engine.drafters:
+        held = ", ".join(engine.drafters) or "no"
+        support = engine.manifest.weights.get("support", {}).get("gguf_path")
+        if support and engine.drafters:
+            raise Ds4Error(f"{support}: holds the {held} drafter; {d.flags} needs a {d.label} support file")
+        raise Ds4Error(f"{model}: the artifact has no {d.label} drafter (it holds {held} drafter); "
+                       f"compile it with --mtp SUPPORT.gguf")
+    drafter = load_attr(d.drafter)(engine, options)
+    return None if options.quality else drafter

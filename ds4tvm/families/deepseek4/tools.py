@@ -18,7 +18,9 @@ import re
 DSML = "｜DSML｜"
 
 
-class ToolSyntax:
+class DSMLToolSyntax:
+    """The interface every family's tool syntax offers (runtime/textstream.py and the server use it)."""
+
     begin = f"<{DSML}tool_calls>"
     end = f"</{DSML}tool_calls>"
     _invoke = re.compile(rf'<{DSML}invoke name="([^"]*)">(.*?)</{DSML}invoke>', re.S)

@@ -1,0 +1,106 @@
+"""DeepSeek-V4's compressor windows (ds4-spec §2): the softmax-pooled row of each window of `ratio`
+tokens (two overlapping lanes at ratio 4), and the table of compressed rows they are written to."""
+
+from __future__ import annotations
+
+import functools
+
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+from tvm.script import tirx as T
+
+from ...nn.blocks import F32, NEG_INF
+
+
+@functools.lru_cache(maxsize=None)
+def _emit_rows_func(rows: int, width: int, ratio: int, compact: bool):
+    def end(start, i):   # the position where candidate i's window ends
+        return (start // ratio + i + 1) * ratio - 1 if compact else start + i
+
+    @T.prim_func(s_tir=True)
+    def emit_rows(table: T.handle, cand: T.handle, start: T.int64):
+        n = T.int64()
+        R = T.match_buffer(table, (rows, width), "float32")
+        X = T.match_buffer(cand, (n, width), "float32")
+        for i, j in T.grid(n, width):
+            with T.sblock("emit"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                if T.floormod(end(start, vi) + 1, ratio) == 0 and T.floordiv(end(start, vi) + 1, ratio) <= rows:
+                    R[T.floordiv(end(start, vi) + 1, ratio) - 1, vj] = X[vi, vj]
+    return emit_rows.with_attr("global_symbol", f"emit_rows_{rows}x{width}_r{ratio}{'_c' if compact else ''}")
+
+
+def compacts(x: nn.Tensor) -> bool:
+    """Whether pooled_window pools only the windows that end among x's tokens. A call of a dynamic
+    number of tokens (prefill, verify) does; a decode step (one static token) pools its one window
+    whether it ends there or not, as a row count that depends on the position would make its
+    static-shape kernels allocate a dynamic size, which CUDA code generation refuses."""
+    return not isinstance(x.shape[0], int)
+
+
+def emit_rows(table: nn.Tensor, candidates: nn.Tensor, start, ratio: int, compact: bool, name: str) -> nn.Tensor:
+    """Writes into the row table the candidates (pooled_window's output) whose window ends a
+    compressed row: with compact, every candidate, in order from row start // ratio; else candidate
+    t, for position start + t, when (start + t + 1) % ratio == 0."""
+    rows, width = table.shape
+    func = _emit_rows_func(int(rows), int(width), ratio, compact)
+    return op.tensor_ir_inplace_op(func, func.attrs["global_symbol"], args=[table, candidates, start],
+                                   inplace_indices=[0], out=nn.Tensor.placeholder(table.shape, table.dtype))
+
+
+def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width: int, compact: bool,
+                  name: str) -> nn.Tensor:
+    """The softmax-pooled row, per channel, of the window ending at each new token (positions
+    start .. start + n - 1), or with compact only of the windows that end a compressed row there
+    (positions p with (p + 1) % ratio == 0: (start + n) // ratio - start // ratio rows, in order),
+    the only rows ever stored. ctx rows are positions start-2*ratio ... For ratio 4 the window is
+    8 tokens through two lanes: the previous 4 positions read lane 0 (first `width` channels), the
+    current 4 lane 1; the previous lane is absent for the first window. Other ratios: one lane."""
+    two = ratio == 4
+
+    def f(kv, sc, s):
+        n = kv.shape[0] - 2 * ratio
+        m = (s + n) // ratio - s // ratio if compact else n
+        L = 2 * ratio if two else ratio
+
+        def end(i):   # the chunk row of window i's last position
+            return (s // ratio + i + 1) * ratio - 1 - s if compact else i
+        a = te.reduce_axis((0, L), name="a")
+
+        def src(t, a_, d):
+            # a_ < ratio: previous window (lane 0) when two lanes, else current window
+            if two:
+                row = t + 1 + a_                       # prev rows t+1..t+r, current t+r+1..t+2r
+                ch = tirx.if_then_else(a_ < ratio, d, d + width)
+            else:
+                row = t + ratio + 1 + a_
+                ch = d
+            return row, ch
+
+        def valid(t, a_):
+            if not two:
+                return tirx.const(True, "bool")
+            return tirx.Or(a_ >= ratio, s + t + 1 - 2 * ratio >= 0)
+
+        def score(t, a_, d):
+            row, ch = src(t, a_, d)
+            return tirx.if_then_else(valid(t, a_), sc[row, ch], tirx.const(NEG_INF, F32))
+
+        mx = te.compute((m, width), lambda i, d: te.max(score(end(i), a, d), axis=a), name=name + "_max")
+        a2 = te.reduce_axis((0, L), name="a2")
+        den = te.compute((m, width), lambda i, d: te.sum(
+            tirx.if_then_else(valid(end(i), a2), te.exp(score(end(i), a2, d) - mx[i, d]), tirx.const(0, F32)),
+            axis=a2), name=name + "_den")
+        a3 = te.reduce_axis((0, L), name="a3")
+
+        def pooled(i, d):
+            t = end(i)
+            row, ch = src(t, a3, d)
+            w = tirx.if_then_else(valid(t, a3), te.exp(score(t, a3, d) - mx[i, d]), tirx.const(0, F32))
+            return te.sum(w * kv[row, ch], axis=a3)
+
+        num = te.compute((m, width), pooled, name=name + "_num")
+        return te.compute((m, width), lambda i, d: num[i, d] / den[i, d], name=name)
+
+    return op.tensor_expr_op(f, name, [kv_ctx, sc_ctx, start])

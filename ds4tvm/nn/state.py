@@ -1,0 +1,82 @@
+"""State written in place and indexed by position (DESIGN.md "Model state"), so that a verify of k
+rows followed by commit(j) is a counter change and rollback a no-op, for every kind of state:
+
+- position rings (`gather_context` / `ring_write`): rows of the last `size` positions, slot
+  pos % size: attention K/V windows, compressor frontiers, conv and token histories;
+- recurrent snapshot slots (`recurrent_read` / `recurrent_write`): a recurrent state (KDA, GDN) kept
+  as a ring of R >= max_verify + 1 slots, slot p % R holding the state *before* position p; a call
+  starting at position s reads slot s (zeros at s = 0) and writes the state after each of its rows
+  into the slots of the positions that follow, so the state before any committed length is there
+  to pick. R > max_verify keeps a verify from overwriting the slot it started from.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+from tvm.script import tirx as T
+
+F32 = "float32"
+
+
+def gather_context(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: str) -> nn.Tensor:
+    """Rows for positions start-before .. start+n-1: the `before` older ones from the ring (slot
+    pos % size; positions < 0 are zeros), then the n new rows. Read before the ring is updated."""
+    size = ring.shape[0]
+
+    def f(ring_te, new_te, s):
+        n = new_te.shape[0]
+
+        def body(j, d):
+            pos = s - before + j
+            old = tirx.if_then_else(pos >= 0, ring_te[tirx.floormod(pos, size), d], tirx.const(0, F32))
+            return tirx.if_then_else(j < before, old, new_te[tirx.max(j - before, 0), d])
+
+        return te.compute((n + before, ring_te.shape[1]), body, name=name)
+
+    return op.tensor_expr_op(f, name, [ring, new, start])
+
+
+@functools.lru_cache(maxsize=None)
+def _ring_write_func(size: int, width: int):
+    @T.prim_func(s_tir=True)
+    def ring_write(ring: T.handle, rows: T.handle, start: T.int64):
+        n = T.int64()
+        R = T.match_buffer(ring, (size, width), "float32")
+        X = T.match_buffer(rows, (n, width), "float32")
+        for i, j in T.grid(n, width):
+            with T.sblock("write"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                if vi + size >= n:  # only the last `size` rows can survive in the ring
+                    R[T.floormod(start + vi, size), vj] = X[vi, vj]
+    return ring_write.with_attr("global_symbol", f"ring_write_{size}x{width}")
+
+
+def ring_write(ring: nn.Tensor, rows: nn.Tensor, start, name: str) -> nn.Tensor:
+    """Writes rows for positions start.. into the ring in place. Callers emit it after every read
+    of the ring's old rows (gather_context): the VM runs bindings in order, and the CPU pipeline
+    does not fuse (schedules/llvm.py), so no read can move past the write."""
+    size, width = ring.shape
+    func = _ring_write_func(int(size), int(width))
+    return op.tensor_ir_inplace_op(func, f"ring_write_{size}x{width}", args=[ring, rows, start], inplace_indices=[0],
+                                   out=nn.Tensor.placeholder(ring.shape, ring.dtype))
+
+
+def recurrent_read(slots: nn.Tensor, start, name: str = "recurrent_read") -> nn.Tensor:
+    """The state before position start [1, W] from slots [R, W]: slot start % R, zeros at 0."""
+    R, W = slots.shape
+
+    def f(s_te, s):
+        return te.compute((1, W), lambda _, w: tirx.if_then_else(s > 0, s_te[tirx.floormod(s, R), w],
+                                                                 tirx.const(0, F32)), name=name)
+
+    return op.tensor_expr_op(f, name, [slots, start])
+
+
+def recurrent_write(slots: nn.Tensor, states: nn.Tensor, start, name: str = "recurrent_write") -> nn.Tensor:
+    """Writes the state after each row i [n, W] (row i is position start + i) into the slot of
+    position start + i + 1, in place; emit it after the recurrent_read of the same call."""
+    return ring_write(slots, states, start + 1, name=name)

@@ -1,0 +1,153 @@
+"""Legacy one-stage MTP for DeepSeek-V4 (ds4-spec §7): the graph against a numpy reference written
+from the spec, and the drafter in the speculative loop and the CLI against target-only decoding."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_ds4, run_ds4_compile
+
+pytestmark = pytest.mark.compile
+PROMPT = [7, 8, 9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+
+    d = tmp_path_factory.mktemp("mtp")
+    cfg = tiny_config()
+    # residual writers scaled down: the next token is nearly a function of the current one, so an
+    # identity-like MTP block agrees with the target (families/deepseek4_mtp/agreeing.py)
+    return d, cfg, write_random_deepseek4(d / "target.gguf", cfg, seed=21, residual_scale=1e-4)
+
+
+def _compile(d, model, support, name, *extra):
+    r = run_ds4_compile(model, "--target", "llvm", "-o", d / name, "--max-context", "512", "--max-verify", "8",
+                        "--mtp", support, "--quiet", *extra)
+    assert r.returncode == 0, r.stderr
+    return d / name
+
+
+@pytest.fixture(scope="module")
+def agreeing(target):
+    from ds4tvm.families.deepseek4_mtp.agreeing import write_agreeing_mtp
+
+    d, cfg, model = target
+    support = write_agreeing_mtp(d / "agree.gguf", model, seed=5)
+    return _compile(d, model, support, "agree"), support
+
+
+def test_draft_logits_match_the_numpy_reference(target):
+    """A random support file, no FP8 rounding: the rows written for a 24-token prompt (longer than
+    the 16-row window), then two recursive draft steps, against tests/mtp_reference.py."""
+    from mtp_reference import MTPReference
+
+    from ds4tvm.families.deepseek4_mtp.random_model import write_random_mtp
+    from ds4tvm.gguf import open_gguf
+    from ds4tvm.runtime.drafters.mtp import MTPDrafter
+    from ds4tvm.runtime.engine import Engine
+
+    d, cfg, model = target
+    support = write_random_mtp(d / "random.gguf", cfg, seed=3)
+    e = Engine(_compile(d, model, support, "random", "--no-kv-rounding"))
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.n_vocab, 24)]
+    step = e.prefill(prompt)
+    drafter = MTPDrafter(e, n_draft=3, margin=0.0)
+    drafter.begin(e, step, frozenset())
+    ref = MTPReference(open_gguf(model), open_gguf(support), cfg)
+    hc = step.outputs["hc_state"].astype(np.float64)
+    for p, tok in enumerate(prompt):
+        ref.observe(hc[p - 1] if p else np.zeros_like(hc[0]), tok, p)
+    t, streams, ref_streams = int(np.argmax(step.logits)), hc[-1], hc[-1]
+    for i in range(2):   # the chosen token, then the first draft
+        out = e.call("mtp_step", hc_prev=streams[None].astype(np.float32), tokens=[t], start=e.pos + i)
+        want, ref_streams = ref.step(ref_streams, t, e.pos + i)
+        assert np.abs(out["logits"][0] - want).max() <= 1e-4, i
+        assert np.abs(out["hc_state"][0] - ref_streams).max() <= 1e-4, i
+        t, streams = int(np.argmax(want)), out["hc_state"][0]
+
+
+def test_agreeing_drafter_equals_target_only_and_is_accepted(agreeing):
+    from ds4tvm.runtime.drafters.mtp import MTPDrafter
+    from ds4tvm.runtime.engine import Engine
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+
+    e = Engine(agreeing[0])
+    want, _ = generate(e, PROMPT, 120, SamplingParams(0.0), np.random.default_rng(0))
+    for n_draft in (2, 4):
+        e.reset()
+        got, stats = generate(e, PROMPT, 120, SamplingParams(0.0), np.random.default_rng(0),
+                              drafter=MTPDrafter(e, n_draft, margin=0.0))
+        c = stats.counters
+        assert got == want
+        assert c["proposed"] >= 40 and c["accepted_draft"] >= 0.9 * c["proposed"], c
+        assert stats.line().startswith("ds4: MTP stats cycles=")
+
+
+def test_disagreeing_drafter_rolls_back_to_target_only(target, agreeing):
+    """The agreeing drafter with every third draft made wrong: every rejected block leaves the
+    state target-only decoding leaves (same tokens, same next logits)."""
+    from ds4tvm.runtime.drafters.mtp import MTPDrafter
+    from ds4tvm.runtime.engine import Engine
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+
+    d, cfg, model = target
+    plain, spec = Engine(agreeing[0]), Engine(agreeing[0])
+    want, _ = generate(plain, PROMPT, 60, SamplingParams(0.0), np.random.default_rng(0))
+    got, stats = generate(spec, PROMPT, 60, SamplingParams(0.0), np.random.default_rng(0),
+                          drafter=_Wrong(MTPDrafter(spec, 4, margin=0.0), cfg.n_vocab))
+    assert got == want
+    assert 0 < stats.counters["accepted_draft"] < stats.counters["proposed"]
+    if spec.pos == plain.pos + 1:   # the last token was a verified draft: committed, where plain decoding stops
+        plain.decode(want[-1])
+    assert spec.history == plain.history
+    np.testing.assert_array_equal(spec.decode(3).logits, plain.decode(3).logits)
+
+
+class _Wrong:
+    """Every third drafted token is replaced by another one."""
+
+    def __init__(self, inner, vocab):
+        self.inner, self.vocab, self.n = inner, vocab, 0
+
+    def draft(self, engine, token, max_tokens):
+        out = self.inner.draft(engine, token, max_tokens)
+        for i in range(len(out)):
+            self.n += 1
+            if self.n % 3 == 0:
+                out[i] = (out[i] + 1) % self.vocab
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_cli_mtp_draft_identity_json_and_errors(target, agreeing):
+    d, cfg, model = target
+    art, support = agreeing
+    ids = ",".join(map(str, PROMPT))
+    base = run_ds4("run", "-m", art, "--tokens", ids, "-n", "40", "--temp", "0", "--json")
+    spec = run_ds4("run", "-m", art, "--tokens", ids, "-n", "40", "--temp", "0", "--mtp-draft", "2", "--json")
+    for r in (base, spec):
+        assert r.returncode == 0, r.stderr
+    b, s = json.loads(base.stdout), json.loads(spec.stdout)
+    assert b["tokens"] == s["tokens"] and len(b["tokens"]) == 40
+    assert "margin_skips" in s["spec"] and s["spec"]["accepted_draft"] + s["spec"]["margin_skips"] > 0, s["spec"]
+    r = run_ds4("run", "-m", art, "--tokens", ids, "-n", "8", "--temp", "0", "--mtp-draft", "3", "--mtp-timing")
+    assert r.returncode == 0 and "ds4: mtp timing decode2 drafted=" in r.stderr and "ds4: MTP stats" in r.stderr, \
+        r.stderr
+    for args, words in ((("--dspark",), (str(support), "mtp drafter", "--dspark")),
+                        (("--mtp-draft", "17"), ("--mtp-draft 17", "2..16")),
+                        (("--mtp-draft", "2", "--mtp-margin", "-1"), ("--mtp-margin -1",))):
+        r = run_ds4("run", "-m", art, "--tokens", ids, "-n", "4", *args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
+    r = run_ds4("run", "-m", model, "--tokens", ids, "--mtp-draft", "2")
+    assert r.returncode == 2 and "--mtp SUPPORT.gguf" in r.stderr, r.stderr
+    # a GGUF is refused before it is compiled on first use
+    r = run_ds4("run", "-m", model, "--mtp", support, "--tokens", ids, "--dspark")
+    assert r.returncode == 2 and f"{support}: holds the mtp drafter; --dspark needs a DSpark" in r.stderr, r.stderr
