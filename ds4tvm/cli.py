@@ -217,8 +217,9 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
         top_k: int = typer.Option(0, "--top-k", help="0: off"),
         min_p: float = typer.Option(0.05, "--min-p"),
         seed: int = typer.Option(0, "--seed"),
-        mtp: MtpOpt = None, mtp_draft: MtpDraftOpt = 1, mtp_margin: MtpMarginOpt = None, mtp_timing: MtpTimingOpt = False,
-        dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None, dspark_strict: DSparkStrictOpt = False,
+        mtp: MtpOpt = None, mtp_draft: MtpDraftOpt = 1, mtp_margin: MtpMarginOpt = None,
+        mtp_timing: MtpTimingOpt = False, dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None,
+        dspark_strict: DSparkStrictOpt = False,
         quality: QualityOpt = False, exact_sampling: ExactOpt = False,
         verify_depth: bool = typer.Option(False, "--dspark-verify-depth", help="print the accepted-length "
                                                                                 "histogram"),

@@ -56,13 +56,17 @@ def _place(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
+def _hashes(m: Manifest) -> dict[str, str]:
+    return {role: w["gguf_sha256"] for role, w in m.weights.items()}
+
+
 def build_package(artifacts: list[Path], out: Path, progress: bool = False) -> Path:
     """Bundles compiled artifacts (of one model, one per target) and their GGUFs into `out`: a
     directory, or a `.tar` file when out ends in .tar."""
     manifests = [Manifest.read(a) for a in artifacts]
     first = manifests[0]
     for m, a in zip(manifests, artifacts):
-        if {r: w["gguf_sha256"] for r, w in m.weights.items()} != {r: w["gguf_sha256"] for r, w in first.weights.items()}:
+        if _hashes(m) != _hashes(first):
             raise Ds4Error(f"{a}: was compiled from other weights than {artifacts[0]}; a package holds one model")
     names = [m.target_name for m in manifests]
     if len(set(names)) != len(names):

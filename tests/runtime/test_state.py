@@ -5,6 +5,7 @@ history, as Qwen's n-gram embeddings are read), compiled with TVM and driven by 
 alone. A verify of k rows then commit(j) must leave what j single decodes leave; reset starts a
 new sequence from nothing; rollback drops a rejected block."""
 
+import json
 from dataclasses import asdict
 
 import numpy as np
@@ -45,7 +46,8 @@ def _scan_func():
                     for i in range(D):
                         sk[i] = T.float32(0)
                         for j in range(D):
-                            sk[i] = sk[i] + T.if_then_else(t == 0, S0[0, i * D + j], A[T.max(t - 1, 0), i * D + j]) * k[j]
+                            sk[i] = sk[i] + T.if_then_else(t == 0, S0[0, i * D + j],
+                                                           A[T.max(t - 1, 0), i * D + j]) * k[j]
                     for i, j in T.grid(D, D):
                         A[t, i * D + j] = T.if_then_else(t == 0, S0[0, i * D + j], A[T.max(t - 1, 0), i * D + j]) \
                             + T.float32(BETA) * (U[t, i] - sk[i]) * k[j]
@@ -65,10 +67,12 @@ class Toy(nn.Module):
         ring, slots = states
         x = op.take(nn.Tensor.from_const(TABLE), ids, axis=0)
         ctx = gather_context(ring, x, start, 1, name="conv_ctx")
-        u = op.tensor_expr_op(lambda c: te.compute((c.shape[0] - 1, D), lambda t, d: c[t + 1, d] + 0.5 * c[t, d], name="conv"), "conv", [ctx])
+        u = op.tensor_expr_op(lambda c: te.compute((c.shape[0] - 1, D), lambda t, d: c[t + 1, d] + 0.5 * c[t, d],
+                                                   name="conv"), "conv", [ctx])
         s0 = recurrent_read(slots, start)
         n = ids.shape[0]
-        y, after = op.tensor_ir_op(_scan_func(), "delta_scan", [s0, u], [nn.Tensor.placeholder((n, D), "float32"), nn.Tensor.placeholder((n, D * D), "float32")])
+        outs = [nn.Tensor.placeholder((n, D), "float32"), nn.Tensor.placeholder((n, D * D), "float32")]
+        y, after = op.tensor_ir_op(_scan_func(), "delta_scan", [s0, u], outs)
         ring = ring_write(ring, x, start, name="conv_write")
         slots = recurrent_write(slots, after, start)
         return y + bigram, (ring, slots)
@@ -123,9 +127,11 @@ def artifact(tmp_path_factory):
     R = MAX_VERIFY + 1
     states = [StateSpec("conv_ring", (R, D), ring=R), StateSpec("delta_slots", (R, D * D), ring=R)]
     inputs = (("ids", "tokens"), ("start", "position"), ("bigram", "host"))
-    Manifest(family="toy", architecture="toy", target=spec.tvm, target_name=spec.name, weights={"model": file_identity(weights)},
+    Manifest(family="toy", architecture="toy", target=spec.tvm, target_name=spec.name,
+             weights={"model": file_identity(weights)},
              bounds=asdict(Bounds(64, MAX_VERIFY, 8)), kv_rounding=False,
-             functions=[FunctionSpec(f, inputs, ("logits",), "model").to_json() for f in ("prefill", "decode", "verify")],
+             functions=[FunctionSpec(f, inputs, ("logits",), "model").to_json()
+                        for f in ("prefill", "decode", "verify")],
              params=[], states=[s.to_json() for s in states], library=spec.library, n_vocab=V,
              tvm_version=tvm.__version__).write(d)
     return d
@@ -192,3 +198,18 @@ def test_reset_leaves_nothing_of_the_previous_sequence(engines):
     assert used.pos == 0 and used.history == []
     assert all(not t.numpy().any() for t in used.states["model"])
     np.testing.assert_array_equal(used.prefill([5, 4, 3]).logits, fresh.prefill([5, 4, 3]).logits)
+
+
+def test_an_artifact_of_the_previous_schema_is_refused_with_the_recompile_line(artifact, tmp_path):
+    import shutil
+
+    from conftest import run_ds4
+
+    old = tmp_path / "old"
+    shutil.copytree(artifact, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["schema_version"] = 2
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    r = run_ds4("run", "-m", old, "--tokens", "1,2", "-n", "1")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "schema 2 is not 3; recompile" in lines[0], r.stderr

@@ -98,3 +98,63 @@ def test_dspark_key_spellings(tmp_path, style):
     cfg = DSparkConfig.from_gguf(open_gguf(write_gguf(tmp_path / "k.gguf", "deepseek4-dspark", meta, tensors)))
     assert (cfg.block_size, cfg.markov_rank, cfg.noise_token_id, cfg.target_layer_ids, cfg.n_stages) == \
         (4, 32, 7, (3, 4), 3)
+
+
+def test_legacy_mtp_and_dspark_files_are_told_apart_by_their_tensors(tmp_path):
+    """ds4's rule: main_proj makes a support file DSpark; e_proj without it, the legacy MTP file
+    (whatever its architecture key says)."""
+    from ds4tvm.families import family_for
+    from ds4tvm.families.deepseek4_mtp.random_model import write_random_mtp
+
+    cfg = tiny_config()
+    mtp = write_random_mtp(tmp_path / "mtp.gguf", cfg, seed=1)
+    assert load_model(open_gguf(mtp)).family.name == "deepseek4_mtp"
+    assert family_for(open_gguf(write_random_dspark(tmp_path / "ds.gguf", cfg))).name == "dspark"
+    relabelled = write_random_mtp(tmp_path / "relabelled.gguf", cfg, seed=1)
+    data = relabelled.read_bytes().replace(b"deepseek4-mtp", b"deepseek4-xyz")   # same length: a valid file
+    relabelled.write_bytes(data)
+    assert open_gguf(relabelled).architecture == "deepseek4-xyz"
+    assert family_for(open_gguf(relabelled)).name == "deepseek4_mtp"
+
+
+def test_chat_template_fallback_of_the_family(tmp_path):
+    from ds4tvm.compile.driver import _tokenizer_data
+    from ds4tvm.gguf.vocab import CHAT_TEMPLATE
+
+    fam = REGISTRY["deepseek4"]
+    plain = open_gguf(write_random_deepseek4(tmp_path / "m.gguf", tiny_config(),
+                                             metadata={"tokenizer.chat_template": None}))
+    assert _tokenizer_data(plain, fam)["tokenizer.chat_template"] == CHAT_TEMPLATE
+    own = open_gguf(write_random_deepseek4(tmp_path / "own.gguf", tiny_config(),
+                                           metadata={"tokenizer.chat_template": "{{ messages }}"}))
+    assert _tokenizer_data(own, fam)["tokenizer.chat_template"] == "{{ messages }}"
+
+
+def test_the_pipeline_names_no_family():
+    """compile/, schedules/, server/, runtime/ (outside drafters/), artifact.py and package.py name
+    no family or drafter in code (comments, docstrings and message strings aside): a new family
+    adds files under families/ and runtime/drafters/ only."""
+    import ast
+    import io
+    import re
+    import tokenize
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "ds4tvm"
+    names = re.compile(r"deepseek|dspark|glm|qwen", re.I)
+    files = [root / "artifact.py", root / "package.py"] + [
+        f for d in ("compile", "schedules", "server", "runtime") for f in sorted((root / d).rglob("*.py"))
+        if "drafters" not in f.parts]
+    hits = []
+    for f in files:
+        src = f.read_text()
+        docs = set()
+        for node in ast.walk(ast.parse(src)):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                    isinstance(getattr(body[0], "value", None), ast.Constant):
+                docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+        for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+            if tok.type != tokenize.COMMENT and tok.start[0] not in docs and names.search(tok.string):
+                hits.append(f"{f.relative_to(root)}:{tok.start[0]}: {tok.string[:40]}")
+    assert not hits, hits

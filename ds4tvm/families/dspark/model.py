@@ -153,7 +153,8 @@ def extend(target_cls):
             return self.drafter.markov(prev)
 
         def state_specs(self):
-            return super().state_specs() + [StateSpec(n, s, group="dspark", ring=WINDOW) for n, s in ring_shapes(self.draft_cfg)]
+            rings = [StateSpec(n, s, group="dspark", ring=WINDOW) for n, s in ring_shapes(self.draft_cfg)]
+            return super().state_specs() + rings
 
         def function_specs(self):
             pos, cap = ("start", "position"), ("captured", "float32")

@@ -47,7 +47,8 @@ def check_support_given(family, options: SpecOptions, model: Path) -> None:
             raise Ds4Error(f"{d.flags} needs the {d.label} support file: pass --mtp SUPPORT.gguf with {model}")
         held = family.drafter_for_support(family_for(open_gguf(options.support)))
         if held is not None and held.name != d.name:
-            raise Ds4Error(f"{options.support}: holds the {held.name} drafter; {d.flags} needs a {d.label} support file")
+            raise Ds4Error(f"{options.support}: holds the {held.name} drafter; {d.flags} needs a {d.label} "
+                           f"support file")
 
 
 def choose_drafter(engine, options: SpecOptions, model: Path):

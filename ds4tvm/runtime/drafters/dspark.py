@@ -121,8 +121,8 @@ class DSparkDrafter:
         if not self.scheduler.should_propose(remaining):
             self.scheduler_skips += remaining >= self.scheduler.tail_min_tokens
             return None
-        block, first = self._propose(engine, engine.history[-1],
-                                     min(self.block_size, engine.max_verify, remaining, engine.max_context - engine.pos))
+        room = min(self.block_size, engine.max_verify, remaining, engine.max_context - engine.pos)
+        block, first = self._propose(engine, engine.history[-1], room)
         for i, d in enumerate(block):  # nothing is proposed past an end-of-sequence token
             if d in self.stop_ids:
                 block = block[:i + 1]

@@ -67,8 +67,9 @@ class MTPDrafter:
     def observe(self, engine, step, tokens):
         if self.timing and self._drafted is not None:
             kind = "decode2" if self._drafted else "margin-skip"
-            print(f"ds4: mtp timing {kind} drafted={self._drafted} committed={len(tokens)} draft={self._draft_ms:.2f} ms "
-                  f"verify={1000 * (time.perf_counter() - self._t_verify):.2f} ms", file=sys.stderr)
+            print(f"ds4: mtp timing {kind} drafted={self._drafted} committed={len(tokens)} "
+                  f"draft={self._draft_ms:.2f} ms verify={1000 * (time.perf_counter() - self._t_verify):.2f} ms",
+                  file=sys.stderr)
         self._drafted = None
         self._write_rows(engine, step.outputs["hc_state"][:len(tokens)], tokens, engine.pos - len(tokens),
                          self.streams)
