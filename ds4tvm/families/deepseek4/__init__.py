@@ -2,7 +2,6 @@
 Drafters: DSpark (`--mtp DSPARK.gguf --dspark`) and the legacy one-stage MTP
 (`--mtp MTP.gguf --mtp-draft N`), each from its own support file."""
 
-from ... import artifact
 from .. import DraftSpec, Family
 from .build import check_bounds
 from .config import ARCH, Config
@@ -13,7 +12,7 @@ _HERE = "ds4tvm.families.deepseek4"
 FAMILY = Family(
     name="deepseek4", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf,
     tensor_specs=tensor_specs,
-    build=f"{_HERE}.build:build", check_bounds=check_bounds, default_bounds=artifact.Bounds(),
+    build=f"{_HERE}.build:build", check_bounds=check_bounds,   # default_bounds: Bounds() (max-verify 16)
     drafters=(
         DraftSpec("dspark", "DSpark", "--dspark", support="dspark",
                   enabled=lambda o: o.dspark or o.dspark_confidence is not None or o.dspark_strict,
