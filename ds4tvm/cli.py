@@ -156,20 +156,25 @@ def _threads(n: int | None) -> None:
     os.environ["TVM_NUM_THREADS"] = str(n)
 
 
-def _bounds(model: Path | None, max_context: int | None = None, max_verify: int | None = None,
-            prefill_chunk: int | None = None, family: str | None = None):
-    """The bounds to compile with: what the flags say, the rest as the model's family prefers (a
-    recurrent family keeps max_verify small). Artifacts and packages keep theirs."""
+def _gguf_family(model: Path | None):
+    """The family of a GGUF given as MODEL (None for artifacts, packages and missing paths)."""
+    if model is None or not model.is_file() or model.suffix == ".tar":
+        return None
+    from .families import family_for
+    from .gguf import open_gguf
+
+    return family_for(open_gguf(model))
+
+
+def _bounds(family, max_context: int | None = None, max_verify: int | None = None,
+            prefill_chunk: int | None = None):
+    """The bounds to compile with: what the flags say, the rest as the family prefers (a recurrent
+    family keeps max_verify small). Artifacts and packages keep theirs (family None)."""
     from dataclasses import replace
 
     from .artifact import Bounds
 
-    default = Bounds()
-    if family is not None or (model is not None and model.is_file() and model.suffix != ".tar"):
-        from .families import family_for, family_named
-        from .gguf import open_gguf
-
-        default = (family_named(family) if family else family_for(open_gguf(model))).default_bounds
+    default = family.default_bounds if family is not None else Bounds()
     given = {"max_context": max_context, "max_verify": max_verify, "prefill_chunk": prefill_chunk}
     return replace(default, **{k: v for k, v in given.items() if v is not None})
 
@@ -344,12 +349,10 @@ def _speculative_engine(model: Path, options, target: str, ctx: int, progress: b
     from .runtime.drafters import check_support_given, choose_drafter
     from .runtime.loader import open_engine
 
-    if model.is_file() and model.suffix != ".tar":   # a GGUF, compiled on first use
-        from .families import family_for
-        from .gguf import open_gguf
-
-        check_support_given(family_for(open_gguf(model)), options, model)
-    engine = open_engine(model, target=target, bounds=_bounds(model, ctx), progress=progress,
+    family = _gguf_family(model)
+    if family is not None:   # a GGUF, compiled on first use
+        check_support_given(family, options, model)
+    engine = open_engine(model, target=target, bounds=_bounds(family, ctx), progress=progress,
                          support=options.support, lean=True)
     return engine, choose_drafter(engine, options, model)
 
@@ -409,7 +412,8 @@ def logits(model: Path = typer.Option(..., "-m", "--model", help="artifact direc
     ids = parse_ids(tokens, "--tokens")
     if not ids:
         raise Ds4Error("--tokens: no token ids given")
-    engine = open_engine(model, target=target, bounds=_bounds(model, ctx), progress=False, lean=True)
+    engine = open_engine(model, target=target, bounds=_bounds(_gguf_family(model), ctx), progress=False,
+                         lean=True)
     if len(ids) > engine.max_context:
         raise Ds4Error(f"{len(ids)} tokens exceed the compiled context of {engine.max_context}")
     if mode == "prefill":
@@ -530,7 +534,10 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                        "use --package for several")
     if package is not None and out is not None:
         raise Ds4Error("give either -o/--out (an artifact directory) or --package, not both")
-    bounds = _bounds(model, max_context, max_verify, prefill_chunk, family if shapes_only else None)
+    from .families import family_named
+
+    fam = family_named(family) if shapes_only else _gguf_family(model)
+    bounds = _bounds(fam, max_context, max_verify, prefill_chunk)
     if not 0 <= tune <= 100000:
         raise Ds4Error(f"--tune {tune}: expected a number of trials per kernel, 0..100000")
     if records is not None and records.exists() and not records.is_dir():

@@ -39,7 +39,7 @@ class MTPDrafter:
         self._drafted, self._draft_ms = None, 0.0   # this cycle's drafts, for result() and --mtp-timing
 
     def begin(self, engine, step, stop_ids):
-        self._write_rows(engine, step.outputs["hc_state"], engine.history[:engine.pos], 0, None)
+        self._write_rows(engine, step.outputs["hc_state"], engine.history, 0, None)
 
     def guess(self, engine, remaining):
         return None
