@@ -18,7 +18,8 @@ from pathlib import Path
 from . import __version__
 from .errors import Ds4Error
 
-SCHEMA_VERSION = 3  # 3: typed states and functions, any number of weight files, drafters by name
+SCHEMA_VERSION = 4  # 3: typed states and functions, any number of weight files, drafters by name;
+#                    4: states say how far they can be rewound and how tables map rows to positions
 MANIFEST = "manifest.json"
 _FINGERPRINT_SPAN = 8 << 20
 
@@ -72,12 +73,29 @@ MODEL = "model"   # the weight file role of the GGUF that was compiled; support 
 class StateSpec:
     """A state tensor the runtime allocates (zeroed) and passes to the functions of its group.
     ring: for state indexed by position modulo a length (rows or recurrent slots), that length;
-    the runtime keeps `ring - 1` positions of room past the committed length."""
+    the runtime keeps `ring - 1` positions of room past the committed length.
+    rewind: for a ring, how many committed positions can be dropped with what the functions read
+    still in it (a window of w read before each row in a ring of n: n - w); 0 when not given.
+    stride: for a table of rows by number (not a ring), positions per row: row j holds what
+    positions < (j + 1) * stride made, so a checkpoint keeps only the rows of committed positions."""
     name: str
     shape: tuple[int, ...]
     dtype: str = "float32"
     group: str = MODEL
     ring: int | None = None
+    rewind: int = 0
+    stride: int | None = None
+
+    @property
+    def rewindable(self) -> int | None:
+        """Committed positions this state can drop (None: any, a table whose rows stay valid)."""
+        return self.rewind if self.ring is not None else None
+
+    def rows_for(self, pos: int) -> int:
+        """Leading rows (of dim 0) a checkpoint at committed length pos must keep."""
+        if self.ring is not None or self.stride is None:
+            return self.shape[0]
+        return min(self.shape[0], -(-pos // self.stride))
 
     def to_json(self) -> dict:
         return {**asdict(self), "shape": list(self.shape)}

@@ -231,6 +231,8 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
         ctx: int = typer.Option(4096, "--ctx", help="context when compiling a GGUF on first use"),
         target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use"),
         as_json: bool = typer.Option(False, "--json", help="print tokens, text and speeds as JSON"),
+        session: Optional[Path] = typer.Option(None, "--session", help="continue the conversation saved in this "
+                                               "file (if any) without re-reading it, and save it back"),
         threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core)")):
     """Generate text from a prompt, optionally with speculative decoding (DSpark, MTP)."""
     _threads(threads)
@@ -247,7 +249,9 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
     options = _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
                             quality, exact_sampling)
     engine, drafter = _speculative_engine(model, options, target, ctx, progress=not as_json)
-    ids, tok = _prompt_ids(engine, model, prompt, tokens, raw)
+    conversation = _Session(session, engine, drafter) if session is not None else None
+    ids, tok = _prompt_ids(engine, model, prompt, tokens, raw, conversation)
+    cached = conversation.resume(ids) if conversation is not None else 0
     from .runtime.textstream import TextStream
 
     stream = TextStream(tok, tok.stop_ids)
@@ -269,16 +273,20 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
     tps = len(out) / stats.seconds if stats.seconds > 0 else 0.0
     prefill_s = max(elapsed - stats.seconds, 1e-9)
     rest = stream.finish()
+    if conversation is not None:
+        conversation.save(ids, out, stream.content())
     if as_json:
-        info = {"tokens": out, "text": stream.content(), "n_prompt": len(ids), "n_generated": len(out),
-                "prefill_tok_s": round(len(ids) / prefill_s, 2), "decode_tok_s": round(tps, 2)}
+        info = {"tokens": out, "text": stream.content(), "n_prompt": len(ids), "n_cached": cached,
+                "n_generated": len(out), "prefill_tok_s": round((len(ids) - cached) / prefill_s, 2),
+                "decode_tok_s": round(tps, 2)}
         if drafter is not None:
             info["spec"] = stats.as_dict()
         _echo_json(info)
         return
     sys.stdout.write(rest + "\n")
-    print(f"ds4: prompt {len(ids)} tokens, {len(ids) / prefill_s:.1f} tok/s; generated {len(out)} tokens, "
-          f"{tps:.1f} tok/s", file=sys.stderr)
+    reused = f" ({cached} continued from --session)" if cached else ""
+    print(f"ds4: prompt {len(ids)} tokens{reused}, {(len(ids) - cached) / prefill_s:.1f} tok/s; generated "
+          f"{len(out)} tokens, {tps:.1f} tok/s", file=sys.stderr)
     if drafter is not None:
         print(stats.line(), file=sys.stderr)
         if verify_depth:
@@ -300,6 +308,14 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="artifact, packa
           mtp_timing: MtpTimingOpt = False, dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None,
           dspark_strict: DSparkStrictOpt = False, quality: QualityOpt = False, exact_sampling: ExactOpt = False,
           keepalive: float = typer.Option(5.0, "--keepalive", help="seconds between SSE keep-alives"),
+          slots: int = typer.Option(2, "--slots", help="conversations kept in memory; a request continues the one "
+                                                       "sharing the longest prefix with its prompt"),
+          kv_cache_dir: Optional[Path] = typer.Option(None, "--kv-cache-dir", help="keep state checkpoints in this "
+                                                      "directory (a restarted server resumes from them)"),
+          kv_cache_size: str = typer.Option("4GiB", "--kv-cache-size", help="most bytes of checkpoints kept "
+                                                                             "(in memory, or in --kv-cache-dir)"),
+          api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DS4_API_KEY",
+                                                help="require this key (Authorization: Bearer KEY or x-api-key)"),
           target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use"),
           threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core)")):
     """OpenAI- and Anthropic-compatible HTTP server (chat/completions, completions, messages)."""
@@ -314,6 +330,15 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="artifact, packa
         raise Ds4Error(f"--ctx {ctx}: expected at least 2 tokens")
     if keepalive <= 0:
         raise Ds4Error(f"--keepalive {keepalive}: expected seconds > 0")
+    if slots < 1:
+        raise Ds4Error(f"--slots {slots}: expected at least 1")
+    from .runtime.checkpoint import CheckpointStore, parse_size
+
+    cache_bytes = parse_size(kv_cache_size)
+    if kv_cache_dir is not None and kv_cache_dir.exists() and not kv_cache_dir.is_dir():
+        raise Ds4Error(f"--kv-cache-dir {kv_cache_dir}: not a directory")
+    if api_key is not None and not api_key.strip():
+        raise Ds4Error("--api-key: the key is empty")
     import socket
 
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
@@ -331,17 +356,37 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="artifact, packa
 
     from .server.api import Defaults
     from .server.app import create_app
+    from .runtime.drafters import drafter_tag
     from .server.service import Service
 
     tok = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model))
     syntax = family_named(engine.manifest.family).tool_syntax
+    try:
+        store = CheckpointStore(engine, drafter_tag(drafter), cache_bytes, kv_cache_dir)
+    except OSError as e:
+        raise Ds4Error(f"--kv-cache-dir {kv_cache_dir}: cannot use it ({e.strerror or e})") from None
     service = Service(engine, tok, drafter, exact=exact_sampling, ctx=ctx,
-                      tool_syntax=load_attr(syntax) if syntax else None)
+                      tool_syntax=load_attr(syntax) if syntax else None, slots=slots, store=store)
     served = alias or (model.name if model.is_dir() else model.stem)
-    application = create_app(service, served, Defaults(temp, top_p, top_k, min_p), keepalive=keepalive)
+    application = create_app(service, served, Defaults(temp, top_p, top_k, min_p), keepalive=keepalive,
+                             api_key=api_key)
+    if api_key is None and not _loopback(host):
+        print(f"ds4 serve: warning: listening on {host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr, flush=True)
     print(f"ds4 serve: {served} on http://{host}:{port}/v1 (context {service.ctx}, "
           f"{type(drafter).__name__ if drafter is not None else 'target-only'} decoding)", file=sys.stderr, flush=True)
     uvicorn.run(application, host=host, port=port, log_level="warning")
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _speculative_engine(model: Path, options, target: str, ctx: int, progress: bool):
@@ -377,17 +422,72 @@ def _prefill_progress(n: int, chunk: int, enabled: bool):
         yield on_chunk
 
 
-def _prompt_ids(engine, model, prompt, tokens, raw):
+class _Session:
+    """`ds4 run --session FILE`: the conversation so far (the messages, or the tokens for --raw and
+    --tokens prompts) and the state after it, in one checkpoint file (runtime/checkpoint.py)."""
+
+    def __init__(self, path: Path, engine, drafter):
+        from .runtime.checkpoint import CheckpointError
+        from .runtime.drafters import drafter_tag
+
+        self.path, self.engine, self.tag = path, engine, drafter_tag(drafter)
+        self.meta, self.messages = {}, []
+        if path.exists():
+            try:
+                self.meta = engine.load_state(path, self.tag)
+            except CheckpointError as e:
+                print(f"ds4: --session: {e.message}; starting a new conversation", file=sys.stderr)
+                engine.reset()
+        self.messages = list(self.meta.get("messages") or [])
+
+    def prompt(self, ids: list[int], message: dict | None) -> list[int]:
+        """The whole conversation's tokens for a new turn: ids (the turn's own tokens) after the
+        session's, or, for a chat turn, the chat template over every message."""
+        if message is None:
+            return list(self.meta.get("tokens", [])) + ids
+        self.messages.append(message)
+        return ids
+
+    def resume(self, ids: list[int]) -> int:
+        from .runtime.prefix import common_prefix, resume
+
+        held = len(self.engine.history)
+        extends = common_prefix(self.engine.history, ids) == held
+        cached = resume(self.engine, ids)
+        if held and not extends:
+            kept = f"continuing from {cached} of them" if cached else "starting fresh"
+            print(f"ds4: --session {self.path}: the prompt does not extend the session's {held} tokens; {kept}",
+                  file=sys.stderr)
+        return cached
+
+    def save(self, ids: list[int], out: list[int], text: str) -> None:
+        meta = {"tokens": ids + out}
+        if self.messages:
+            meta["messages"] = self.messages + [{"role": "assistant", "content": text}]
+        try:
+            self.engine.save_state(self.path, self.tag, meta)
+        except OSError as e:
+            raise Ds4Error(f"--session {self.path}: cannot write it ({e.strerror or e})") from None
+
+
+def _prompt_ids(engine, model, prompt, tokens, raw, session: _Session | None = None):
     from .runtime.chat import chat_prompt_ids
     from .runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model))
+    continuing = session is not None and bool(session.meta)
     if tokens is not None:
         ids = parse_ids(tokens, "--tokens")
+        ids = session.prompt(ids, None) if session is not None else ids
     elif tok.chat_template and not raw:
-        ids = chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
+        message = {"role": "user", "content": prompt}
+        messages = session.messages + [message] if session is not None else [message]
+        ids = chat_prompt_ids(tok, messages)
+        if session is not None:
+            session.prompt(ids, message)
     else:
-        ids = tok.encode(prompt)
+        ids = tok.encode(prompt, add_bos=None if not continuing else False)
+        ids = session.prompt(ids, None) if session is not None else ids
     if not ids:
         raise Ds4Error("the prompt is empty")
     if len(ids) >= engine.max_context:

@@ -52,7 +52,15 @@ def tiny_artifact(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_pair(tmp_path_factory):
-    """The embedded demo: tiny DeepSeek-V4 + agreeing DSpark support, one artifact holding both."""
+    """The embedded demo: tiny DeepSeek-V4 + agreeing DSpark support, one artifact holding both;
+    built once for all test workers (the first builds it under a lock, the others reuse it)."""
+    import fcntl
+
     from ds4tvm.demo import build_demo
 
-    return build_demo(tmp_path_factory.mktemp("demo"), progress=False)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent   # shared by the workers of this run
+    with open(root / "demo.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_demo(root / "demo-shared", progress=False)

@@ -5,19 +5,61 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4tvm.runtime.engine import Step
+from dataclasses import dataclass
+
+from ds4tvm.runtime.engine import Checkpoint, Sequence, Step
 from ds4tvm.runtime.speculative import DraftCounters
 
 
-class TableEngine:
+@dataclass
+class FakeSequence(Sequence):
+    n_prompt: int = 0
+
+
+def _field(name):
+    return property(lambda self: getattr(self.seq, name), lambda self, value: setattr(self.seq, name, value))
+
+
+class Sequences:
+    """The Engine's sequence API (attach, rewind, snapshot, restore, history) for test doubles whose
+    whole state is their token list and counters."""
+    identity = "test-double"
+    tokens, pos, n_prompt = _field("history"), _field("pos"), _field("n_prompt")
+
+    def new_sequence(self) -> FakeSequence:
+        return FakeSequence({})
+
+    def attach(self, seq) -> None:
+        self.seq, self.pending = seq, 0
+
+    @property
+    def history(self) -> list[int]:
+        return self.tokens[:self.pos]
+
+    @property
+    def rewindable(self) -> int:
+        return min(self.pos, self.max_verify)
+
+    def rewind(self, n: int) -> None:
+        assert 0 <= n <= self.rewindable
+        self.pos -= n
+        self.tokens = self.tokens[:self.pos]
+
+    def snapshot(self) -> Checkpoint:
+        return Checkpoint(self.pos, list(self.history), [])
+
+    def restore(self, cp: Checkpoint) -> None:
+        self.tokens, self.pos, self.pending = list(cp.history), cp.pos, 0
+
+
+class TableEngine(Sequences):
     """logits(next | ..., a, b) = table[a, b]: small, exact, and cheap enough for 20k runs."""
 
     def __init__(self, vocab: int = 6, seed: int = 0, max_context: int = 64, max_verify: int = 8, sharp: float = 1.0):
         rng = np.random.default_rng(seed)
         self.table = rng.standard_normal((vocab, vocab, vocab)) * sharp
         self.max_context, self.max_verify = max_context, max_verify
-        self.tokens: list[int] = []
-        self.pos = self.pending = 0
+        self.attach(self.new_sequence())
         self._pending_tokens: list[int] = []
 
     def _row(self, seq):
@@ -27,7 +69,7 @@ class TableEngine:
         self.tokens, self.pos, self.pending = [], 0, 0
 
     def prefill(self, ids, on_chunk=None):
-        self.tokens = list(ids)
+        self.tokens = self.tokens[:self.pos] + list(ids)
         self.pos = len(self.tokens)
         return Step("prefill", self._row(self.tokens))
 
@@ -109,7 +151,7 @@ class ScriptedDrafter:
         return f"ds4: scripted stats proposed={self.stats.proposed} t/s={tok_s:.2f}"
 
 
-class ScriptEngine:
+class ScriptEngine(Sequences):
     """A target whose greedy continuation of any prompt is `script`, then `end` forever: lets the
     server tests make a model 'write' a tool call. Logits put a margin of `margin` on the scripted
     token; the state is just the committed length."""
@@ -119,7 +161,7 @@ class ScriptEngine:
         self.script, self.vocab, self.end, self.margin = list(script), vocab, end, margin
         self.max_context, self.max_verify = max_context, max_verify
         self.drafters = {}
-        self.n_prompt = self.pos = self.pending = 0
+        self.attach(self.new_sequence())
 
     def _row(self, generated: int) -> np.ndarray:
         row = np.zeros(self.vocab, np.float32)
@@ -127,22 +169,25 @@ class ScriptEngine:
         return row
 
     def reset(self):
-        self.n_prompt = self.pos = self.pending = 0
+        self.tokens, self.pos, self.n_prompt, self.pending = [], 0, 0, 0
 
     def prefill(self, ids, on_chunk=None):
-        self.n_prompt = self.pos = len(ids)
+        self.tokens = self.tokens[:self.pos] + list(ids)
+        self.n_prompt = self.pos = len(self.tokens)
         return Step("prefill", self._row(0))
 
     def decode(self, token):
+        self.tokens = self.tokens[:self.pos] + [token]
         self.pos += 1
         return Step("decode", self._row(self.pos - self.n_prompt))
 
     def verify(self, drafts):
-        self.pending = len(drafts)
+        self.pending, self._pending_tokens = len(drafts), list(drafts)
         return Step("verify", np.stack([self._row(self.pos - self.n_prompt + i + 1) for i in range(len(drafts))]))
 
     def commit(self, k):
         assert 0 <= k <= self.pending
+        self.tokens = self.tokens[:self.pos] + self._pending_tokens[:k]
         self.pos += k
         self.pending = 0
 

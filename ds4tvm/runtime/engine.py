@@ -5,11 +5,14 @@ exposes prefill / decode / verify / commit / rollback, plus `call` for any other
 
 State is indexed by position (DESIGN.md): a verify writes rows (or recurrent slots) for positions
 past the committed length, commit(k) keeps the first k of them and rollback() drops them, both by
-moving counters only.
+moving counters only. A `Sequence` is what one sequence owns (the state tensors, the committed
+length and tokens); the engine works on one at a time (`attach`), so a server can keep several, and
+`snapshot` / `restore` (in memory) and `save_state` / `load_state` (runtime/checkpoint.py) copy one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -22,6 +25,31 @@ from ..devices import device_for
 from ..errors import Cancelled, Ds4Error
 from ..gguf import open_gguf
 from ..gguf.quant import ALIGN, to_planes
+
+
+@dataclass
+class Sequence:
+    """One sequence's state: its state tensors by group, committed length and committed tokens, and
+    the groups that functions have written since it was reset (a drafter's states count only then)."""
+    states: dict
+    pos: int = 0
+    history: list = field(default_factory=list)
+    fed: set = field(default_factory=set)
+
+
+@dataclass
+class Checkpoint:
+    """A copy of a sequence at its committed length: per state tensor, the rows it needs
+    (StateSpec.rows_for), in the manifest's order."""
+    pos: int
+    history: list
+    arrays: list
+    fed: set = field(default_factory=set)
+    meta: dict = field(default_factory=dict)   # what its writer wants back (`ds4 run --session`: the conversation)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays) + 8 * len(self.history)
 
 
 @dataclass
@@ -59,15 +87,97 @@ class Engine:
         for g in self.files.values():
             g.release_pages()
         self.state_specs = m.state_specs()
-        self.states: dict[str, list] = {}
+        self._rewind_limits: dict[str, int] = {}
         for s in self.state_specs:
-            self.states.setdefault(s.group, []).append(tvm.runtime.empty(s.shape, s.dtype, self.dev))
+            if s.rewindable is not None:
+                self._rewind_limits[s.group] = min(s.rewindable, self._rewind_limits.get(s.group, s.rewindable))
+        self.identity = hashlib.sha256((self.dir / "manifest.json").read_bytes()).hexdigest()
+        self.seq = self.new_sequence()
         self.host_inputs = self._host_inputs()
         b = m.bounds
         self.max_context, self.max_verify, self.chunk = b["max_context"], b["max_verify"], b["prefill_chunk"]
         self.n_vocab = m.n_vocab
         self.tokenizer_data = json.loads((self.dir / m.tokenizer).read_text())
-        self.reset()
+        self.pending = 0
+        self._pending_tokens: list[int] = []
+
+    # ------------------------------------------------------------------ sequences
+    def new_sequence(self) -> Sequence:
+        """A new sequence with its own zeroed state tensors (memory: the manifest's states once more)."""
+        states: dict[str, list] = {}
+        for s in self.state_specs:
+            t = self._tvm.runtime.empty(s.shape, s.dtype, self.dev)
+            t.copyfrom(np.zeros(s.shape, s.dtype))
+            states.setdefault(s.group, []).append(t)
+        return Sequence(states)
+
+    def attach(self, seq: Sequence) -> None:
+        """Works on seq from now on; the sequence worked on before keeps its state."""
+        self.seq, self.pending = seq, 0
+
+    @property
+    def states(self) -> dict:
+        return self.seq.states
+
+    @property
+    def pos(self) -> int:
+        return self.seq.pos
+
+    @pos.setter
+    def pos(self, value: int) -> None:
+        self.seq.pos = value
+
+    @property
+    def history(self) -> list[int]:
+        """The committed tokens."""
+        return self.seq.history
+
+    @history.setter
+    def history(self, value: list[int]) -> None:
+        self.seq.history = value
+
+    def _tensors(self):
+        """(StateSpec, tensor) in the manifest's order."""
+        at = {}
+        for s in self.state_specs:
+            i = at[s.group] = at.get(s.group, -1) + 1
+            yield s, self.states[s.group][i]
+
+    def snapshot(self) -> Checkpoint:
+        """A copy of the attached sequence at its committed length."""
+        arrays = [t.numpy()[:s.rows_for(self.pos)].copy() for s, t in self._tensors()]
+        return Checkpoint(self.pos, list(self.history), arrays, set(self.seq.fed))
+
+    def restore(self, cp: Checkpoint) -> None:
+        """Makes the attached sequence what cp copied (rows cp does not hold are dead: zeroed)."""
+        pairs = list(self._tensors())
+        if len(cp.arrays) != len(pairs) or any(a.dtype != np.dtype(s.dtype) or a.shape[1:] != s.shape[1:]
+                                               or a.shape[0] > s.shape[0] for (s, _), a in zip(pairs, cp.arrays)):
+            raise Ds4Error(f"{self.dir}: the checkpoint's state tensors are not this artifact's")
+        for (s, t), a in zip(pairs, cp.arrays):
+            full = np.zeros(s.shape, s.dtype)
+            full[:a.shape[0]] = a
+            t.copyfrom(full)
+        self.pos, self.history, self.pending = cp.pos, list(cp.history), 0
+        self.seq.fed = set(cp.fed)
+
+    def save_state(self, path, tag: str = "", meta: dict | None = None) -> Path:
+        """Writes the attached sequence to path (runtime/checkpoint.py); tag: what else it needs to be
+        resumed as it was (the drafter whose states it fed); meta: JSON that load_state returns."""
+        from . import checkpoint
+
+        cp = self.snapshot()
+        cp.meta = meta or {}
+        return checkpoint.write(path, cp, self, tag)
+
+    def load_state(self, path, tag: str = "") -> dict:
+        """Restores a sequence save_state wrote for this artifact (and tag) and returns its meta;
+        anything else is a CheckpointError, with the attached sequence untouched."""
+        from . import checkpoint
+
+        cp = checkpoint.read(path, self, tag)
+        self.restore(cp)
+        return cp.meta
 
     def _bind_params(self) -> list:
         planes, out = {}, []
@@ -141,6 +251,7 @@ class Engine:
             args.append(self._argument(kind, value))
         if spec.states is not None:
             args.append(self.states[spec.states])
+            self.seq.fed.add(spec.states)
         result = self.vm[fn](*args, *self.params)
         result = [result] if hasattr(result, "numpy") else list(result)
         return {name: result[i].numpy() for i, name in enumerate(spec.outputs)}
@@ -152,14 +263,15 @@ class Engine:
 
     # ------------------------------------------------------------------ API
     def reset(self) -> None:
-        """A new sequence: no committed tokens, and every state tensor zeroed (a recurrent state
-        must not carry over; position-indexed rows would be dead anyway)."""
+        """A new sequence in the attached one's tensors: no committed tokens, every state tensor
+        zeroed (a recurrent state must not carry over; position-indexed rows would be dead anyway)."""
         for tensors in self.states.values():
             for t in tensors:
                 t.copyfrom(np.zeros(t.shape, t.dtype))
         self.pos = self.pending = 0
-        self.history: list[int] = []        # committed tokens
-        self._pending_tokens: list[int] = []
+        self.history = []
+        self.seq.fed = set()
+        self._pending_tokens = []
 
     def prefill(self, tokens, all_logits: bool = False, on_chunk=None) -> Step:
         """Appends and commits the tokens in chunks; the last token's logits [V] (or every row), and
@@ -210,10 +322,16 @@ class Engine:
     def rollback(self) -> None:
         self.pending = 0
 
+    @property
+    def rewindable(self) -> int:
+        """How many committed tokens rewind() can drop: what every ring of the groups in use keeps
+        (StateSpec.rewind)."""
+        return min([self.pos] + [self._rewind_limits[g] for g in self.seq.fed if g in self._rewind_limits])
+
     def rewind(self, n: int) -> None:
-        """Un-commits the last n tokens (n <= max_verify, which the rings keep room for)."""
-        if not 0 <= n <= min(self.pos, self.max_verify):
-            raise Ds4Error(f"rewind({n}): at most {min(self.pos, self.max_verify)} tokens can be rewound")
+        """Un-commits the last n tokens (n <= rewindable)."""
+        if not 0 <= n <= self.rewindable:
+            raise Ds4Error(f"rewind({n}): at most {self.rewindable} tokens can be rewound")
         self.pos -= n
         del self.history[len(self.history) - n:]
         self.pending = 0

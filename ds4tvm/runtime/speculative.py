@@ -32,12 +32,15 @@ from typing import Protocol
 
 import numpy as np
 
+from ..errors import Ds4Error
 from .sampler import SamplingParams, argmax, filtered_probs, sample
 
 
 class Drafter(Protocol):
     def begin(self, engine, step, stop_ids) -> None:
-        """The target has prefilled the prompt (`step`: its Step, with the named extra outputs)."""
+        """The target has prefilled the prompt (`step`: its Step, with the named extra outputs)
+        from position engine.pos - len(step rows); when that is > 0 (prefix reuse, runtime/prefix.py)
+        its first row re-evaluates a kept position, whose drafter rows are in place."""
 
     def guess(self, engine, remaining: int) -> int | None:
         """A guess for the next token, or None; remaining: tokens left to generate."""
@@ -151,16 +154,23 @@ def _agreeing(drafts: list[int], rows: np.ndarray, params: SamplingParams, exact
 
 def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, rng: np.random.Generator,
              drafter: Drafter | None = None, exact: bool = False, stop_ids=frozenset(), on_token=None, mode=None,
-             on_prefill=None) -> tuple[list[int], SpecStats]:
-    """Generates up to n_tokens after `prompt`; stops after a token in stop_ids, or when on_token(t)
+             on_prefill=None, on_prompt=None) -> tuple[list[int], SpecStats]:
+    """Generates up to n_tokens after `prompt`, of which the engine may hold a prefix already
+    (runtime/prefix.py; the rest is prefilled); stops after a token in stop_ids, or when on_token(t)
     returns True. With a drafter, speculates as described above; without one, plain decoding.
     mode(out) -> SamplingParams, when given, is asked for the parameters after every emitted token;
-    on_prefill(done, total) after every prefill chunk (True cancels)."""
+    on_prefill(done, total) after every prefill chunk (True cancels); on_prompt() once the prompt is
+    in the state (and the drafter's), before the first token (the server checkpoints there)."""
     out: list[int] = []
     budget = min(n_tokens, engine.max_context - len(prompt))
-    step = engine.prefill(prompt, on_chunk=on_prefill)
+    held = engine.pos
+    if not held < len(prompt) or list(prompt[:held]) != engine.history:
+        raise Ds4Error(f"generate: the engine holds {held} tokens that are not a proper prefix of the prompt")
+    step = engine.prefill(prompt[held:], on_chunk=on_prefill)
     if drafter is not None:
         drafter.begin(engine, step, stop_ids)
+    if on_prompt is not None:
+        on_prompt()
     t0 = time.perf_counter()
     logits, current, rejected = step.logits, params, None
 

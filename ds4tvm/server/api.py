@@ -28,7 +28,8 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def anthropic(self) -> dict:
-        kind = {404: "not_found_error", 413: "request_too_large"}.get(self.status, self.kind)
+        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(self.status,
+                                                                                                  self.kind)
         if self.status >= 500:
             kind = "api_error"
         return {"type": "error", "error": {"type": kind, "message": self.message}}
@@ -231,7 +232,14 @@ def completion_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, 
 
 def openai_usage(r: Result) -> dict:
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "total_tokens": r.prompt_tokens + r.completion_tokens}
+            "total_tokens": r.prompt_tokens + r.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+
+
+def anthropic_usage(r: Result) -> dict:
+    """Anthropic counts the prompt tokens read from a cache apart from input_tokens."""
+    return {"input_tokens": r.prompt_tokens - r.cached_tokens, "cache_read_input_tokens": r.cached_tokens,
+            "cache_creation_input_tokens": 0, "output_tokens": r.completion_tokens}
 
 
 def openai_tool_calls(r: Result) -> list[dict]:
@@ -362,7 +370,7 @@ def message_response(r: Result, mid: str, served: str) -> dict:
     content = ([{"type": "text", "text": r.content}] if r.content else []) + anthropic_tool_blocks(r)
     return {"id": mid, "type": "message", "role": "assistant", "model": served, "content": content,
             "stop_reason": anthropic_stop_reason(r), "stop_sequence": r.stop_sequence,
-            "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
+            "usage": anthropic_usage(r)}
 
 
 def now() -> int:

@@ -6,6 +6,7 @@ waits in the queue or its prompt is prefilled, keep-alive comments (OpenAI) or p
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 
 from starlette.applications import Starlette
@@ -51,8 +52,36 @@ def _sse(obj, event: str | None = None) -> str:
     return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(service, served: str, defaults: Defaults | None = None, keepalive: float = 5.0) -> Starlette:
+def key_checker(api_key: str | None):
+    """check(request) raising a 401 ApiError unless the request carries api_key, as OpenAI clients
+    send it (`Authorization: Bearer KEY`) or Anthropic's (`x-api-key: KEY`); compared in constant time."""
+    want = api_key.encode() if api_key else None
+
+    def check(request: Request) -> None:
+        if want is None:
+            return
+        auth = request.headers.get("authorization", "")
+        given = [auth[7:].strip() if auth[:7].lower() == "bearer " else "", request.headers.get("x-api-key", "")]
+        # both compared always, so the time taken does not say which header was close
+        ok = [hmac.compare_digest(g.encode(), want) for g in given]
+        if not any(ok):
+            raise ApiError(401, "invalid or missing API key: send Authorization: Bearer KEY or x-api-key: KEY",
+                           code="invalid_api_key")
+
+    return check
+
+
+def create_app(service, served: str, defaults: Defaults | None = None, keepalive: float = 5.0,
+               api_key: str | None = None) -> Starlette:
+    """api_key: when set, every /v1 route needs it (key_checker); /health stays open."""
     defaults = defaults or Defaults()
+    check_key = key_checker(api_key)
+
+    def guarded(handler):
+        async def route(request: Request):
+            check_key(request)
+            return await handler(request)
+        return route
 
     async def read_json(request: Request) -> dict:
         size = request.headers.get("content-length")
@@ -206,7 +235,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
                 index += 1
             yield _sse({"type": "message_delta",
                         "delta": {"stop_reason": api.anthropic_stop_reason(r), "stop_sequence": r.stop_sequence},
-                        "usage": {"output_tokens": r.completion_tokens}}, "message_delta")
+                        "usage": api.anthropic_usage(r)}, "message_delta")
             yield _sse({"type": "message_stop"}, "message_stop")
 
         start_event = _sse({"type": "message_start", "message": {
@@ -241,11 +270,11 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
         return error_body(request, ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
 
     routes = [
-        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/messages", guarded(messages), methods=["POST"]),
     ]
     return Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                                        _ClientGone: on_client_gone, Exception: on_crash})

@@ -1,9 +1,13 @@
 """The generation service behind `ds4 serve`: one engine, one worker thread, a FIFO of jobs.
 
-One generation runs at a time (the engine owns one KV state); requests queue in arrival order and
-never share state: each job starts from a reset engine. A job reports to its request through a
-callback (`send`) that the HTTP side turns into SSE events or one JSON body; a job whose client went
-away is skipped if still queued, and stopped after its current token if running.
+One generation runs at a time; requests queue in arrival order. The engine's state is kept in
+`slots` (engine sequences, each with its committed tokens): a job goes to the slot whose tokens
+share the longest prefix with its prompt (ties: the least recently used) and continues from that
+prefix, or from the best checkpoint (taken after every prompt's prefill and every answer), instead
+of prefilling from zero (runtime/prefix.py); its result says how many prompt tokens were reused.
+A job reports to its request through a callback (`send`) that the HTTP side turns into SSE events
+or one JSON body; a job whose client went away is skipped if still queued, and stopped after its
+current token if running.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import Cancelled, Ds4Error
+from ..runtime.checkpoint import CheckpointStore
+from ..runtime.drafters import drafter_tag
+from ..runtime.prefix import common_prefix, resume
 from ..runtime.sampler import SamplingParams
 from ..runtime.speculative import generate
 from ..runtime.textstream import TextStream
@@ -46,15 +53,25 @@ class Result:
     completion_tokens: int
     spec: dict | None = None
     seconds: float = 0.0
+    cached_tokens: int = 0               # prompt tokens continued from a slot or checkpoint, not prefilled
+
+
+@dataclass
+class Slot:
+    seq: object                          # an engine sequence (Engine.new_sequence)
+    used: float = 0.0                    # when a job last ran on it (monotonic clock)
 
 
 class Service:
     def __init__(self, engine, tokenizer, drafter=None, exact: bool = False, ctx: int | None = None,
-                 tool_syntax=None):
+                 tool_syntax=None, slots: int = 2, store: CheckpointStore | None = None):
         """tool_syntax: the class of the model family's tool-call syntax (families.Family.tool_syntax);
-        None: tool definitions are rendered into the prompt, replies are not parsed for calls."""
+        None: tool definitions are rendered into the prompt, replies are not parsed for calls.
+        slots: sequences kept in memory; store: where checkpoints go (default: in memory)."""
         self.engine, self.tok, self.drafter, self.exact = engine, tokenizer, drafter, exact
         self.tool_syntax = tool_syntax
+        self.slots = [Slot(engine.seq)] + [Slot(engine.new_sequence()) for _ in range(slots - 1)]
+        self.store = store if store is not None else CheckpointStore(engine, drafter_tag(drafter))
         self.ctx = min(ctx or engine.max_context, engine.max_context)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.busy = threading.Lock()   # held while a job runs (tests and /health read it)
@@ -101,13 +118,15 @@ class Service:
         def mode(out):  # structured (greedy) decoding inside a tool-call block
             return GREEDY if stream.in_tool_call else job.params
 
-        self.engine.reset()
         t0 = time.perf_counter()
+        cached = self._resume(job.prompt)
         out, stats = generate(self.engine, job.prompt, job.max_tokens, job.params,
                               np.random.default_rng(job.seed), drafter=self.drafter, exact=self.exact,
                               stop_ids=self.tok.stop_ids, on_token=on_token,
                               mode=mode if tools is not None else None,
-                              on_prefill=lambda done, total: job.cancelled.is_set())
+                              on_prefill=lambda done, total: job.cancelled.is_set(),
+                              on_prompt=lambda: self.store.add(self.engine.snapshot()))
+        self.store.add(self.engine.snapshot())
         rest = stream.finish()
         if rest:
             job.send("text", rest)
@@ -119,4 +138,13 @@ class Service:
         else:
             reason = "length"
         return Result(stream.content(), calls, reason, stream.stop_string, len(job.prompt), len(out),
-                      stats.as_dict() if self.drafter is not None else None, time.perf_counter() - t0)
+                      stats.as_dict() if self.drafter is not None else None, time.perf_counter() - t0, cached)
+
+    def _resume(self, prompt: list[int]) -> int:
+        """Attaches the slot that shares the longest prefix with prompt (ties: least recently used)
+        and puts it on the longest prefix it or a checkpoint holds; the tokens that need no prefill."""
+        slot = max(self.slots, key=lambda s: (common_prefix(s.seq.history, prompt), -s.used))
+        slot.used = time.monotonic()
+        self.engine.attach(slot.seq)
+        return resume(self.engine, prompt, self.store)
+

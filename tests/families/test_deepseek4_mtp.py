@@ -39,19 +39,28 @@ def agreeing(target):
     return _compile(d, model, support, "agree"), support
 
 
-def test_draft_logits_match_the_numpy_reference(target):
+@pytest.fixture(scope="module")
+def random_mtp(target):
+    """A random support file (its block reads the target's streams), compiled without FP8 rounding."""
+    from ds4tvm.families.deepseek4_mtp.random_model import write_random_mtp
+
+    d, cfg, model = target
+    support = write_random_mtp(d / "random.gguf", cfg, seed=3)
+    return _compile(d, model, support, "random", "--no-kv-rounding"), support
+
+
+def test_draft_logits_match_the_numpy_reference(target, random_mtp):
     """A random support file, no FP8 rounding: the rows written for a 24-token prompt (longer than
     the 16-row window), then two recursive draft steps, against tests/mtp_reference.py."""
     from mtp_reference import MTPReference
 
-    from ds4tvm.families.deepseek4_mtp.random_model import write_random_mtp
     from ds4tvm.gguf import open_gguf
     from ds4tvm.runtime.drafters.mtp import MTPDrafter
     from ds4tvm.runtime.engine import Engine
 
     d, cfg, model = target
-    support = write_random_mtp(d / "random.gguf", cfg, seed=3)
-    e = Engine(_compile(d, model, support, "random", "--no-kv-rounding"))
+    art, support = random_mtp
+    e = Engine(art)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.n_vocab, 24)]
     step = e.prefill(prompt)
     drafter = MTPDrafter(e, n_draft=3, margin=0.0)
@@ -155,3 +164,39 @@ def test_cli_mtp_draft_identity_json_and_errors(target, agreeing):
     # a GGUF is refused before it is compiled on first use
     r = run_ds4("run", "-m", model, "--mtp", support, "--tokens", ids, "--dspark")
     assert r.returncode == 2 and f"{support}: holds the mtp drafter; --dspark needs a DSpark" in r.stderr, r.stderr
+
+
+def test_a_continued_sequence_drafts_as_a_cold_one(random_mtp):
+    """Prefix reuse with MTP (runtime/prefix.py): the second turn continued from the kept sequence,
+    or from a checkpoint, has bitwise the state of a cold start on the whole prompt once the prompt
+    is in (the target's and the MTP ring: the drafter's first rows after a kept prefix come from the
+    re-evaluated position), then its tokens and acceptance."""
+    from ds4tvm.runtime.checkpoint import CheckpointStore
+    from ds4tvm.runtime.drafters.mtp import MTPDrafter
+    from ds4tvm.runtime.engine import Engine
+    from ds4tvm.runtime.prefix import resume
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+
+    e, greedy = Engine(random_mtp[0]), SamplingParams(0.0)
+    store = CheckpointStore(e, "mtp")
+    first, _ = generate(e, PROMPT, 40, greedy, np.random.default_rng(0), drafter=MTPDrafter(e, 2, margin=0.0),
+                        on_prompt=lambda: store.add(e.snapshot()))
+    turn = PROMPT + first + [12, 13, 14]
+    kept = e.snapshot()
+    e.reset()
+    at_prompt = []
+    want, cold = generate(e, turn, 60, greedy, np.random.default_rng(0), drafter=MTPDrafter(e, 2, margin=0.0),
+                          on_prompt=lambda: at_prompt.append(e.snapshot()))
+    for how in ("kept", "checkpoint"):
+        e.restore(kept)
+        if how == "checkpoint":
+            e.prefill([1] * 20)           # diverge beyond the rewind: only the checkpoint after PROMPT helps
+        held = resume(e, turn, store)
+        assert held == (len(PROMPT) - 1 if how == "checkpoint" else len(kept.history) - 1)
+        got, stats = generate(e, turn, 60, greedy, np.random.default_rng(0), drafter=MTPDrafter(e, 2, margin=0.0),
+                              on_prompt=lambda: at_prompt.append(e.snapshot()))
+        for spec, a, b in zip(e.state_specs, at_prompt[0].arrays, at_prompt[-1].arrays):
+            np.testing.assert_array_equal(a, b, err_msg=f"{how}: {spec.name}")
+        assert got == want, how
+        assert stats.counters == cold.counters, how

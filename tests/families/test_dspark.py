@@ -144,3 +144,44 @@ def test_cli_dspark_strict_and_errors(pair, tmp_path):
     other = write_random_dspark(tmp_path / "other.gguf", tiny_config(n_vocab=1024), seed=2)
     r = run_ds4_compile(model, "--target", "llvm", "-o", tmp_path / "x", "--mtp", other, "--quiet")
     assert r.returncode == 2 and "support file does not match this model" in r.stderr, r.stderr
+
+
+def test_a_continued_sequence_drafts_as_a_cold_one(pair, agreeing):
+    """Prefix reuse with DSpark (runtime/prefix.py): the second turn continued from a checkpoint
+    after the first prompt has bitwise the state of a cold start once the prompt is in (the target's
+    and the DSpark rings'), then its tokens and counters. Continued from the kept sequence (DSpark's
+    rings allow a rewind of one position) the target's state is a cold start's and so are the ring
+    rows of the positions prefilled; the older rows are those the first turn's decode steps wrote by
+    ds4's direct path, which differ from batched ones in rounding, so only the tokens are a cold
+    start's."""
+    from ds4tvm.families.dspark.model import WINDOW
+    from ds4tvm.runtime.checkpoint import CheckpointStore
+    from ds4tvm.runtime.drafters.dspark import DSparkDrafter
+    from ds4tvm.runtime.prefix import resume
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+
+    prompt, e, greedy = pair[4], agreeing, SamplingParams(0.0)
+    store, at_prompt = CheckpointStore(e, "dspark"), []
+    e.reset()
+    first, _ = generate(e, prompt, 30, greedy, np.random.default_rng(0), drafter=DSparkDrafter(e),
+                        on_prompt=lambda: store.add(e.snapshot()))
+    turn, kept = prompt + first + [5, 6, 7], e.snapshot()
+    e.reset()
+    want, cold = generate(e, turn, 50, greedy, np.random.default_rng(0), drafter=DSparkDrafter(e),
+                          on_prompt=lambda: at_prompt.append(e.snapshot()))
+    for how in ("kept", "checkpoint"):
+        e.restore(kept)
+        if how == "checkpoint":
+            e.prefill([1] * 20)
+        held = resume(e, turn, store)
+        assert held == (len(prompt) - 1 if how == "checkpoint" else len(kept.history) - 1)
+        got, stats = generate(e, turn, 50, greedy, np.random.default_rng(0), drafter=DSparkDrafter(e),
+                              on_prompt=lambda: at_prompt.append(e.snapshot()))
+        fresh = [q % WINDOW for q in range(held, len(turn))]
+        for spec, a, b in zip(e.state_specs, at_prompt[0].arrays, at_prompt[-1].arrays):
+            if how == "kept" and spec.group == "dspark":
+                a, b = a[fresh], b[fresh]
+            np.testing.assert_array_equal(a, b, err_msg=f"{how}: {spec.name}")
+        assert got == want, how
+        assert how == "kept" or stats.counters == cold.counters

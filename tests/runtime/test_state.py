@@ -125,7 +125,8 @@ def artifact(tmp_path_factory):
     (d / "tokenizer.json").write_text("{}")
     weights = write_gguf(d / "toy.gguf", "toy", {}, [])
     R = MAX_VERIFY + 1
-    states = [StateSpec("conv_ring", (R, D), ring=R), StateSpec("delta_slots", (R, D * D), ring=R)]
+    states = [StateSpec("conv_ring", (R, D), ring=R, rewind=R - 1),
+              StateSpec("delta_slots", (R, D * D), ring=R, rewind=R - 1)]
     inputs = (("ids", "tokens"), ("start", "position"), ("bigram", "host"))
     Manifest(family="toy", architecture="toy", target=spec.tvm, target_name=spec.name,
              weights={"model": file_identity(weights)},
@@ -212,4 +213,4 @@ def test_an_artifact_of_the_previous_schema_is_refused_with_the_recompile_line(a
     (old / "manifest.json").write_text(json.dumps(manifest))
     r = run_ds4("run", "-m", old, "--tokens", "1,2", "-n", "1")
     lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and "schema 2 is not 3; recompile" in lines[0], r.stderr
+    assert r.returncode == 2 and len(lines) == 1 and "schema 2 is not 4; recompile" in lines[0], r.stderr

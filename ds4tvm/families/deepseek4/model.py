@@ -32,17 +32,20 @@ def state_specs(cfg: Config, b: Bounds) -> list[StateSpec]:
     for il in range(cfg.n_layers):
         r, p = cfg.ratio(il), f"blk.{il}."
         window = cfg.sliding_window + b.max_verify
-        out.append(StateSpec(p + "kv_ring", (window, cfg.head_dim), ring=window))
+        # each ring can be rewound by its length minus the rows read before a new one
+        out.append(StateSpec(p + "kv_ring", (window, cfg.head_dim), ring=window,
+                             rewind=window - (cfg.sliding_window - 1)))
         if r:
             lanes = 2 if r == 4 else 1
             front = 2 * r + b.max_verify
-            out += [StateSpec(p + "comp_kv_front", (front, lanes * cfg.head_dim), ring=front),
-                    StateSpec(p + "comp_score_front", (front, lanes * cfg.head_dim), ring=front),
-                    StateSpec(p + "comp_rows", (b.max_context // r, cfg.head_dim))]
+            out += [StateSpec(p + "comp_kv_front", (front, lanes * cfg.head_dim), ring=front, rewind=front - 2 * r),
+                    StateSpec(p + "comp_score_front", (front, lanes * cfg.head_dim), ring=front, rewind=front - 2 * r),
+                    StateSpec(p + "comp_rows", (b.max_context // r, cfg.head_dim), stride=r)]
             if r == 4:
-                out += [StateSpec(p + "idx_kv_front", (front, 2 * cfg.idx_head_dim), ring=front),
-                        StateSpec(p + "idx_score_front", (front, 2 * cfg.idx_head_dim), ring=front),
-                        StateSpec(p + "idx_rows", (b.max_context // r, cfg.idx_head_dim))]
+                out += [StateSpec(p + "idx_kv_front", (front, 2 * cfg.idx_head_dim), ring=front, rewind=front - 2 * r),
+                        StateSpec(p + "idx_score_front", (front, 2 * cfg.idx_head_dim), ring=front,
+                                  rewind=front - 2 * r),
+                        StateSpec(p + "idx_rows", (b.max_context // r, cfg.idx_head_dim), stride=r)]
     return out
 
 

@@ -85,7 +85,9 @@ def extend(target_cls):
 
         def state_specs(self):
             shape = ring_shape(self.draft_cfg, self.bounds.max_verify)
-            return super().state_specs() + [StateSpec("mtp.0.kv_ring", shape, group="mtp", ring=shape[0])]
+            rewind = shape[0] - (self.draft_cfg.block.sliding_window - 1)
+            return super().state_specs() + [StateSpec("mtp.0.kv_ring", shape, group="mtp", ring=shape[0],
+                                                      rewind=rewind)]
 
         def function_specs(self):
             inputs = (("hc_prev", "float32"), ("tokens", "tokens"), ("start", "position"))

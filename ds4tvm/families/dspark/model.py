@@ -153,7 +153,8 @@ def extend(target_cls):
             return self.drafter.markov(prev)
 
         def state_specs(self):
-            rings = [StateSpec(n, s, group="dspark", ring=WINDOW) for n, s in ring_shapes(self.draft_cfg)]
+            # a block reads the WINDOW - 1 rows before its anchor: one position can be rewound
+            rings = [StateSpec(n, s, group="dspark", ring=WINDOW, rewind=1) for n, s in ring_shapes(self.draft_cfg)]
             return super().state_specs() + rings
 
         def function_specs(self):

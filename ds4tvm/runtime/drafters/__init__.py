@@ -29,6 +29,11 @@ class SpecOptions:
         return Path(self.mtp) if self.mtp else None
 
 
+def drafter_tag(drafter) -> str:
+    """What a checkpoint says besides the target's state: the drafter whose states it fed."""
+    return type(drafter).__name__.lower().removesuffix("drafter") if drafter is not None else ""
+
+
 def wanted(family, options: SpecOptions) -> list:
     """The family's drafters (DraftSpec) that the flags ask for."""
     return [d for d in family.drafters if d.enabled(options)]

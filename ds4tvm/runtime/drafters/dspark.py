@@ -114,7 +114,8 @@ class DSparkDrafter:
     # ------------------------------------------------------------------ the loop's calls
     def begin(self, engine, step, stop_ids):
         self.stop_ids = stop_ids
-        self._write_rings(engine, step.outputs["captured"], 0, direct=False)
+        captured = step.outputs["captured"]
+        self._write_rings(engine, captured, engine.pos - len(captured), direct=False)
 
     def guess(self, engine, remaining):
         self.block = []

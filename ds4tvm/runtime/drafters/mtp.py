@@ -39,7 +39,14 @@ class MTPDrafter:
         self._drafted, self._draft_ms = None, 0.0   # this cycle's drafts, for result() and --mtp-timing
 
     def begin(self, engine, step, stop_ids):
-        self._write_rows(engine, step.outputs["hc_state"], engine.history, 0, None)
+        streams = step.outputs["hc_state"]
+        start = engine.pos - len(streams)
+        if start == 0:
+            self._write_rows(engine, streams, engine.history, 0, None)
+        elif len(streams) > 1:  # row 0 re-evaluated a kept position: its ring row is in place
+            self._write_rows(engine, streams[1:], engine.history[start + 1:], start + 1, streams[0])
+        else:
+            self.streams = streams[-1]
 
     def guess(self, engine, remaining):
         return None
