@@ -266,15 +266,17 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
 
     t0 = time.perf_counter()
     with _prefill_progress(len(ids), engine.chunk, enabled=not as_json) as on_prefill:
+        at_prompt = []
         out, stats = generate(engine, ids, n_predict, params, np.random.default_rng(seed), drafter=drafter,
                               exact=exact_sampling, stop_ids=tok.stop_ids, on_token=on_token,
-                              on_prefill=on_prefill)
+                              on_prefill=on_prefill,
+                              on_prompt=None if conversation is None else lambda: at_prompt.append(engine.snapshot()))
     elapsed = time.perf_counter() - t0
     tps = len(out) / stats.seconds if stats.seconds > 0 else 0.0
     prefill_s = max(elapsed - stats.seconds, 1e-9)
     rest = stream.finish()
     if conversation is not None:
-        conversation.save(ids, out, stream.content())
+        conversation.save(tok, ids, out, stream.content(), at_prompt)
     if as_json:
         info = {"tokens": out, "text": stream.content(), "n_prompt": len(ids), "n_cached": cached,
                 "n_generated": len(out), "prefill_tok_s": round((len(ids) - cached) / prefill_s, 2),
@@ -431,22 +433,15 @@ class _Session:
         from .runtime.drafters import drafter_tag
 
         self.path, self.engine, self.tag = path, engine, drafter_tag(drafter)
-        self.meta, self.messages = {}, []
+        meta = {}
         if path.exists():
             try:
-                self.meta = engine.load_state(path, self.tag)
+                meta = engine.load_state(path, self.tag)
             except CheckpointError as e:
                 print(f"ds4: --session: {e.message}; starting a new conversation", file=sys.stderr)
                 engine.reset()
-        self.messages = list(self.meta.get("messages") or [])
-
-    def prompt(self, ids: list[int], message: dict | None) -> list[int]:
-        """The whole conversation's tokens for a new turn: ids (the turn's own tokens) after the
-        session's, or, for a chat turn, the chat template over every message."""
-        if message is None:
-            return list(self.meta.get("tokens", [])) + ids
-        self.messages.append(message)
-        return ids
+        self.tokens = [int(t) for t in meta.get("tokens", [])]          # the conversation so far
+        self.messages = list(meta.get("messages", []))
 
     def resume(self, ids: list[int]) -> int:
         from .runtime.prefix import common_prefix, resume
@@ -460,10 +455,17 @@ class _Session:
                   file=sys.stderr)
         return cached
 
-    def save(self, ids: list[int], out: list[int], text: str) -> None:
+    def save(self, tok, ids: list[int], out: list[int], text: str, at_prompt) -> None:
+        """Saves the state after the answer, or, for a chat whose template renders the answer into
+        other tokens than were generated, the state after the prompt (the next turn's prefix)."""
+        from .runtime.chat import chat_prompt_ids
+
         meta = {"tokens": ids + out}
         if self.messages:
             meta["messages"] = self.messages + [{"role": "assistant", "content": text}]
+            again = chat_prompt_ids(tok, meta["messages"], add_generation_prompt=False)
+            if again[:self.engine.pos] != self.engine.history and at_prompt:
+                self.engine.restore(at_prompt[0])
         try:
             self.engine.save_state(self.path, self.tag, meta)
         except OSError as e:
@@ -475,19 +477,16 @@ def _prompt_ids(engine, model, prompt, tokens, raw, session: _Session | None = N
     from .runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model))
-    continuing = session is not None and bool(session.meta)
+    earlier = session.tokens if session is not None else []   # a new turn follows the saved conversation
     if tokens is not None:
-        ids = parse_ids(tokens, "--tokens")
-        ids = session.prompt(ids, None) if session is not None else ids
+        ids = earlier + parse_ids(tokens, "--tokens")
     elif tok.chat_template and not raw:
-        message = {"role": "user", "content": prompt}
-        messages = session.messages + [message] if session is not None else [message]
+        messages = (session.messages if session is not None else []) + [{"role": "user", "content": prompt}]
         ids = chat_prompt_ids(tok, messages)
         if session is not None:
-            session.prompt(ids, message)
+            session.messages = messages
     else:
-        ids = tok.encode(prompt, add_bos=None if not continuing else False)
-        ids = session.prompt(ids, None) if session is not None else ids
+        ids = earlier + tok.encode(prompt, add_bos=None if not earlier else False)
     if not ids:
         raise Ds4Error("the prompt is empty")
     if len(ids) >= engine.max_context:

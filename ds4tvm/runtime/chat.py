@@ -82,12 +82,14 @@ class ChatTemplate:
             raise Ds4Error(f"chat template failed to render: {type(e).__name__}: {e}") from None
 
 
-def chat_prompt_ids(tok, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def chat_prompt_ids(tok, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation rendered with the model's template, ready for the assistant's
-    turn (the template writes BOS itself)."""
+    turn unless told otherwise (the template writes BOS itself)."""
     if not tok.chat_template:
         raise Ds4Error("the model has no chat template (tokenizer.chat_template); send raw text instead")
     bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else ""
     eos = tok.tokens[tok.eos_id] if tok.eos_id is not None else ""
-    text = ChatTemplate(tok.chat_template, bos, eos).render(messages, tools=tools)
+    text = ChatTemplate(tok.chat_template, bos, eos).render(messages, tools=tools,
+                                                            add_generation_prompt=add_generation_prompt)
     return tok.encode(text, add_bos=False)

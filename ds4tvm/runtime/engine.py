@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact import MODEL, FunctionSpec, Manifest
+from ..artifact import MANIFEST, MODEL, FunctionSpec, Manifest
 from ..devices import device_for
 from ..errors import Cancelled, Ds4Error
 from ..gguf import open_gguf
@@ -91,7 +91,7 @@ class Engine:
         for s in self.state_specs:
             if s.rewindable is not None:
                 self._rewind_limits[s.group] = min(s.rewindable, self._rewind_limits.get(s.group, s.rewindable))
-        self.identity = hashlib.sha256((self.dir / "manifest.json").read_bytes()).hexdigest()
+        self.identity = hashlib.sha256((self.dir / MANIFEST).read_bytes()).hexdigest()
         self.seq = self.new_sequence()
         self.host_inputs = self._host_inputs()
         b = m.bounds
@@ -138,10 +138,9 @@ class Engine:
 
     def _tensors(self):
         """(StateSpec, tensor) in the manifest's order."""
-        at = {}
+        groups = {g: iter(tensors) for g, tensors in self.states.items()}
         for s in self.state_specs:
-            i = at[s.group] = at.get(s.group, -1) + 1
-            yield s, self.states[s.group][i]
+            yield s, next(groups[s.group])
 
     def snapshot(self) -> Checkpoint:
         """A copy of the attached sequence at its committed length."""

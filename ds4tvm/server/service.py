@@ -119,14 +119,17 @@ class Service:
             return GREEDY if stream.in_tool_call else job.params
 
         t0 = time.perf_counter()
-        cached = self._resume(job.prompt)
-        out, stats = generate(self.engine, job.prompt, job.max_tokens, job.params,
-                              np.random.default_rng(job.seed), drafter=self.drafter, exact=self.exact,
-                              stop_ids=self.tok.stop_ids, on_token=on_token,
-                              mode=mode if tools is not None else None,
-                              on_prefill=lambda done, total: job.cancelled.is_set(),
-                              on_prompt=lambda: self.store.add(self.engine.snapshot()))
-        self.store.add(self.engine.snapshot())
+        cached, after_prompt = self._resume(job.prompt), []
+        try:
+            out, stats = generate(self.engine, job.prompt, job.max_tokens, job.params,
+                                  np.random.default_rng(job.seed), drafter=self.drafter, exact=self.exact,
+                                  stop_ids=self.tok.stop_ids, on_token=on_token,
+                                  mode=mode if tools is not None else None,
+                                  on_prefill=lambda done, total: job.cancelled.is_set(),
+                                  on_prompt=lambda: after_prompt.append(self.engine.snapshot()))
+        finally:  # stored after the answer: writing a file must not delay its first token
+            for cp in after_prompt + [self.engine.snapshot()]:
+                self.store.add(cp)
         rest = stream.finish()
         if rest:
             job.send("text", rest)

@@ -12,6 +12,7 @@ import json
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 from conftest import run_ds4
 from serving import ServerProcess
@@ -234,6 +235,31 @@ def test_run_session_continues_without_rereading(art, tmp_path):
     assert len(err.strip().splitlines()) == 1 and "(checksum mismatch); starting a new conversation" in err
 
 
+def test_run_session_continues_a_chat(art, tmp_path):
+    """Chat turns with -p: the second is the template over both turns, its answer that of a cold
+    start on the whole conversation; the demo's answer re-renders into other tokens, so the session
+    keeps the state after the first prompt and the second turn prefills from there."""
+    from ds4tvm.runtime.chat import chat_prompt_ids
+    from ds4tvm.runtime.engine import Engine
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+    from ds4tvm.runtime.tokenizer import Tokenizer
+
+    session, turns = tmp_path / "chat.session", []
+    for text in ("Hi there", "And then?"):
+        r = run_ds4("run", "-m", art, "-p", text, "-n", N, "--temp", 0, "--json", "--session", session)
+        assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+        turns.append(json.loads(r.stdout))
+    engine = Engine(art)
+    tok = Tokenizer.from_metadata(engine.tokenizer_data)
+    whole = chat_prompt_ids(tok, [{"role": "user", "content": "Hi there"},
+                                  {"role": "assistant", "content": turns[0]["text"]},
+                                  {"role": "user", "content": "And then?"}])
+    want, _ = generate(engine, whole, N, SamplingParams(0.0), np.random.default_rng(0), stop_ids=tok.stop_ids)
+    assert turns[1]["tokens"] == want and turns[1]["n_prompt"] == len(whole)
+    assert turns[1]["n_cached"] == turns[0]["n_prompt"] - 1
+
+
 def test_api_key(art, monkeypatch):
     import anthropic
     import openai
@@ -274,3 +300,15 @@ def test_api_key(art, monkeypatch):
     open_server = ServerProcess("-m", art, "--alias", "demo", "--host", "0.0.0.0")
     log = open_server.stop()
     assert len([x for x in log.splitlines() if "warning: listening on 0.0.0.0 without --api-key" in x]) == 1
+
+
+def test_bad_reuse_flags_are_one_line_errors(art, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    for flags, says in ((["--slots", "0"], "--slots 0: expected at least 1"),
+                        (["--kv-cache-size", "4XB"], "--kv-cache-size '4XB': expected a size"),
+                        (["--kv-cache-dir", not_a_dir], "not a directory"),
+                        (["--api-key", " "], "--api-key: the key is empty")):
+        r = run_ds4("serve", "-m", art, *flags)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and says in lines[0], (flags, r.stderr)
