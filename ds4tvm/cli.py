@@ -311,7 +311,7 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="artifact, packa
           dspark_strict: DSparkStrictOpt = False, quality: QualityOpt = False, exact_sampling: ExactOpt = False,
           keepalive: float = typer.Option(5.0, "--keepalive", help="seconds between SSE keep-alives"),
           slots: int = typer.Option(2, "--slots", help="conversations kept in memory; a request continues the one "
-                                                       "sharing the longest prefix with its prompt"),
+                                                       "that holds the longest prefix of its prompt"),
           kv_cache_dir: Optional[Path] = typer.Option(None, "--kv-cache-dir", help="keep state checkpoints in this "
                                                       "directory (a restarted server resumes from them)"),
           kv_cache_size: str = typer.Option("4GiB", "--kv-cache-size", help="most bytes of checkpoints kept "

@@ -19,20 +19,26 @@ def common_prefix(a, b) -> int:
     return n
 
 
+def reusable(engine, prompt) -> int:
+    """How many prompt tokens the attached sequence can continue from by itself: its common prefix
+    with prompt, less the re-evaluated one, if it ends within what it can rewind; else 0."""
+    c = common_prefix(engine.history, prompt)
+    return c - 1 if c >= 2 and engine.pos - (c - 1) <= engine.rewindable else 0
+
+
 def resume(engine, prompt, store=None) -> int:
     """Puts the engine's attached sequence on the longest prefix of prompt it can continue from —
-    its own state if the prefix ends within what it can rewind (Engine.rewindable), else the best
-    checkpoint in store, else nothing — and returns how many prompt tokens need no prefill."""
-    c = common_prefix(engine.history, prompt)
-    drop = engine.pos - (c - 1)
-    if c >= 2 and drop <= engine.rewindable:
-        engine.rewind(drop)
-        return engine.pos
-    while store is not None and (found := store.best(prompt, len(prompt))) is not None and len(found[0]) >= 2:
+    its own state (`reusable`), or the best checkpoint in store when that holds more, or nothing —
+    and returns how many prompt tokens need no prefill."""
+    own = reusable(engine, prompt)
+    while store is not None and (found := store.best(prompt, len(prompt))) is not None and len(found[0]) - 1 > own:
         cp = store.load(found[1])   # None: unusable, reported and dropped from the store; try the next
         if cp is not None:
             engine.restore(cp)
             engine.rewind(1)
             return engine.pos
+    if own:
+        engine.rewind(engine.pos - own)
+        return own
     engine.reset()
     return 0

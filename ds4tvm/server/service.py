@@ -1,10 +1,11 @@
 """The generation service behind `ds4 serve`: one engine, one worker thread, a FIFO of jobs.
 
 One generation runs at a time; requests queue in arrival order. The engine's state is kept in
-`slots` (engine sequences, each with its committed tokens): a job goes to the slot whose tokens
-share the longest prefix with its prompt (ties: the least recently used) and continues from that
-prefix, or from the best checkpoint (taken after every prompt's prefill and every answer), instead
-of prefilling from zero (runtime/prefix.py); its result says how many prompt tokens were reused.
+`slots` (engine sequences, each with its committed tokens): a job goes to the slot that can
+continue the longest prefix of its prompt by itself (ties: the least recently used) and continues
+from there, or from the best checkpoint when it holds more (one is taken after every prompt's
+prefill and every answer), instead of prefilling from zero (runtime/prefix.py); its result says how
+many prompt tokens were reused.
 A job reports to its request through a callback (`send`) that the HTTP side turns into SSE events
 or one JSON body; a job whose client went away is skipped if still queued, and stopped after its
 current token if running.
@@ -23,7 +24,7 @@ import numpy as np
 from ..errors import Cancelled, Ds4Error
 from ..runtime.checkpoint import CheckpointStore
 from ..runtime.drafters import drafter_tag
-from ..runtime.prefix import common_prefix, resume
+from ..runtime.prefix import resume, reusable
 from ..runtime.sampler import SamplingParams
 from ..runtime.speculative import generate
 from ..runtime.textstream import TextStream
@@ -144,9 +145,14 @@ class Service:
                       stats.as_dict() if self.drafter is not None else None, time.perf_counter() - t0, cached)
 
     def _resume(self, prompt: list[int]) -> int:
-        """Attaches the slot that shares the longest prefix with prompt (ties: least recently used)
-        and puts it on the longest prefix it or a checkpoint holds; the tokens that need no prefill."""
-        slot = max(self.slots, key=lambda s: (common_prefix(s.seq.history, prompt), -s.used))
+        """Attaches the slot that can continue the longest prefix of prompt by itself (ties: the least
+        recently used, so a new conversation takes the oldest slot) and puts it on the longest prefix
+        it or a checkpoint holds; the tokens that need no prefill."""
+        def reach(slot):
+            self.engine.attach(slot.seq)
+            return reusable(self.engine, prompt), -slot.used
+
+        slot = max(self.slots, key=reach)
         slot.used = time.monotonic()
         self.engine.attach(slot.seq)
         return resume(self.engine, prompt, self.store)
