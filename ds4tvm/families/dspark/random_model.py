@@ -8,14 +8,14 @@ import numpy as np
 
 from ...gguf.writer import write_gguf
 from ..deepseek4.config import Config as V4Config
-from ..deepseek4.random_model import random_tensors
+from ..deepseek4.random_model import default_type, random_tensors
 from .config import ARCH, Config
 from .tensors import tensor_specs
 
 
 def write_random_dspark(path: str | Path, target: V4Config, seed: int = 0, n_stages: int = 3,
                         block_size: int = 5, markov_rank: int = 32,
-                        target_layer_ids: tuple[int, ...] | None = None) -> Path:
+                        target_layer_ids: tuple[int, ...] | None = None, type_of=default_type) -> Path:
     layers = target_layer_ids or tuple(range(target.n_layers - 3, target.n_layers))
     cfg = Config(n_stages=n_stages, block_size=block_size, markov_rank=markov_rank,
                  noise_token_id=target.n_vocab - 1, target_layer_ids=layers, block=target)
@@ -23,5 +23,5 @@ def write_random_dspark(path: str | Path, target: V4Config, seed: int = 0, n_sta
             "deepseek4.dspark.block_size": block_size, "deepseek4.dspark.markov_rank": markov_rank,
             "deepseek4.dspark.noise_token_id": cfg.noise_token_id,
             "deepseek4.dspark.target_layer_ids": list(layers), "deepseek4.dspark.stage_count": n_stages}
-    tensors = random_tensors(tensor_specs(cfg), target, np.random.default_rng(seed))
+    tensors = random_tensors(tensor_specs(cfg), target, np.random.default_rng(seed), type_of=type_of)
     return write_gguf(path, ARCH, meta, tensors)

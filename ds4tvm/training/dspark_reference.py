@@ -1,0 +1,206 @@
+"""A PyTorch reference of ds4's DSpark drafter (dspark-crosscheck.md §2), for tests and training,
+written from the spec's text and gguf's dequantizer; no code of the TVM graph is used. float64.
+
+Given the target's captured rows h (per position: the mean over the HC streams of each target
+layer's output, concatenated in layer order):
+- main_x = RMSNorm(main_proj · h) · main_norm;
+- per stage, context rows K=V for committed positions: prefill/verify rows through HC-pre(attn) and
+  attn_norm on main_x repeated over the streams, "direct" rows (plain decode steps) from main_x
+  itself; both then attn_kv, kv_a_norm, RoPE (base 1e4, no YaRN) — FP8 rounding is left out
+  (compare with an artifact compiled with --no-kv-rounding);
+- a proposal after anchor t at P: rows [main_x(P) x hc @P, embed(t) x hc @P, embed(noise) x hc
+  @P+1..]; each stage: HC-pre + attn_norm of every row, K/V of every row, queries from the token
+  rows (per-head RMSNorm, RoPE), attention over the 127 ring rows before P (those at positions >= 0)
+  and every block row with sinks, no causal mask, inverse RoPE, grouped output projection, HC-post,
+  then the MoE (sqrt-softplus router, bias for selection only, shared expert, clamped SwiGLU) on the
+  token rows; row 0 is main_x again in every stage; r_i = RMSNorm(hc_head(x_i)) · norm;
+- Markov head m = w1[prev], bias = w2 · m; confidence c_i = conf · [r_i; m]; the chain of §2.6.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import quants
+
+WINDOW = 128
+
+
+class Weights:
+    """Dequantized tensors of a GGUF as float64 torch tensors in numpy order ([out, in]), cached."""
+
+    def __init__(self, gguf_file, prefix: str = ""):
+        self.f, self.prefix, self.cache = gguf_file, prefix, {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        name = self.prefix + name
+        if name not in self.cache:
+            t = self.f.tensors[name]
+            w = quants.dequantize(np.asarray(t.data), t.ggml_type).astype(np.float64)
+            self.cache[name] = torch.from_numpy(w.reshape(tuple(reversed(t.shape))).copy())
+        return self.cache[name]
+
+
+def rms(x, eps, w=None):
+    y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+    return y if w is None else y * w
+
+
+def hc_pre(X, fn, scale, base, eps, hc_eps, iters):
+    """X [n, hc, D] -> (x [n, D], post [n, hc], comb [n, hc, hc] with comb[dst, src])."""
+    n, hc, _ = X.shape
+    mix = rms(X.reshape(n, -1), eps) @ fn.T
+    pre = torch.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(mix[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    c = (mix[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(n, hc, hc)
+    c = torch.softmax(c, dim=2) + hc_eps
+    c = c / (c.sum(1, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(2, keepdim=True) + hc_eps)
+        c = c / (c.sum(1, keepdim=True) + hc_eps)
+    return torch.einsum("nh,nhd->nd", pre, X), post, c
+
+
+def hc_post(out, X, post, c):
+    """X'_dst = post_dst * out + sum_src c[src, dst] X_src (ds4 reads comb[dst + hc * src])."""
+    return post[:, :, None] * out[:, None] + torch.einsum("nsd,nsk->ndk", c, X)
+
+
+def rope(x, positions, n_rot, base=10000.0, inverse=False):
+    """Interleaved pairs over the last n_rot values; x [n, ..., D], positions [n]."""
+    x = x.clone()
+    j = torch.arange(n_rot // 2, dtype=torch.float64)
+    theta = positions.to(torch.float64)[:, None] * base ** (-2.0 * j / n_rot) * (-1 if inverse else 1)
+    theta = theta.reshape(theta.shape[0], *([1] * (x.dim() - 2)), -1)
+    a, b = x[..., -n_rot::2].clone(), x[..., -n_rot + 1::2].clone()
+    x[..., -n_rot::2] = a * torch.cos(theta) - b * torch.sin(theta)
+    x[..., -n_rot + 1::2] = a * torch.sin(theta) + b * torch.cos(theta)
+    return x
+
+
+class Stage:
+    """One V4 block of the drafter (ratio 0, no hash routing)."""
+
+    def __init__(self, w: Weights, b):
+        self.w, self.b = w, b
+
+    def attn_input(self, X):
+        b, w = self.b, self.w
+        x, post, comb = hc_pre(X, w("hc_attn_fn.weight"), w("hc_attn_scale.weight"), w("hc_attn_base.weight"),
+                               b.rms_eps, b.hc_eps, b.hc_sinkhorn_iters)
+        return rms(x, b.rms_eps, w("attn_norm.weight")), post, comb
+
+    def kv(self, n_in, positions):
+        b, w = self.b, self.w
+        return rope(rms(n_in @ w("attn_kv.weight").T, b.rms_eps, w("attn_kv_a_norm.weight")), positions, b.n_rot)
+
+    def attention(self, N, keys, visible, positions):
+        """Token rows N [B, D] over keys [R, Dh] (visible [R] bool); the output projection."""
+        b, w = self.b, self.w
+        H, Dh, B = b.n_head, b.head_dim, N.shape[0]
+        q = rms(N @ w("attn_q_a.weight").T, b.rms_eps, w("attn_q_a_norm.weight")) @ w("attn_q_b.weight").T
+        q = rope(rms(q.reshape(B, H, Dh), b.rms_eps), positions, b.n_rot)
+        scores = torch.einsum("bhd,rd->bhr", q, keys) / Dh ** 0.5
+        scores = scores.masked_fill(~visible, float("-inf"))
+        sinks = w("attn_sinks.weight")[None, :, None].expand(B, H, 1)
+        p = torch.softmax(torch.cat([scores, sinks], dim=2), dim=2)[..., :-1]   # sinks: denominator only
+        attn = rope(torch.einsum("bhr,rd->bhd", p, keys), positions, b.n_rot, inverse=True)
+        g = b.o_groups
+        wa = w("attn_output_a.weight").reshape(g, b.o_lora_rank, -1)
+        low = torch.einsum("gkc,bgc->bgk", wa, attn.reshape(B, g, -1)).reshape(B, -1)
+        return low @ w("attn_output_b.weight").T
+
+    def moe(self, X):
+        b, w = self.b, self.w
+        x, post, comb = hc_pre(X, w("hc_ffn_fn.weight"), w("hc_ffn_scale.weight"), w("hc_ffn_base.weight"),
+                               b.rms_eps, b.hc_eps, b.hc_sinkhorn_iters)
+        h = rms(x, b.rms_eps, w("ffn_norm.weight"))
+        p = torch.sqrt(torch.nn.functional.softplus(h @ w("ffn_gate_inp.weight").T))
+        lim = b.swiglu_clamp[0]
+
+        def swiglu(gate, up):
+            return torch.nn.functional.silu(gate.clamp(max=lim)) * up.clamp(-lim, lim)
+
+        gate, up, down = w("ffn_gate_exps.weight"), w("ffn_up_exps.weight"), w("ffn_down_exps.weight")
+        out = []
+        for i in range(h.shape[0]):
+            chosen = torch.topk(p[i] + w("exp_probs_b.bias"), b.n_expert_used).indices
+            weights = p[i, chosen] / p[i, chosen].sum().clamp(min=6.1e-5) * b.expert_weights_scale
+            y = sum(wt * (down[e] @ swiglu(gate[e] @ h[i], up[e] @ h[i])) for wt, e in zip(weights, chosen))
+            y = y + w("ffn_down_shexp.weight") @ swiglu(w("ffn_gate_shexp.weight") @ h[i],
+                                                        w("ffn_up_shexp.weight") @ h[i])
+            out.append(y)
+        return hc_post(torch.stack(out), X, post, comb)
+
+
+class DSparkReference:
+    def __init__(self, target_gguf, support_gguf, cfg):
+        """cfg: the support file's Config (families.dspark.config), paired with the target."""
+        self.cfg, b = cfg, cfg.block
+        self.t, self.w = Weights(target_gguf), Weights(support_gguf)
+        self.stages = [Stage(Weights(support_gguf, f"mtp.{s}."), b) for s in range(cfg.n_stages)]
+        self.last = f"mtp.{cfg.n_stages - 1}."
+        self.rings: list[dict[int, torch.Tensor]] = [{} for _ in self.stages]   # position -> K=V row
+
+    def main_x(self, captured) -> torch.Tensor:
+        h = torch.as_tensor(np.asarray(captured, np.float64)).reshape(len(captured), -1)
+        b = self.cfg.block
+        return rms(h @ self.w("mtp.0.main_proj.weight").T, b.rms_eps, self.w("mtp.0.main_norm.weight"))
+
+    def observe(self, captured, start: int, direct: bool = False) -> None:
+        """Ring rows for the committed positions start.. (captured: one row per position)."""
+        mx, hc = self.main_x(captured), self.cfg.block.hc
+        positions = torch.arange(start, start + len(mx))
+        for stage, ring in zip(self.stages, self.rings):
+            n_in = mx if direct else stage.attn_input(mx[:, None].expand(-1, hc, -1))[0]
+            for p, row in zip(positions.tolist(), stage.kv(n_in, positions)):
+                ring[p] = row
+
+    def block(self, anchor_captured, anchor: int, P: int) -> torch.Tensor:
+        """r [B, D] of the proposal after anchor token `anchor` at position P."""
+        cfg, b = self.cfg, self.cfg.block
+        B, hc = cfg.block_size, b.hc
+        embd = self.t("token_embd.weight")
+        row0 = self.main_x(anchor_captured[None])[:, None].expand(1, hc, -1)
+        T = embd[[anchor] + [cfg.noise_token_id] * (B - 1)][:, None].expand(B, hc, -1)
+        token_pos = torch.arange(P, P + B)
+        context = list(range(P - WINDOW + 1, P))
+        for stage, ring in zip(self.stages, self.rings):
+            N, post, comb = stage.attn_input(torch.cat([row0, T]))
+            kv = torch.cat([stage.kv(N[:1], torch.tensor([P])), stage.kv(N[1:], token_pos)])
+            ctx = torch.stack([ring[p] if p >= 0 else torch.zeros(b.head_dim, dtype=torch.float64)
+                               for p in context])
+            visible = torch.tensor([p >= 0 for p in context] + [True] * (B + 1))
+            out = stage.attention(N[1:], torch.cat([ctx, kv]), visible, token_pos)
+            T = stage.moe(hc_post(out, T, post[1:], comb[1:]))
+        w = self.w
+        pre = rms(T.reshape(B, -1), b.rms_eps) @ w(self.last + "hc_head_fn.weight").T
+        wts = torch.sigmoid(pre * w(self.last + "hc_head_scale.weight")[0] + w(self.last + "hc_head_base.weight"))
+        x = torch.einsum("bh,bhd->bd", wts + b.hc_eps, T)
+        return rms(x, b.rms_eps, w(self.last + "norm.weight"))
+
+    def logits(self, r) -> torch.Tensor:
+        return r @ self.t("output.weight").T
+
+    def markov(self, prev: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(m = w1[prev], its vocabulary bias w2 · m)."""
+        m = self.w(self.last + "markov_head.markov_w1.weight")[prev]
+        return m, self.w(self.last + "markov_head.markov_w2.weight") @ m
+
+    def confidence(self, r_i, m) -> float:
+        conf = self.w(self.last + "confidence_head.proj.weight").reshape(-1)
+        return float(conf @ torch.cat([r_i, m]))
+
+    def propose(self, anchor_captured, anchor: int, P: int, theta: float):
+        """The drafts of §2.6 (cut at the first sigma(c_i) < theta), with each row's confidence."""
+        r = self.block(anchor_captured, anchor, P)
+        logits, prev, drafts, confidences = self.logits(r), anchor, [], []
+        for i in range(self.cfg.block_size):
+            m, bias = self.markov(prev)
+            c = self.confidence(r[i], m)
+            confidences.append(c)
+            if theta > 0 and 1 / (1 + np.exp(-c)) < theta:
+                break
+            prev = int(torch.argmax(logits[i] + bias))   # torch.argmax: the first maximum, the lowest id
+            drafts.append(prev)
+        return drafts, confidences
