@@ -15,6 +15,10 @@ layer's output, concatenated in layer order):
   then the MoE (sqrt-softplus router, bias for selection only, shared expert, clamped SwiGLU) on the
   token rows; row 0 is main_x again in every stage; r_i = RMSNorm(hc_head(x_i)) · norm;
 - Markov head m = w1[prev], bias = w2 · m; confidence c_i = conf · [r_i; m]; the chain of §2.6.
+
+The support file's tensors are torch Parameters (`parameters()`, for training); `save(path)` writes
+them back as a support GGUF in their original types. The target's embedding and output head are
+read, never trained.
 """
 
 from __future__ import annotations
@@ -27,17 +31,23 @@ WINDOW = 128
 
 
 class Weights:
-    """Dequantized tensors of a GGUF as float64 torch tensors in numpy order ([out, in]), cached."""
+    """Dequantized tensors of a GGUF as float64 torch tensors in numpy order ([out, in]), read on
+    first use; with `trainable`, as Parameters in `cache` (shared by every prefix view)."""
 
-    def __init__(self, gguf_file, prefix: str = ""):
-        self.f, self.prefix, self.cache = gguf_file, prefix, {}
+    def __init__(self, gguf_file, prefix: str = "", trainable: bool = False, cache: dict | None = None):
+        self.f, self.prefix, self.trainable = gguf_file, prefix, trainable
+        self.cache = {} if cache is None else cache
+
+    def view(self, prefix: str) -> "Weights":
+        return Weights(self.f, self.prefix + prefix, self.trainable, self.cache)
 
     def __call__(self, name: str) -> torch.Tensor:
         name = self.prefix + name
         if name not in self.cache:
             t = self.f.tensors[name]
             w = quants.dequantize(np.asarray(t.data), t.ggml_type).astype(np.float64)
-            self.cache[name] = torch.from_numpy(w.reshape(tuple(reversed(t.shape))).copy())
+            w = torch.from_numpy(w.reshape(tuple(reversed(t.shape))).copy())
+            self.cache[name] = torch.nn.Parameter(w) if self.trainable else w
         return self.cache[name]
 
 
@@ -137,10 +147,28 @@ class DSparkReference:
     def __init__(self, target_gguf, support_gguf, cfg):
         """cfg: the support file's Config (families.dspark.config), paired with the target."""
         self.cfg, b = cfg, cfg.block
-        self.t, self.w = Weights(target_gguf), Weights(support_gguf)
-        self.stages = [Stage(Weights(support_gguf, f"mtp.{s}."), b) for s in range(cfg.n_stages)]
+        self.t, self.w = Weights(target_gguf), Weights(support_gguf, trainable=True)
+        self.stages = [Stage(self.w.view(f"mtp.{s}."), b) for s in range(cfg.n_stages)]
         self.last = f"mtp.{cfg.n_stages - 1}."
         self.rings: list[dict[int, torch.Tensor]] = [{} for _ in self.stages]   # position -> K=V row
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Every tensor of the support file, as a Parameter."""
+        return [self.w(name) for name in self.w.f.tensors]
+
+    def save(self, path, name: str = "ds4tvm dspark"):
+        """The support file with the current values, each tensor in its original GGML type."""
+        from ..families.dspark.random_model import support_metadata
+        from ..gguf.quant import quantize
+        from ..gguf.writer import TensorOut, write_gguf
+
+        def out(key):
+            t = self.w.f.tensors[key]
+            values = self.w(key).detach().numpy()
+            return TensorOut(key, t.ggml_type, values.shape, lambda: quantize(values, t.ggml_type))
+
+        meta = support_metadata(self.cfg, name)
+        return write_gguf(path, meta["general.architecture"], meta, [out(key) for key in self.w.f.tensors])
 
     def main_x(self, captured) -> torch.Tensor:
         h = torch.as_tensor(np.asarray(captured, np.float64)).reshape(len(captured), -1)
@@ -187,17 +215,18 @@ class DSparkReference:
         m = self.w(self.last + "markov_head.markov_w1.weight")[prev]
         return m, self.w(self.last + "markov_head.markov_w2.weight") @ m
 
-    def confidence(self, r_i, m) -> float:
+    def confidence(self, r_i, m) -> torch.Tensor:
         conf = self.w(self.last + "confidence_head.proj.weight").reshape(-1)
-        return float(conf @ torch.cat([r_i, m]))
+        return conf @ torch.cat([r_i, m])
 
+    @torch.no_grad()
     def propose(self, anchor_captured, anchor: int, P: int, theta: float):
         """The drafts of §2.6 (cut at the first sigma(c_i) < theta), with each row's confidence."""
         r = self.block(anchor_captured, anchor, P)
         logits, prev, drafts, confidences = self.logits(r), anchor, [], []
         for i in range(self.cfg.block_size):
             m, bias = self.markov(prev)
-            c = self.confidence(r[i], m)
+            c = float(self.confidence(r[i], m))
             confidences.append(c)
             if theta > 0 and 1 / (1 + np.exp(-c)) < theta:
                 break

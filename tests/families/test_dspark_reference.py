@@ -72,18 +72,55 @@ def test_tvm_drafter_matches_the_pytorch_reference(pair):
     got_r = e.call("dspark_block", captured=drafter.anchor_row[None], tokens=[anchor] + [cfg.noise_token_id] * (B - 1),
                    start=P)["r"]
     got = e.call("dspark_logits", r=got_r)["logits"]
-    want_r = ref.block(drafter.anchor_row, anchor, P)
-    want = ref.logits(want_r).numpy()
+    want_r = ref.block(drafter.anchor_row, anchor, P).detach()
+    want = ref.logits(want_r).detach().numpy()
     assert np.abs(got - want).max() <= TOL * max(1.0, np.abs(want).max())
     assert np.abs(got_r - want_r.numpy()).max() <= TOL
     for prev in (anchor, 0, target_cfg.n_vocab - 1, int(np.argmax(want[0]))):
         markov = e.call("dspark_markov", prev=[prev])
-        m, bias = ref.markov(prev)
+        m, bias = (x.detach() for x in ref.markov(prev))
         assert np.abs(markov["m"][0] - m.numpy()).max() <= TOL
         assert np.abs(markov["bias"][0] - bias.numpy()).max() <= TOL * max(1.0, bias.abs().max().item())
         for i in range(B):   # the drafter's confidence (host dot product over TVM's r and m)
             c = float(np.dot(drafter.conf, np.concatenate([got_r[i], markov["m"][0]])))
-            assert abs(c - ref.confidence(torch.as_tensor(want_r[i]), m)) <= TOL * max(1.0, abs(c))
+            assert abs(c - ref.confidence(want_r[i], m).item()) <= TOL * max(1.0, abs(c))
     drafts, _ = ref.propose(drafter.anchor_row, anchor, P, theta=0.0)
     tvm_drafts, _ = drafter._propose(e, anchor, B)
     assert tvm_drafts == drafts
+
+
+def test_reference_parameters_train_and_save_back(pair, tmp_path):
+    """Every support tensor is a Parameter the proposal depends on (the router biases, which only
+    select, aside), and save() writes a file that loads back to the same data (F16 and F32 exactly;
+    Q8_0 re-quantized into the same blocks)."""
+    import torch
+
+    from ds4tvm.families.deepseek4.config import Config as V4Config
+    from ds4tvm.families.dspark.config import Config, paired_with
+    from ds4tvm.gguf import open_gguf
+    from ds4tvm.training.dspark_reference import DSparkReference
+
+    model, support, _ = pair
+    target_cfg = V4Config.from_gguf(open_gguf(model))
+    cfg = paired_with(Config.from_gguf(open_gguf(support)), target_cfg)
+    ref = DSparkReference(open_gguf(model), open_gguf(support), cfg)
+    captured = np.random.default_rng(0).standard_normal((9, len(cfg.target_layer_ids), cfg.n_embd))
+    ref.observe(captured[:8], 0)
+    r = ref.block(captured[8], 3, 8)
+    m, bias = ref.markov(3)
+    loss = torch.nn.functional.cross_entropy(ref.logits(r) + bias, torch.tensor([5] * cfg.block_size))
+    loss = loss + ref.confidence(r[0], m) ** 2
+    loss.backward()
+    params = ref.parameters()
+    assert len(params) == len(open_gguf(support).tensors)
+    names = list(open_gguf(support).tensors)
+    untrained = [n for n, p in zip(names, params) if p.grad is None]
+    # the router bias only selects experts (no gradient reaches it; DeepSeek balances it apart)
+    assert untrained == [f"mtp.{i}.exp_probs_b.bias" for i in range(cfg.n_stages)]
+    assert all(torch.isfinite(p.grad).all() for p in params if p.grad is not None)
+    saved = open_gguf(ref.save(tmp_path / "saved.gguf"))
+    src = open_gguf(support)
+    assert Config.from_gguf(saved) == Config.from_gguf(src)
+    for name, t in src.tensors.items():
+        assert saved.tensors[name].ggml_type == t.ggml_type
+        np.testing.assert_array_equal(np.asarray(saved.tensors[name].data), np.asarray(t.data), err_msg=name)

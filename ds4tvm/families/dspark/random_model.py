@@ -19,9 +19,14 @@ def write_random_dspark(path: str | Path, target: V4Config, seed: int = 0, n_sta
     layers = target_layer_ids or tuple(range(target.n_layers - 3, target.n_layers))
     cfg = Config(n_stages=n_stages, block_size=block_size, markov_rank=markov_rank,
                  noise_token_id=target.n_vocab - 1, target_layer_ids=layers, block=target)
-    meta = {"general.architecture": ARCH, "general.name": "ds4tvm random dspark",
-            "deepseek4.dspark.block_size": block_size, "deepseek4.dspark.markov_rank": markov_rank,
-            "deepseek4.dspark.noise_token_id": cfg.noise_token_id,
-            "deepseek4.dspark.target_layer_ids": list(layers), "deepseek4.dspark.stage_count": n_stages}
     tensors = random_tensors(tensor_specs(cfg), target, np.random.default_rng(seed), type_of=type_of)
-    return write_gguf(path, ARCH, meta, tensors)
+    return write_gguf(path, ARCH, support_metadata(cfg, "ds4tvm random dspark"), tensors)
+
+
+def support_metadata(cfg: Config, name: str) -> dict:
+    """The keys of a support file for cfg (the block's shapes come from its tensors)."""
+    return {"general.architecture": ARCH, "general.name": name,
+            "deepseek4.dspark.block_size": cfg.block_size, "deepseek4.dspark.markov_rank": cfg.markov_rank,
+            "deepseek4.dspark.noise_token_id": cfg.noise_token_id,
+            "deepseek4.dspark.target_layer_ids": list(cfg.target_layer_ids),
+            "deepseek4.dspark.stage_count": cfg.n_stages}
