@@ -45,8 +45,6 @@ def pair(tmp_path_factory, request):
 
 
 def test_tvm_drafter_matches_the_pytorch_reference(pair):
-    import torch
-
     from ds4tvm.families.deepseek4.config import Config as V4Config
     from ds4tvm.families.dspark.config import Config, paired_with
     from ds4tvm.gguf import open_gguf
