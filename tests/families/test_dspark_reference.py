@@ -26,10 +26,11 @@ def _quantized(spec):
     return default_type(spec)
 
 
-@pytest.fixture(scope="module", params=["f16", "q8_0"])
+@pytest.fixture(scope="module", params=["q8_0", pytest.param("f16", marks=pytest.mark.slow)])
 def pair(tmp_path_factory, request):
-    """A random target and support file; the second with quantized support weights (the reference
-    reads the same dequantized values, so the tolerance is the same: f32 arithmetic)."""
+    """A random target and support file: Q8_0 projections and experts beside F16 and F32 tensors
+    (the default run; the reference reads the same dequantized values, so the tolerance is that of
+    f32 arithmetic), or F16 and F32 only (-m slow)."""
     from ds4tvm.families.deepseek4.random_model import default_type, tiny_config, write_random_deepseek4
     from ds4tvm.families.dspark.random_model import write_random_dspark
 
