@@ -89,10 +89,11 @@ def rope(x, positions, n_rot, base=10000.0, inverse=False):
 
 
 class Stage:
-    """One V4 block of the drafter (ratio 0, no hash routing)."""
+    """One V4 block with ratio 0 and no hash routing: a DSpark stage, or the legacy MTP block
+    (tests/mtp_reference.py), whose RoPE has the target's base."""
 
-    def __init__(self, w: Weights, b):
-        self.w, self.b = w, b
+    def __init__(self, w: Weights, b, rope_base: float = 10000.0):
+        self.w, self.b, self.rope_base = w, b, rope_base
 
     def attn_input(self, X):
         b, w = self.b, self.w
@@ -102,19 +103,20 @@ class Stage:
 
     def kv(self, n_in, positions):
         b, w = self.b, self.w
-        return rope(rms(n_in @ w("attn_kv.weight").T, b.rms_eps, w("attn_kv_a_norm.weight")), positions, b.n_rot)
+        return rope(rms(n_in @ w("attn_kv.weight").T, b.rms_eps, w("attn_kv_a_norm.weight")), positions, b.n_rot,
+                    self.rope_base)
 
     def attention(self, N, keys, visible, positions):
         """Token rows N [B, D] over keys [R, Dh] (visible [R] bool); the output projection."""
         b, w = self.b, self.w
         H, Dh, B = b.n_head, b.head_dim, N.shape[0]
         q = rms(N @ w("attn_q_a.weight").T, b.rms_eps, w("attn_q_a_norm.weight")) @ w("attn_q_b.weight").T
-        q = rope(rms(q.reshape(B, H, Dh), b.rms_eps), positions, b.n_rot)
+        q = rope(rms(q.reshape(B, H, Dh), b.rms_eps), positions, b.n_rot, self.rope_base)
         scores = torch.einsum("bhd,rd->bhr", q, keys) / Dh ** 0.5
         scores = scores.masked_fill(~visible, float("-inf"))
         sinks = w("attn_sinks.weight")[None, :, None].expand(B, H, 1)
         p = torch.softmax(torch.cat([scores, sinks], dim=2), dim=2)[..., :-1]   # sinks: denominator only
-        attn = rope(torch.einsum("bhr,rd->bhd", p, keys), positions, b.n_rot, inverse=True)
+        attn = rope(torch.einsum("bhr,rd->bhd", p, keys), positions, b.n_rot, self.rope_base, inverse=True)
         g = b.o_groups
         wa = w("attn_output_a.weight").reshape(g, b.o_lora_rank, -1)
         low = torch.einsum("gkc,bgc->bgk", wa, attn.reshape(B, g, -1)).reshape(B, -1)
