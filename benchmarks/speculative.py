@@ -1,7 +1,7 @@
 """Side by side, in one run: target-only vs speculative tok/s on the same artifact (its drafter
-chosen by the ds4 flags: --dspark, or --mtp-draft N for the legacy MTP), and the cost of a verify
+chosen by the ds4 flags: --dspark, --mtp-draft N for the legacy MTP, --draft-onnx for ONNX heads), and the cost of a verify
 of k tokens relative to one decode step. Usage:
-    python benchmarks/speculative.py ARTIFACT_WITH_DRAFTER [--dspark | --mtp-draft N] [--tokens 7,8,9] [-n 160]
+    python benchmarks/speculative.py ARTIFACT_WITH_DRAFTER [--dspark | --mtp-draft N | --draft-onnx] [--tokens 7,8,9] [-n 160]
         [--repeats 3]"""
 
 import argparse
@@ -22,12 +22,14 @@ def main():
     ap.add_argument("--dspark", action="store_true")
     ap.add_argument("--mtp-draft", type=int, default=1)
     ap.add_argument("--mtp-margin", type=float, default=None)
+    ap.add_argument("--draft-onnx", action="store_true")
     ap.add_argument("--tokens", default="7,8,9,10,11")
     ap.add_argument("-n", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     engine = Engine(a.artifact)
-    options = SpecOptions(dspark=a.dspark or a.mtp_draft == 1, mtp_draft=a.mtp_draft, mtp_margin=a.mtp_margin)
+    options = SpecOptions(dspark=a.dspark or (a.mtp_draft == 1 and not a.draft_onnx), mtp_draft=a.mtp_draft,
+                          mtp_margin=a.mtp_margin, draft_onnx="" if a.draft_onnx else None)
     prompt = [int(x) for x in a.tokens.split(",")]
     greedy = SamplingParams(temperature=0.0)
     plain, spec, accept = [], [], []

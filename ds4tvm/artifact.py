@@ -18,8 +18,9 @@ from pathlib import Path
 from . import __version__
 from .errors import Ds4Error
 
-SCHEMA_VERSION = 4  # 3: typed states and functions, any number of weight files, drafters by name;
-#                    4: states say how far they can be rewound and how tables map rows to positions
+SCHEMA_VERSION = 5  # 3: typed states and functions, any number of weight files, drafters by name;
+#                    4: states say how far they can be rewound and how tables map rows to positions;
+#                    5: functions take a slice of the weight arguments, weight files may live in the artifact
 MANIFEST = "manifest.json"
 _FINGERPRINT_SPAN = 8 << 20
 
@@ -54,11 +55,19 @@ def file_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
-def file_identity(path: Path) -> dict:
-    """How an artifact refers to a GGUF it was compiled from (the model, or a support file)."""
+def file_identity(path: Path, inside: Path | None = None) -> dict:
+    """How an artifact refers to a GGUF it was compiled from (the model, or a support file); a file
+    the compiler wrote into the artifact directory `inside` is named relative to it (it moves with it)."""
     path = Path(path).resolve()
-    return {"gguf_path": str(path), "gguf_size": os.path.getsize(path), "gguf_sha256": file_sha256(path),
+    name = str(path.relative_to(Path(inside).resolve())) if inside is not None else str(path)
+    return {"gguf_path": name, "gguf_size": os.path.getsize(path), "gguf_sha256": file_sha256(path),
             "gguf_fingerprint": file_fingerprint(path)}
+
+
+def weight_file(art_dir: Path, identity: dict) -> Path:
+    """Where a weight file of the artifact at art_dir is (relative paths: inside it)."""
+    path = Path(identity["gguf_path"])
+    return path if path.is_absolute() else Path(art_dir) / path
 
 
 def same_file(path: Path, identity: dict) -> bool:
@@ -116,19 +125,23 @@ INPUT_KINDS = ("tokens", "float32", "int32", "position", "host")
 class FunctionSpec:
     """A compiled function: arguments are `inputs` in order, then the state tensors of the group
     `states` (if any), then the bound weights; it returns `outputs` in order, then (with states)
-    the updated states, which are written in place."""
+    the updated states, which are written in place. params: the slice [lo, hi) of the manifest's
+    weight arguments it takes (None: all of them)."""
     name: str
     inputs: tuple[tuple[str, str], ...]     # (name, kind)
     outputs: tuple[str, ...]
     states: str | None = None
+    params: tuple[int, int] | None = None
 
     def to_json(self) -> dict:
         return {"name": self.name, "inputs": [list(i) for i in self.inputs], "outputs": list(self.outputs),
-                "states": self.states}
+                "states": self.states, "params": list(self.params) if self.params is not None else None}
 
     @classmethod
     def from_json(cls, d: dict) -> "FunctionSpec":
-        return cls(d["name"], tuple(tuple(i) for i in d["inputs"]), tuple(d["outputs"]), d.get("states"))
+        params = d.get("params")
+        return cls(d["name"], tuple(tuple(i) for i in d["inputs"]), tuple(d["outputs"]), d.get("states"),
+                   tuple(params) if params is not None else None)
 
 
 @dataclass
@@ -201,7 +214,7 @@ class Manifest:
         checked to be the file the artifact was compiled from."""
         out = {}
         for role, ident in self.weights.items():
-            path = Path((overrides or {}).get(role) or ident["gguf_path"])
+            path = Path((overrides or {}).get(role) or weight_file(art_dir, ident))
             what = "GGUF" if role == MODEL else f"{role} file"
             if not path.is_file():
                 hint = "; pass the model file with -m" if role == MODEL else ""

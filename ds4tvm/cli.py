@@ -196,19 +196,24 @@ DSparkConfidenceOpt = Annotated[Optional[float], typer.Option(
                                 "implies --dspark")]
 DSparkStrictOpt = Annotated[bool, typer.Option("--dspark-strict", help="load and check the drafter, decode "
                                                                         "target-only")]
+DraftOnnxOpt = Annotated[Optional[str], typer.Option(
+    "--draft-onnx", help="speculate with ONNX draft heads: those compiled into the artifact (bare --draft-onnx), "
+                         "or HEADS.onnx to compile in when MODEL is a GGUF")]
 QualityOpt = Annotated[bool, typer.Option("--quality", help="target-only decoding (no speculative acceptance)")]
 ExactOpt = Annotated[bool, typer.Option("--mtp-exact-sampling", help="exact speculative sampling")]
 
 
 def _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict, quality,
-                  exact_sampling):
+                  exact_sampling, draft_onnx=None):
     from .runtime.drafters import SpecOptions
 
     if mtp is not None and mtp != "" and not Path(mtp).exists():
         raise Ds4Error(f"--mtp {mtp}: no such support file")
+    if draft_onnx and not Path(draft_onnx).is_file():
+        raise Ds4Error(f"--draft-onnx {draft_onnx}: no such ONNX file")
     return SpecOptions(mtp=mtp, mtp_draft=mtp_draft, mtp_margin=mtp_margin, mtp_timing=mtp_timing, dspark=dspark,
                        dspark_confidence=dspark_confidence, dspark_strict=dspark_strict,
-                       exact_sampling=exact_sampling, quality=quality)
+                       exact_sampling=exact_sampling, quality=quality, draft_onnx=draft_onnx)
 
 
 @app.command()
@@ -224,7 +229,7 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
         seed: int = typer.Option(0, "--seed"),
         mtp: MtpOpt = None, mtp_draft: MtpDraftOpt = 1, mtp_margin: MtpMarginOpt = None,
         mtp_timing: MtpTimingOpt = False, dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None,
-        dspark_strict: DSparkStrictOpt = False,
+        dspark_strict: DSparkStrictOpt = False, draft_onnx: DraftOnnxOpt = None,
         quality: QualityOpt = False, exact_sampling: ExactOpt = False,
         verify_depth: bool = typer.Option(False, "--dspark-verify-depth", help="print the accepted-length "
                                                                                 "histogram"),
@@ -247,7 +252,7 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
     if n_predict < 0:
         raise Ds4Error(f"-n {n_predict}: expected a count >= 0")
     options = _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
-                            quality, exact_sampling)
+                            quality, exact_sampling, draft_onnx)
     engine, drafter = _speculative_engine(model, options, target, ctx, progress=not as_json)
     conversation = _Session(session, engine, drafter) if session is not None else None
     ids, tok = _prompt_ids(engine, model, prompt, tokens, raw, conversation)
@@ -308,7 +313,8 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="artifact, packa
           min_p: float = typer.Option(0.05, "--min-p"),
           mtp: MtpOpt = None, mtp_draft: MtpDraftOpt = 1, mtp_margin: MtpMarginOpt = None,
           mtp_timing: MtpTimingOpt = False, dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None,
-          dspark_strict: DSparkStrictOpt = False, quality: QualityOpt = False, exact_sampling: ExactOpt = False,
+          dspark_strict: DSparkStrictOpt = False, draft_onnx: DraftOnnxOpt = None, quality: QualityOpt = False,
+          exact_sampling: ExactOpt = False,
           keepalive: float = typer.Option(5.0, "--keepalive", help="seconds between SSE keep-alives"),
           slots: int = typer.Option(2, "--slots", help="conversations kept in memory; a request continues the one "
                                                        "that holds the longest prefix of its prompt"),
@@ -350,7 +356,7 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="artifact, packa
         except OSError as e:
             raise Ds4Error(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
     options = _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
-                            quality, exact_sampling)
+                            quality, exact_sampling, draft_onnx)
     engine, drafter = _speculative_engine(model, options, target, ctx, progress=True)
     import uvicorn
 
@@ -400,7 +406,7 @@ def _speculative_engine(model: Path, options, target: str, ctx: int, progress: b
     if family is not None:   # a GGUF, compiled on first use
         check_support_given(family, options, model)
     engine = open_engine(model, target=target, bounds=_bounds(family, ctx), progress=progress,
-                         support=options.support, lean=True)
+                         support=options.support, lean=True, heads=options.heads)
     return engine, choose_drafter(engine, options, model)
 
 
@@ -533,7 +539,7 @@ def logits(model: Path = typer.Option(..., "-m", "--model", help="artifact direc
 @app.command()
 def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact directory or GGUF"),
           mtp: MtpOpt = None, mtp_draft: MtpDraftOpt = 1, mtp_margin: MtpMarginOpt = None,
-          dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None,
+          dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None, draft_onnx: DraftOnnxOpt = None,
           prompt_len: int = typer.Option(128, "--prompt-len"),
           gen: int = typer.Option(64, "--gen"),
           verify_k: int = typer.Option(6, "--verify-k", help="measure verify(k) for k = 1..K"),
@@ -544,7 +550,7 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
           plot_file: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of verify cost vs k"),
           threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core)")):
     """Prefill / decode speed, verify cost per k, and speculative speed with acceptance (with a
-    drafter's flags: --dspark, --mtp-draft N)."""
+    drafter's flags: --dspark, --mtp-draft N, --draft-onnx)."""
     _threads(threads)
     from .runtime import bench as b
     for flag, v, lo in (("--prompt-len", prompt_len, 1), ("--gen", gen, 1), ("--verify-k", verify_k, 1),
@@ -553,7 +559,8 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
             raise Ds4Error(f"{flag} {v}: expected a value >= {lo}")
     if verify_k > 16:
         raise Ds4Error(f"--verify-k {verify_k}: expected 1..16")
-    options = _spec_options(mtp, mtp_draft, mtp_margin, False, dspark, dspark_confidence, False, False, False)
+    options = _spec_options(mtp, mtp_draft, mtp_margin, False, dspark, dspark_confidence, False, False, False,
+                            draft_onnx)
     engine, drafter = _speculative_engine(model, options, target, ctx, progress=not as_json)
     if prompt_len + 16 >= engine.max_context:
         raise Ds4Error(f"--prompt-len {prompt_len} leaves no room in the compiled context of {engine.max_context}")
@@ -594,6 +601,10 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                   mtp: Optional[Path] = typer.Option(None, "--mtp", "--mtp-model",
                                                      help="support GGUF of a drafter (DSpark or legacy MTP), "
                                                           "compiled into the same artifact"),
+                  draft_onnx: Optional[Path] = typer.Option(None, "--draft-onnx",
+                                                            help="ONNX draft heads (input hidden [n, D], optional "
+                                                                 "tokens [n]; output logits [n, K, V]) compiled "
+                                                                 "into the same artifact"),
                   shapes_only: bool = typer.Option(False, "--shapes-only",
                                                    help="compile --family at its published shapes and types "
                                                         "without weights (no MODEL); report time and memory"),
@@ -650,7 +661,7 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
     if package is None:
         out = out or Path(f"{model.stem}-{resolve(targets[0]).name}.ds4tvm")
         compile_gguf(model, targets[0], out, bounds, kv_rounding=not no_kv_rounding, progress=not quiet,
-                     support=mtp, tune_trials=tune, records=records)
+                     support=mtp, tune_trials=tune, records=records, draft_onnx=draft_onnx)
         if tune:
             for line in json.loads((out / "manifest.json").read_text())["extra"]["tuning"]:
                 typer.echo(json.dumps(line))
@@ -661,7 +672,8 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
     work = Path(tempfile.mkdtemp(prefix=".ds4-package-", dir=package.resolve().parent))
     try:
         arts = [compile_gguf(model, t, work / str(i), bounds, kv_rounding=not no_kv_rounding, progress=not quiet,
-                             support=mtp, tune_trials=tune, records=records) for i, t in enumerate(targets)]
+                             support=mtp, tune_trials=tune, records=records, draft_onnx=draft_onnx)
+                for i, t in enumerate(targets)]
         build_package(arts, package)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -679,18 +691,19 @@ def _run(typer_app) -> None:
         sys.exit(130)
 
 
-def _bare_mtp(argv: list[str]) -> list[str]:
+def _bare_flags(argv: list[str]) -> list[str]:
     """`--mtp` with no file (the next word is a flag, or nothing) selects the draft layer inside the
-    model GGUF, as in ds4; click's options need a value, so it becomes `--mtp=`."""
-    return [("--mtp=" if a == "--mtp" and (i + 1 == len(argv) or argv[i + 1].startswith("-")) else a)
-            for i, a in enumerate(argv)]
+    model GGUF, as in ds4, and a bare `--draft-onnx` the heads compiled into the artifact; click's
+    options need a value, so they become `--mtp=` and `--draft-onnx=`."""
+    return [(a + "=" if a in ("--mtp", "--draft-onnx") and (i + 1 == len(argv) or argv[i + 1].startswith("-"))
+             else a) for i, a in enumerate(argv)]
 
 
 def main() -> None:
     # `ds4 -m MODEL -p PROMPT` (no subcommand) is `ds4 run`, as in the reference engine's command lines.
     if len(sys.argv) > 1 and sys.argv[1].startswith("-") and sys.argv[1] not in ("--help", "-h"):
         sys.argv.insert(1, "run")
-    sys.argv[1:] = _bare_mtp(sys.argv[1:])
+    sys.argv[1:] = _bare_flags(sys.argv[1:])
     _run(app)
 
 

@@ -25,7 +25,7 @@ import tarfile
 from pathlib import Path
 
 from . import __version__
-from .artifact import MANIFEST, Manifest, file_sha256
+from .artifact import MANIFEST, Manifest, file_sha256, weight_file
 from .errors import Ds4Error
 
 PACKAGE = "package.json"
@@ -80,7 +80,7 @@ def build_package(artifacts: list[Path], out: Path, progress: bool = False) -> P
     weights, known = {}, {}
     for role, ident in first.weights.items():
         weights[role] = f"weights/{role}/{Path(ident['gguf_path']).name}"
-        _place(Path(ident["gguf_path"]), stage / weights[role])
+        _place(weight_file(artifacts[0], ident), stage / weights[role])
         known[weights[role]] = (ident["gguf_size"], ident["gguf_sha256"])   # GGUF hashes: from compile time
     targets = []
     for m, a in zip(manifests, artifacts):

@@ -13,6 +13,7 @@ from ..artifact import MODEL, Manifest, file_identity
 from ..errors import Ds4Error
 from ..families import BuildRequest, family_named, load_attr, load_model, tensor_types
 from ..gguf import open_gguf
+from . import onnx_heads
 from .targets import resolve
 from .toolchains import cuda_fatbin, prepare
 
@@ -93,9 +94,10 @@ def check_bounds(family, cfg, bounds) -> None:
 
 def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_rounding: bool = True,
                  progress: bool = False, support: Path | None = None, tune_trials: int = 0,
-                 records: Path | None = None) -> Path:
+                 records: Path | None = None, draft_onnx: Path | None = None) -> Path:
     """records: the tuning database to apply (and, with tune_trials > 0, to tune into); by default
-    the one shipped for the target (schedules/tuning.py)."""
+    the one shipped for the target (schedules/tuning.py). draft_onnx: draft heads to compile in
+    (compile/onnx_heads.py)."""
     tgt_spec = resolve(target)
     if tune_trials and tgt_spec.device != "cpu":
         raise Ds4Error(f"--tune: {tgt_spec.name} kernels can only be tuned on their device; tune cpu targets here "
@@ -105,6 +107,7 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
 
     m, dm, support_cfg = _load_pair(gguf_path, support)
     check_bounds(m.family, m.config, bounds)
+    heads = onnx_heads.read(draft_onnx, m.config.n_embd, m.config.n_vocab, bounds.max_verify) if draft_onnx else None
     records = _records(tgt_spec, records)
     phases = Phases(["validate", "build module", "export", *(["tune"] if tune_trials else []), "compile",
                      "write artifact"], progress and not tune_trials)
@@ -117,6 +120,13 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         phases.next()
         mod, named = _export(built.module, tgt_spec)
         params = [[name, *built.sources[id(p)]] for name, p in named]
+        functions, weights = built.functions, {MODEL: file_identity(gguf_path),
+                                               **({"support": file_identity(support)} if dm else {})}
+        drafters = dict(built.drafters)
+        out_dir = Path(out_dir)
+        if heads is not None:
+            mod, functions = _with_heads(mod, functions, heads, draft_onnx, tgt_spec, out_dir, params, weights,
+                                         drafters)
         phases.next()
         if tune_trials:
             from ..schedules.tuning import tune
@@ -125,17 +135,15 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
             phases.next()
         ex = _compile_module(mod, tgt_spec, records)
         phases.next()
-        out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         ex.export_library(str(out_dir / tgt_spec.library))
         (out_dir / "tokenizer.json").write_text(json.dumps(_tokenizer_data(m.gguf, m.family)))
-        weights = {MODEL: file_identity(gguf_path), **({"support": file_identity(support)} if dm else {})}
         manifest = Manifest(
             family=m.family.name, architecture=m.gguf.architecture, target=tgt_spec.tvm,
             target_name=tgt_spec.name, device=tgt_spec.device, arches=list(tgt_spec.arches), weights=weights,
-            bounds=asdict(bounds), kv_rounding=kv_rounding, functions=[f.to_json() for f in built.functions],
+            bounds=asdict(bounds), kv_rounding=kv_rounding, functions=[f.to_json() for f in functions],
             params=params, states=[s.to_json() for s in built.states], library=tgt_spec.library,
-            n_vocab=m.config.n_vocab, drafters=built.drafters, tvm_version=tvm.__version__)
+            n_vocab=m.config.n_vocab, drafters=drafters, tvm_version=tvm.__version__)
         phases.next()
         manifest.extra["compile_seconds"] = phases.times
         if _applies(records):
@@ -146,6 +154,49 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         return out_dir
     finally:
         phases.close()
+
+
+TARGET_FUNCTIONS = ("prefill", "decode", "verify")   # what the engine calls by name
+
+
+def _with_heads(mod, functions, heads, path: Path, tgt_spec, out_dir: Path, params: list, weights: dict,
+                drafters: dict):
+    """mod and functions with the ONNX draft heads added: their weights written into the artifact
+    (a weight file of its own role), their function taking the weight arguments after the module's."""
+    from dataclasses import replace
+
+    from ..artifact import FunctionSpec
+
+    missing = [f.name for f in functions if f.name in TARGET_FUNCTIONS and "hidden" not in f.outputs]
+    if missing:
+        raise Ds4Error(f"--draft-onnx {path}: this family's {', '.join(missing)} do not return the hidden state "
+                       f"('hidden') that draft heads read")
+    model, keep = onnx_heads.prepare(heads.model)
+    try:
+        func = onnx_heads.import_function(model)
+    except Exception as e:  # noqa: BLE001 - the frontend's converters raise anything on what they cannot take
+        raise Ds4Error(f"{path}: TVM's ONNX frontend cannot import it ({onnx_heads.first_line(e)})") from None
+    import tvm
+
+    if tgt_spec.device == "cpu":
+        mod = onnx_heads.add_to_module(mod, func, cpu_threads=int(tgt_spec.tvm.get("num-cores", 1)))
+    else:
+        mod = onnx_heads.add_to_module(mod, func, gpu_target=tvm.target.Target(tgt_spec.tvm))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights_path = out_dir / onnx_heads.WEIGHTS_FILE
+    try:
+        tensors = onnx_heads.write_weights(weights_path, keep, heads.sha256)
+    except Ds4Error as e:
+        raise Ds4Error(f"{path}: {e.message}") from None
+    n = len(params)
+    params += [[name, tensor, None, onnx_heads.ROLE] for (name, _), tensor in zip(keep, tensors)]
+    weights[onnx_heads.ROLE] = file_identity(weights_path, inside=out_dir)
+    drafters["onnx"] = {"k": heads.k, "inputs": list(heads.inputs), "opset": heads.opset, "source": str(path),
+                        "source_sha256": heads.sha256}
+    kinds = {"hidden": "float32", "tokens": "tokens"}
+    spec = FunctionSpec(onnx_heads.FUNCTION, tuple((i, kinds[i]) for i in heads.inputs), ("logits",),
+                        params=(n, len(params)))
+    return mod, [replace(f, params=(0, n)) for f in functions] + [spec]
 
 
 def _export(model, tgt_spec):

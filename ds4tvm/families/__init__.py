@@ -35,13 +35,15 @@ class DraftSpec:
     the flags that select it (for messages); support: the family name of the support file it
     reads, or None when its weights are in the model GGUF; enabled(options): whether the
     speculation flags (runtime/drafters.SpecOptions) ask for it; drafter: 'module:factory' with
-    factory(engine, options) -> the runtime drafter."""
+    factory(engine, options) -> the runtime drafter; compile_with: how an artifact gets it (for
+    messages)."""
     name: str
     label: str
     flags: str
     support: str | None
     enabled: Callable[[Any], bool]
     drafter: str
+    compile_with: str = "--mtp SUPPORT.gguf"
 
 
 @dataclass

@@ -251,7 +251,8 @@ class Engine:
         if spec.states is not None:
             args.append(self.states[spec.states])
             self.seq.fed.add(spec.states)
-        result = self.vm[fn](*args, *self.params)
+        params = self.params if spec.params is None else self.params[spec.params[0]:spec.params[1]]
+        result = self.vm[fn](*args, *params)
         result = [result] if hasattr(result, "numpy") else list(result)
         return {name: result[i].numpy() for i, name in enumerate(spec.outputs)}
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..artifact import MANIFEST, MODEL, file_fingerprint
+from ..artifact import MANIFEST, MODEL, file_fingerprint, file_sha256
 from ..cache import cache_root
 from ..errors import Ds4Error
 
@@ -35,9 +35,11 @@ def runtime_only_tvm() -> None:
 
 
 def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding: bool = True,
-                progress: bool = True, support: str | Path | None = None, lean: bool = False):
+                progress: bool = True, support: str | Path | None = None, lean: bool = False,
+                heads: str | Path | None = None):
     """An Engine for an artifact directory, a package, or a GGUF (compiled on first use, cached).
-    support: the support GGUF (--mtp FILE) to compile with, or to check an artifact against.
+    support: the support GGUF (--mtp FILE) to compile with, or to check an artifact against;
+    heads: likewise, ONNX draft heads (--draft-onnx FILE).
     lean: when nothing needs compiling, load TVM's runtime alone (the CLI's choice; see
     runtime_only_tvm)."""
     from ..artifact import Bounds
@@ -48,6 +50,8 @@ def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding
     if is_package(path):
         if support is not None:
             raise Ds4Error(f"{path}: a package brings its own support file; drop --mtp {support}")
+        if heads is not None:
+            raise Ds4Error(f"{path}: a package brings its own draft heads; use a bare --draft-onnx")
         if lean:
             runtime_only_tvm()
         return Engine(*resolve_package(path))
@@ -58,22 +62,29 @@ def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding
         compiled = engine.manifest.weights.get("support", {}).get("gguf_path")
         if support is not None and (compiled is None or Path(compiled).resolve() != Path(support).resolve()):
             raise Ds4Error(f"{path}: the artifact was not compiled with the support file {support}")
+        compiled = engine.drafters.get("onnx", {}).get("source_sha256")
+        if heads is not None and compiled != file_sha256(Path(heads)):
+            raise Ds4Error(f"{path}: the artifact was not compiled with the draft heads {heads}")
         return engine
     if not path.exists():
         raise Ds4Error(f"{path}: no such file or artifact directory")
     bounds = bounds or Bounds()
     if support is not None and not Path(support).is_file():
         raise Ds4Error(f"{support}: no such support file")
+    if heads is not None and not Path(heads).is_file():
+        raise Ds4Error(f"{heads}: no such ONNX file")
     key = json.dumps([file_fingerprint(path), os.path.getsize(path), target, bounds.max_context, bounds.max_verify,
                       bounds.prefill_chunk, kv_rounding, tvm_version(), __version__,
-                      file_fingerprint(Path(support)) if support else None])
+                      file_fingerprint(Path(support)) if support else None,
+                      file_sha256(Path(heads)) if heads else None])
     out = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24]
     if not (out / MANIFEST).is_file():
         from ..compile.driver import compile_gguf
 
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        compile_gguf(path, target, tmp, bounds, kv_rounding=kv_rounding, progress=progress, support=support)
+        compile_gguf(path, target, tmp, bounds, kv_rounding=kv_rounding, progress=progress, support=support,
+                     draft_onnx=heads)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     elif lean:

@@ -16,6 +16,7 @@ from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 
 from ds4tvm.nn.state import gather_context, recurrent_read, recurrent_write, ring_write
+from ds4tvm.artifact import SCHEMA_VERSION
 
 pytestmark = pytest.mark.compile
 MAX_VERIFY = 4
@@ -213,4 +214,4 @@ def test_an_artifact_of_the_previous_schema_is_refused_with_the_recompile_line(a
     (old / "manifest.json").write_text(json.dumps(manifest))
     r = run_ds4("run", "-m", old, "--tokens", "1,2", "-n", "1")
     lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and "schema 2 is not 4; recompile" in lines[0], r.stderr
+    assert r.returncode == 2 and len(lines) == 1 and f"schema 2 is not {SCHEMA_VERSION}; recompile" in lines[0], r.stderr

@@ -1,5 +1,5 @@
 """`ds4-compile` for every GPU target on this GPU-less machine: the tiny DeepSeek-V4 + DSpark pair
-compiles; the CUDA library holds SASS for exactly the named architectures (NVIDIA's cuobjdump
+compiles, with ONNX draft heads beside them; the CUDA library holds SASS for exactly the named architectures (NVIDIA's cuobjdump
 reads the fatbin), the ROCm one an AMD code object for the named gfx (the ELF machine flags, as
 LLVM's ELF.h numbers them), the Metal one MSL source; every artifact's manifest reloads, and
 `ds4 run` refuses it here with one line. One target of each kind runs by default; all of them
@@ -13,6 +13,7 @@ import sysconfig
 import tarfile
 from pathlib import Path
 
+import onnx_models
 import pytest
 from conftest import run_ds4, run_ds4_compile
 
@@ -35,13 +36,15 @@ def _cuobjdump() -> Path:
 def _compile(demo_pair, tmp_path, target):
     model, support = demo_pair[0], demo_pair[1]
     out = tmp_path / "art"
-    r = run_ds4_compile(model, "--mtp", support, "--target", target, "-o", out, "--max-context", "512",
-                        "--max-verify", "8", "--quiet")
+    heads = onnx_models.save(onnx_models.medusa(64, 512, 3, tokens=True), tmp_path / "heads.onnx")
+    r = run_ds4_compile(model, "--mtp", support, "--draft-onnx", heads, "--target", target, "-o", out,
+                        "--max-context", "512", "--max-verify", "8", "--quiet")
     if r.returncode == 2 and " need " in r.stderr:
         pytest.skip(f"toolchain for {target} absent: {r.stderr.strip()}")
     assert r.returncode == 0, r.stderr
     m = Manifest.read(out)
     assert "dspark" in m.drafters and "dspark_block" in {f["name"] for f in m.functions}
+    assert m.drafters["onnx"]["k"] == 3 and "draft_onnx" in {f["name"] for f in m.functions}
     refused = run_ds4("run", "-m", out, "-p", "hi", "-n", 2)
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and len(lines) == 1 and m.target_name in lines[0], refused.stderr

@@ -200,6 +200,7 @@ class Block(nn.Module):
 
 class DeepSeekV4(nn.Module):
     """The target. Every call returns the logits, then the extra outputs a paired drafter reads:
+    `hidden` [rows of logits, D] (the output head's input: ONNX draft heads read it),
     `captured` [n, L, D] (the mean of the HC streams after capture_layers: DSpark's input) and
     `hc_state` [n, hc, D] (the final HC streams before the output head: legacy MTP's input)."""
 
@@ -224,14 +225,18 @@ class DeepSeekV4(nn.Module):
         self.state_names = [s.name for s in state_specs(cfg, bounds)]
 
     def extra_outputs(self) -> tuple[str, ...]:
-        return (("captured",) if self.capture_layers else ()) + (("hc_state",) if self.hc_state else ())
+        return ("hidden",) + (("captured",) if self.capture_layers else ()) + (("hc_state",) if self.hc_state else ())
 
-    def logits_of(self, X, head_fn, head_scale, head_base, norm, name: str):
-        """HC head (streams -> one row), RMSNorm and the target's output head."""
+    def hidden_of(self, X, head_fn, head_scale, head_base, norm, name: str):
+        """HC head (streams -> one row) and RMSNorm: what the output head reads."""
         c = self.cfg
         h = hc_head(X, head_fn, head_scale.values(name=f"{name}_hc_scale"), head_base.values(name=f"{name}_hc_base"),
                     c.rms_eps, c.hc_eps)
-        return self.output.linear(rms(h, c.rms_eps, norm.values(name=f"{name}_norm")), name=f"{name}_lm_head")
+        return rms(h, c.rms_eps, norm.values(name=f"{name}_norm"))
+
+    def logits_of(self, X, head_fn, head_scale, head_base, norm, name: str):
+        """The target's output head over hidden_of."""
+        return self.output.linear(self.hidden_of(X, head_fn, head_scale, head_base, norm, name), name=f"{name}_lm_head")
 
     def _forward(self, ids, start, states, last_only: bool):
         c = self.cfg
@@ -253,9 +258,10 @@ class DeepSeekV4(nn.Module):
         if last_only:
             X = op.tensor_expr_op(lambda x: te.compute((1, c.hc, c.n_embd), lambda _, i, d: x[x.shape[0] - 1, i, d],
                                                        name="last_row"), "last_row", [X])
-        logits = self.logits_of(X, self.output_hc_fn, self.output_hc_scale, self.output_hc_base, self.output_norm,
+        hidden = self.hidden_of(X, self.output_hc_fn, self.output_hc_scale, self.output_hc_base, self.output_norm,
                                 "output")
-        return (logits, *extras, tuple(out_states[k] for k in self.state_names))
+        logits = self.output.linear(hidden, name="output_lm_head")
+        return (logits, hidden, *extras, tuple(out_states[k] for k in self.state_names))
 
     def prefill(self, ids: nn.Tensor, start, states):
         """A chunk of the prompt; logits of its last token [1, V], extra outputs of every token."""

@@ -1,6 +1,7 @@
 """Drafters for the speculative loop (runtime/speculative.py), and the one place the speculation
 flags are turned into a drafter: the model's family lists the drafters it offers and the flags
-that enable each (families.DraftSpec); the artifact says which were compiled in."""
+that enable each (families.DraftSpec), GENERIC the ones every family has (ONNX draft heads over the
+target's hidden state); the artifact says which were compiled in."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from ...errors import Ds4Error
 @dataclass(frozen=True)
 class SpecOptions:
     """The speculation flags of `ds4 run / serve / bench` (ds4's meanings). mtp: the support file
-    (--mtp FILE), "" for a bare --mtp (the draft layer in the model GGUF), None when absent."""
+    (--mtp FILE), "" for a bare --mtp (the draft layer in the model GGUF), None when absent;
+    draft_onnx likewise: the heads to compile in (--draft-onnx FILE), "" for the compiled ones."""
     mtp: str | None = None
+    draft_onnx: str | None = None
     mtp_draft: int = 1
     mtp_margin: float | None = None
     mtp_timing: bool = False
@@ -24,9 +27,25 @@ class SpecOptions:
     exact_sampling: bool = False
     quality: bool = False
 
+    def __post_init__(self):
+        if self.draft_onnx is not None and self.mtp is not None:
+            raise Ds4Error("--draft-onnx and --mtp: choose one drafter")
+
     @property
     def support(self) -> Path | None:
         return Path(self.mtp) if self.mtp else None
+
+    @property
+    def heads(self) -> Path | None:
+        return Path(self.draft_onnx) if self.draft_onnx else None
+
+
+def _generic():
+    from ...families import DraftSpec
+
+    return (DraftSpec("onnx", "ONNX draft heads", "--draft-onnx", support=None,
+                      enabled=lambda o: o.draft_onnx is not None, drafter="ds4tvm.runtime.drafters.onnx:from_options",
+                      compile_with="ds4-compile --draft-onnx HEADS.onnx"),)
 
 
 def drafter_tag(drafter) -> str:
@@ -35,8 +54,8 @@ def drafter_tag(drafter) -> str:
 
 
 def wanted(family, options: SpecOptions) -> list:
-    """The family's drafters (DraftSpec) that the flags ask for."""
-    return [d for d in family.drafters if d.enabled(options)]
+    """The family's drafters (DraftSpec) and the generic ones that the flags ask for."""
+    return [d for d in (*family.drafters, *_generic()) if d.enabled(options)]
 
 
 def check_support_given(family, options: SpecOptions, model: Path) -> None:
@@ -70,9 +89,9 @@ def choose_drafter(engine, options: SpecOptions, model: Path):
     if d.name not in engine.drafters:
         held = ", ".join(engine.drafters) or "no"
         support = engine.manifest.weights.get("support", {}).get("gguf_path")
-        if support and engine.drafters:
+        if support and engine.drafters and d.support is not None:
             raise Ds4Error(f"{support}: holds the {held} drafter; {d.flags} needs a {d.label} support file")
         raise Ds4Error(f"{model}: the artifact has no {d.label} drafter (it holds {held} drafter); "
-                       f"compile it with --mtp SUPPORT.gguf")
+                       f"compile it with {d.compile_with}")
     drafter = load_attr(d.drafter)(engine, options)
     return None if options.quality else drafter

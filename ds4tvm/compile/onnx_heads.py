@@ -1,0 +1,302 @@
+"""`ds4-compile --draft-onnx HEADS.onnx`: draft heads a user trained (Medusa-style), imported with
+TVM's ONNX frontend and compiled into the artifact beside the target, for any family.
+
+The contract (README): input `hidden`, float32 [n, D], the target's final hidden state (what its
+output head reads), one row per position; optional input `tokens`, int64 [n], the token chosen after
+each position; output `logits`, float32 [n, K, V], the K positions after that token. n is dynamic,
+D and V are the target's, 1 <= K <= max_verify - 1.
+
+How the heads join the artifact:
+- large floating-point initializers are weight arguments, written to `draft-onnx.gguf` inside the
+  artifact (packages carry and hash it like the model's GGUF); small and integer ones (shapes,
+  axes, biases under SMALL) stay constants, which the frontend needs for shape arguments;
+- a MatMul by a weight is rewritten to multiply by its transpose, stored as [N, K] (a row per
+  output, as a Gemm with transB keeps it), so that every product with a weight is one "x @ W^T"
+  kernel: the hand-written F32 linear on CPU targets (nn/cpu_kernels.py), one TE reduction that
+  dlight's GEMV / Matmul rules schedule on GPUs (a separate transpose would copy the weight on
+  every call, since fusion is off);
+- `tokens` is taken as int32, so the engine range-checks it like every token input; Gather indices
+  take it as is, any other use gets it cast to int64;
+- the function is `draft_onnx`; it takes its own slice of the weight arguments (FunctionSpec.params).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import Ds4Error
+
+FUNCTION = "draft_onnx"
+WEIGHTS_FILE = "draft-onnx.gguf"
+ROLE = "draft_onnx"
+SMALL = 1024            # initializers with fewer elements stay constants
+MIN_OPSET = 13          # the first opset whose Unsqueeze/Split/Reduce* take their axes as inputs
+_INPUTS = {"hidden": ("float32", 2), "tokens": ("int64", 1)}
+
+
+@dataclass
+class Heads:
+    """A checked heads model: K, its input names in graph order, the opset, the file's sha256."""
+    model: object
+    k: int
+    inputs: tuple[str, ...]
+    opset: int
+    sha256: str
+
+
+def _fail(path, what: str) -> Ds4Error:
+    return Ds4Error(f"{path}: {what}")
+
+
+def first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
+
+
+def read(path: Path, n_embd: int, n_vocab: int, max_verify: int) -> Heads:
+    """The heads model at path, checked against the contract and the target (one-line errors)."""
+    import onnx
+
+    path = Path(path)
+    if not path.is_file():
+        raise _fail(path, "no such ONNX file")
+    try:
+        model = onnx.load(str(path))
+    except Exception as e:  # noqa: BLE001 - protobuf raises several types for truncated or foreign files
+        raise _fail(path, f"not a readable ONNX model ({first_line(e)})") from None
+    try:
+        onnx.checker.check_model(model)
+    except Exception as e:  # noqa: BLE001
+        raise _fail(path, f"the ONNX checker rejects it: {first_line(e)}") from None
+    opset = _opset(model, path)
+    _check_ops(model, path)
+    inputs = _check_inputs(model, path, n_embd)
+    k = _check_output(model, path, n_vocab, max_verify)
+    return Heads(model, k, inputs, opset, hashlib.sha256(path.read_bytes()).hexdigest())
+
+
+def _opset(model, path) -> int:
+    import onnx
+
+    opset = None
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            opset = o.version
+        else:
+            raise _fail(path, f"uses operators of the domain {o.domain!r}; expected only the default ONNX domain")
+    if opset is None or not MIN_OPSET <= opset <= onnx.defs.onnx_opset_version():
+        raise _fail(path, f"opset {opset}: expected {MIN_OPSET}..{onnx.defs.onnx_opset_version()}")
+    return opset
+
+
+def _check_ops(model, path) -> None:
+    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+
+    known = set(_get_convert_map()) | {"Constant", "If"}   # the two the importer handles itself
+    for i, node in enumerate(model.graph.node):
+        if node.op_type not in known:
+            raise _fail(path, f"node {node.name or f'#{i}'!r} uses the operator {node.op_type}, which TVM's ONNX "
+                              f"frontend does not support")
+
+
+def _dims(value_info) -> list:
+    t = value_info.type.tensor_type
+    if not t.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim]
+
+
+def _dtype(value_info) -> str:
+    import onnx
+
+    return str(onnx.helper.tensor_dtype_to_np_dtype(value_info.type.tensor_type.elem_type))
+
+
+def _check_inputs(model, path, n_embd: int) -> tuple[str, ...]:
+    inits = {t.name for t in model.graph.initializer}
+    graph_inputs = [i for i in model.graph.input if i.name not in inits]
+    names = tuple(i.name for i in graph_inputs)
+    for name in names:
+        if name not in _INPUTS:
+            raise _fail(path, f"input {name!r}: expected only 'hidden' (float32 [n, D]) and 'tokens' (int64 [n])")
+    if "hidden" not in names:
+        raise _fail(path, "has no input 'hidden' (float32 [n, D]: the target's final hidden state)")
+    for vi in graph_inputs:
+        dtype, rank = _INPUTS[vi.name]
+        dims = _dims(vi)
+        if _dtype(vi) != dtype or dims is None or len(dims) != rank:
+            raise _fail(path, f"input {vi.name!r} is {_dtype(vi)} {dims}; expected {dtype} of rank {rank}")
+        if isinstance(dims[0], int):
+            raise _fail(path, f"input {vi.name!r}: dim 0 is fixed at {dims[0]}; expected a dynamic n "
+                              f"(torch.onnx.export dynamic_shapes / dynamic_axes)")
+        if vi.name == "hidden" and dims[1] != n_embd:
+            raise _fail(path, f"input 'hidden' has width {dims[1]}; expected the target's hidden size {n_embd}")
+    return names
+
+
+def _check_output(model, path, n_vocab: int, max_verify: int) -> int:
+    import onnx
+
+    outputs = [o.name for o in model.graph.output]
+    if outputs != ["logits"]:
+        raise _fail(path, f"outputs {outputs}: expected one output 'logits' (float32 [n, K, V])")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except Exception as e:  # noqa: BLE001
+        raise _fail(path, f"shape inference fails: {first_line(e)}") from None
+    out = inferred.graph.output[0]
+    dims = _dims(out)
+    if _dtype(out) != "float32" or dims is None or len(dims) != 3:
+        raise _fail(path, f"output 'logits' is {_dtype(out)} {dims}; expected float32 [n, K, V]")
+    k, v = dims[1], dims[2]
+    if not isinstance(k, int) or not isinstance(v, int):
+        raise _fail(path, f"output 'logits' {dims}: K and V must be fixed sizes")
+    if v != n_vocab:
+        raise _fail(path, f"output 'logits' has {v} columns; expected the target's vocabulary of {n_vocab}")
+    if not 1 <= k <= max_verify - 1:
+        raise _fail(path, f"output 'logits' has K = {k} heads; expected 1..{max_verify - 1} (max-verify - 1)")
+    return k
+
+
+# ---------------------------------------------------------------------------------------- import
+def prepare(model) -> tuple[object, list[tuple[str, np.ndarray]]]:
+    """A copy of the model made ready for import (see the module docstring) and its weights, in
+    the order the imported function takes them."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    arrays = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    rhs_only = _matmul_weights(g, arrays)
+    head, weights, keep = [], [], []
+    for name, a in arrays.items():
+        if a.dtype.kind == "f" and a.dtype != np.float64 and a.size >= SMALL:
+            if name in rhs_only:   # W [K, N] becomes its transpose, read back through a Transpose node
+                keep.append((name + ".T", np.ascontiguousarray(a.T)))
+                head.append(helper.make_node("Transpose", [name + ".T"], [name], perm=[1, 0]))
+            else:
+                keep.append((name, a))
+            continue
+        head.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(a, name)))
+    del g.initializer[:]
+    g.initializer.extend(numpy_helper.from_array(a, n) for n, a in keep)
+    kept = [i for i in g.input if i.name not in arrays]
+    del g.input[:]
+    g.input.extend(kept)
+    for vi in g.input:
+        if vi.name != "tokens":
+            continue
+        vi.type.tensor_type.elem_type = onnx.TensorProto.INT32   # as the engine checks and passes token ids
+        if any((n.op_type, list(n.input).index("tokens")) != ("Gather", 1) for n in g.node if "tokens" in n.input):
+            # used beyond Gather indices (which take int32 as is, so GPUs index in int32): int64 for the graph
+            vi.name = "tokens.int32"
+            head.append(helper.make_node("Cast", ["tokens.int32"], ["tokens"], to=onnx.TensorProto.INT64))
+    nodes = head + list(g.node)
+    del g.node[:]
+    g.node.extend(nodes)
+    return m, keep
+
+
+def _matmul_weights(g, arrays) -> set[str]:
+    """Initializers used only as the right-hand side of 2-D MatMuls."""
+    uses: dict[str, list] = {}
+    for node in g.node:
+        for j, name in enumerate(node.input):
+            uses.setdefault(name, []).append((node.op_type, j))
+    outputs = {o.name for o in g.output}
+    return {name for name, a in arrays.items()
+            if a.ndim == 2 and name not in outputs and uses.get(name) and all(u == ("MatMul", 1) for u in uses[name])}
+
+
+def import_function(model):
+    """The heads as a Relax function (weights as trailing parameters, no values attached)."""
+    import warnings
+
+    from tvm.relax.frontend.onnx import from_onnx
+
+    import tvm
+    from tvm.relax import transform
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the frontend warns about every dynamic dimension
+        mod = from_onnx(model, keep_params_in_input=True, sanitize_input_names=False)
+    # the importer computes static sizes at run time (Gather's index wrap reads the table's shape
+    # as an int64 tensor): fold them, so no int64 kernel is left (ROCm and Metal index in int32)
+    fold = [transform.CanonicalizeBindings(), transform.FoldConstant()]
+    mod = tvm.transform.Sequential([*fold, *fold, transform.DeadCodeElimination(["main"])])(mod)
+    return mod["main"].without_attr("params")
+
+
+def add_to_module(mod, func, cpu_threads: int | None = None, gpu_target=None):
+    """mod with func as `draft_onnx`, its products with a weight as one x @ W^T kernel each (see
+    the module docstring): cpu_threads, the CPU target's cores, for the hand-written kernel; else
+    a TE kernel, scheduled here for gpu_target by dlight's LowBatchGEMV (the drafter calls the
+    heads with one row; the Matmul rule, first in the GPU pipeline's order, would import TVM's
+    tensor intrinsics, a minute per compile, for kernels that never see a tile's worth of rows)."""
+    from tvm import relax, te
+    from tvm.relax.dpl import is_op, rewrite_call, wildcard
+
+    from ..nn import cpu_kernels
+    from gguf import GGMLQuantizationType as QT
+
+    weights = set(func.params[int(func.attrs["num_input"]):])
+    bb = relax.BlockBuilder(mod)
+    kernels = {}
+    x, w = wildcard(), wildcard()
+    pattern = is_op("relax.matmul")(x, is_op("relax.permute_dims")(w))
+
+    def linear(expr, matched):
+        xs, ws = matched[x], matched[w]
+        shape = [int(d) for d in ws.ty.shape] if ws in weights else None
+        if shape is None or len(shape) != 2 or xs.ty.ndim != 2 or ws.ty.dtype != "float32":
+            return expr
+        (N, K), n = shape, xs.ty.shape[0]
+        if cpu_threads is not None and cpu_kernels.supports(QT.F32, N, K):
+            if (N, K) not in kernels:
+                kernels[N, K] = bb.add_func(cpu_kernels.dense_linear(QT.F32, N, K, cpu_threads), f"onnx_linear_{N}x{K}")
+            return relax.call_tir(kernels[N, K], [xs, ws, ws], relax.TensorType([n, N], "float32"))
+        k = te.reduce_axis((0, K), "k")
+        return bb.call_te(lambda a, b: te.compute((a.shape[0], N), lambda t, j: te.sum(a[t, k] * b[j, k], axis=k),
+                                                  name="onnx_linear"), xs, ws, primfunc_name_hint="onnx_linear")
+
+    rewritten = rewrite_call(pattern, linear, func)
+    out = bb.get()
+    out[FUNCTION] = rewritten.with_attr("global_symbol", FUNCTION)
+    if gpu_target is not None:
+        _schedule_gpu_linears(out, gpu_target)
+    return out
+
+
+def _schedule_gpu_linears(mod, target) -> None:
+    from tvm.s_tir import dlight as dl
+
+    with target:
+        for gv, f in list(mod.functions.items()):
+            if gv.name_hint.startswith("onnx_linear"):
+                sch = dl.gpu.LowBatchGEMV(4).apply(f, target, False)
+                if sch is not None:
+                    mod[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def write_weights(path: Path, keep: list[tuple[str, np.ndarray]], source_sha256: str) -> list[str]:
+    """The heads' weights as a GGUF (F32 or F16 tensors `onnx.N`, their ONNX names in the
+    metadata); returns the tensor names in argument order."""
+    from gguf import GGMLQuantizationType as QT
+
+    from ..gguf.writer import TensorOut, write_gguf
+
+    types = {np.dtype(np.float32): QT.F32, np.dtype(np.float16): QT.F16}
+    tensors = []
+    for i, (name, a) in enumerate(keep):
+        if a.dtype not in types:
+            raise Ds4Error(f"initializer {name!r} is {a.dtype}; expected float32 or float16 weights")
+        tensors.append(TensorOut(f"onnx.{i}", types[a.dtype], a.shape, lambda a=a: a))
+    write_gguf(path, "ds4tvm-onnx-heads", {"ds4tvm.onnx.names": [n for n, _ in keep],
+                                          "ds4tvm.onnx.source_sha256": source_sha256}, tensors)
+    return [t.name for t in tensors]
