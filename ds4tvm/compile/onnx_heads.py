@@ -10,9 +10,9 @@ How the heads join the artifact:
 - large floating-point initializers are weight arguments, written to `draft-onnx.gguf` inside the
   artifact (packages carry and hash it like the model's GGUF); small and integer ones (shapes,
   axes, biases under SMALL) stay constants, which the frontend needs for shape arguments;
-- a MatMul by a weight is rewritten to multiply by its transpose, stored as [N, K] (a row per
-  output, as a Gemm with transB keeps it), so that every product with a weight is one "x @ W^T"
-  kernel: the hand-written F32 linear on CPU targets (nn/cpu_kernels.py), one TE reduction that
+- a MatMul of rows [n, K] by a weight is rewritten to multiply by its transpose, stored as [N, K]
+  (a row per output, as a Gemm with transB keeps it), so that every such product with a weight is
+  one "x @ W^T" kernel (products of higher-rank inputs keep TVM's generic matmul): the hand-written F32 linear on CPU targets (nn/cpu_kernels.py), one TE reduction that
   dlight's GEMV / Matmul rules schedule on GPUs (a separate transpose would copy the weight on
   every call, since fusion is off);
 - `tokens` is taken as int32, so the engine range-checks it like every token input; Gather indices
@@ -173,8 +173,8 @@ def prepare(model) -> tuple[object, list[tuple[str, np.ndarray]]]:
     m.CopyFrom(model)
     g = m.graph
     arrays = {t.name: numpy_helper.to_array(t) for t in g.initializer}
-    rhs_only = _matmul_weights(g, arrays)
-    head, weights, keep = [], [], []
+    rhs_only = _matmul_weights(m, arrays)
+    head, keep = [], []
     for name, a in arrays.items():
         if a.dtype.kind == "f" and a.dtype != np.float64 and a.size >= SMALL:
             if name in rhs_only:   # W [K, N] becomes its transpose, read back through a Transpose node
@@ -203,15 +203,23 @@ def prepare(model) -> tuple[object, list[tuple[str, np.ndarray]]]:
     return m, keep
 
 
-def _matmul_weights(g, arrays) -> set[str]:
-    """Initializers used only as the right-hand side of 2-D MatMuls."""
+def _matmul_weights(model, arrays) -> set[str]:
+    """2-D initializers used only as the right-hand side of MatMuls whose left side is 2-D (the
+    products the x @ W^T kernels take; others keep their layout and TVM's generic matmul)."""
+    import onnx
+
+    g = model.graph
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    rank = {v.name: len(v.type.tensor_type.shape.dim) for v in (*inferred.value_info, *inferred.input)
+            if v.type.tensor_type.HasField("shape")}
     uses: dict[str, list] = {}
     for node in g.node:
         for j, name in enumerate(node.input):
-            uses.setdefault(name, []).append((node.op_type, j))
+            uses.setdefault(name, []).append((node.op_type, j, rank.get(node.input[0])))
     outputs = {o.name for o in g.output}
     return {name for name, a in arrays.items()
-            if a.ndim == 2 and name not in outputs and uses.get(name) and all(u == ("MatMul", 1) for u in uses[name])}
+            if a.ndim == 2 and name not in outputs and uses.get(name)
+            and all(u == ("MatMul", 1, 2) for u in uses[name])}
 
 
 def import_function(model):
@@ -239,11 +247,11 @@ def add_to_module(mod, func, cpu_threads: int | None = None, gpu_target=None):
     a TE kernel, scheduled here for gpu_target by dlight's LowBatchGEMV (the drafter calls the
     heads with one row; the Matmul rule, first in the GPU pipeline's order, would import TVM's
     tensor intrinsics, a minute per compile, for kernels that never see a tile's worth of rows)."""
+    from gguf import GGMLQuantizationType as QT
     from tvm import relax, te
     from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
     from ..nn import cpu_kernels
-    from gguf import GGMLQuantizationType as QT
 
     weights = set(func.params[int(func.attrs["num_input"]):])
     bb = relax.BlockBuilder(mod)
@@ -251,19 +259,22 @@ def add_to_module(mod, func, cpu_threads: int | None = None, gpu_target=None):
     x, w = wildcard(), wildcard()
     pattern = is_op("relax.matmul")(x, is_op("relax.permute_dims")(w))
 
-    def linear(expr, matched):
-        xs, ws = matched[x], matched[w]
-        shape = [int(d) for d in ws.ty.shape] if ws in weights else None
-        if shape is None or len(shape) != 2 or xs.ty.ndim != 2 or ws.ty.dtype != "float32":
-            return expr
-        (N, K), n = shape, xs.ty.shape[0]
+    def product(xs, ws, N: int, K: int):
+        """xs [n, K] @ ws^T for ws [N, K]."""
         if cpu_threads is not None and cpu_kernels.supports(QT.F32, N, K):
             if (N, K) not in kernels:
                 kernels[N, K] = bb.add_func(cpu_kernels.dense_linear(QT.F32, N, K, cpu_threads), f"onnx_linear_{N}x{K}")
-            return relax.call_tir(kernels[N, K], [xs, ws, ws], relax.TensorType([n, N], "float32"))
+            return relax.call_tir(kernels[N, K], [xs, ws, ws], relax.TensorType([xs.ty.shape[0], N], "float32"))
         k = te.reduce_axis((0, K), "k")
         return bb.call_te(lambda a, b: te.compute((a.shape[0], N), lambda t, j: te.sum(a[t, k] * b[j, k], axis=k),
                                                   name="onnx_linear"), xs, ws, primfunc_name_hint="onnx_linear")
+
+    def linear(expr, matched):
+        xs, ws = matched[x], matched[w]
+        if ws not in weights or ws.ty.ndim != 2 or ws.ty.dtype != "float32" or xs.ty.ndim != 2:
+            return expr
+        N, K = (int(d) for d in ws.ty.shape)
+        return product(xs, ws, N, K)
 
     rewritten = rewrite_call(pattern, linear, func)
     out = bb.get()
