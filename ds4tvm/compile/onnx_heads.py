@@ -10,7 +10,7 @@ How the heads join the artifact:
 - large floating-point initializers are weight arguments, written to `draft-onnx.gguf` inside the
   artifact (packages carry and hash it like the model's GGUF); small and integer ones (shapes,
   axes, biases under SMALL) stay constants, which the frontend needs for shape arguments;
-- a MatMul of rows [n, K] by a weight is rewritten to multiply by its transpose, stored as [N, K]
+- a MatMul of rows [n, K] by a weight (float32, or float16 cast to float32) is rewritten to multiply by its transpose, stored as [N, K]
   (a row per output, as a Gemm with transB keeps it), so that every such product with a weight is
   one "x @ W^T" kernel (products of higher-rank inputs keep TVM's generic matmul): the hand-written F32 linear on CPU targets (nn/cpu_kernels.py), one TE reduction that
   dlight's GEMV / Matmul rules schedule on GPUs (a separate transpose would copy the weight on
@@ -204,22 +204,34 @@ def prepare(model) -> tuple[object, list[tuple[str, np.ndarray]]]:
 
 
 def _matmul_weights(model, arrays) -> set[str]:
-    """2-D initializers used only as the right-hand side of MatMuls whose left side is 2-D (the
-    products the x @ W^T kernels take; others keep their layout and TVM's generic matmul)."""
+    """2-D initializers used only as the right-hand side of MatMuls whose left side is 2-D, directly
+    or (float16 ones) through a Cast to float32: the products the x @ W^T kernels take; others
+    keep their layout and TVM's generic matmul."""
     import onnx
 
     g = model.graph
     inferred = onnx.shape_inference.infer_shapes(model).graph
     rank = {v.name: len(v.type.tensor_type.shape.dim) for v in (*inferred.value_info, *inferred.input)
             if v.type.tensor_type.HasField("shape")}
-    uses: dict[str, list] = {}
+    consumers: dict[str, list] = {}
     for node in g.node:
         for j, name in enumerate(node.input):
-            uses.setdefault(name, []).append((node.op_type, j, rank.get(node.input[0])))
+            consumers.setdefault(name, []).append((node, j))
     outputs = {o.name for o in g.output}
+
+    def rows_times(name: str) -> bool:
+        us = consumers.get(name)
+        return bool(us) and name not in outputs and all(
+            n.op_type == "MatMul" and j == 1 and rank.get(n.input[0]) == 2 for n, j in us)
+
+    def through_cast(name: str) -> bool:
+        us = consumers.get(name, [])
+        return (len(us) == 1 and us[0][0].op_type == "Cast" and name not in outputs
+                and onnx.helper.get_attribute_value(us[0][0].attribute[0]) == onnx.TensorProto.FLOAT
+                and rows_times(us[0][0].output[0]))
+
     return {name for name, a in arrays.items()
-            if a.ndim == 2 and name not in outputs and uses.get(name)
-            and all(u == ("MatMul", 1, 2) for u in uses[name])}
+            if a.ndim == 2 and (rows_times(name) or (a.dtype == np.float16 and through_cast(name)))}
 
 
 def import_function(model):
@@ -257,21 +269,27 @@ def add_to_module(mod, func, cpu_threads: int | None = None, gpu_target=None):
     bb = relax.BlockBuilder(mod)
     kernels = {}
     x, w = wildcard(), wildcard()
-    pattern = is_op("relax.matmul")(x, is_op("relax.permute_dims")(w))
+    transposed = is_op("relax.permute_dims")(w)
+    pattern = is_op("relax.matmul")(x, transposed | is_op("relax.astype")(transposed))
 
     def product(xs, ws, N: int, K: int):
-        """xs [n, K] @ ws^T for ws [N, K]."""
-        if cpu_threads is not None and cpu_kernels.supports(QT.F32, N, K):
-            if (N, K) not in kernels:
-                kernels[N, K] = bb.add_func(cpu_kernels.dense_linear(QT.F32, N, K, cpu_threads), f"onnx_linear_{N}x{K}")
-            return relax.call_tir(kernels[N, K], [xs, ws, ws], relax.TensorType([xs.ty.shape[0], N], "float32"))
+        """xs [n, K] @ ws^T for ws [N, K], float32 or float16 (read as float32)."""
+        qtype = QT.F32 if ws.ty.dtype == "float32" else QT.F16
+        if cpu_threads is not None and cpu_kernels.supports(qtype, N, K):
+            key = (qtype, N, K)
+            if key not in kernels:
+                kernels[key] = bb.add_func(cpu_kernels.dense_linear(qtype, N, K, cpu_threads),
+                                           f"onnx_linear_{qtype.name.lower()}_{N}x{K}")
+            return relax.call_tir(kernels[key], [xs, ws, ws], relax.TensorType([xs.ty.shape[0], N], "float32"))
         k = te.reduce_axis((0, K), "k")
-        return bb.call_te(lambda a, b: te.compute((a.shape[0], N), lambda t, j: te.sum(a[t, k] * b[j, k], axis=k),
-                                                  name="onnx_linear"), xs, ws, primfunc_name_hint="onnx_linear")
+        return bb.call_te(lambda a, b: te.compute(
+            (a.shape[0], N), lambda t, j: te.sum(a[t, k] * b[j, k].astype("float32"), axis=k), name="onnx_linear"),
+            xs, ws, primfunc_name_hint="onnx_linear")
 
     def linear(expr, matched):
         xs, ws = matched[x], matched[w]
-        if ws not in weights or ws.ty.ndim != 2 or ws.ty.dtype != "float32" or xs.ty.ndim != 2:
+        if (ws not in weights or ws.ty.ndim != 2 or ws.ty.dtype not in ("float32", "float16") or xs.ty.ndim != 2
+                or expr.ty.dtype != "float32"):
             return expr
         N, K = (int(d) for d in ws.ty.shape)
         return product(xs, ws, N, K)

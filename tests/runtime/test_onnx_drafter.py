@@ -64,8 +64,10 @@ def test_imported_heads_equal_onnxruntime(tmp_path):
         heads = onnx_heads.read(path, D, V, 8)
         model, keep = onnx_heads.prepare(heads.model)
         mod = onnx_heads.add_to_module(tvm.IRModule(), onnx_heads.import_function(model), 2)
-        if dtype == np.float32:   # products with a float32 weight run the hand-written linear
-            assert sum(gv.name_hint.startswith("onnx_linear_") for gv in mod.functions) == 2
+        # the products with a weight run the hand-written linear of the weight's type
+        linears = [gv.name_hint for gv in mod.functions if gv.name_hint.startswith("onnx_linear_")]
+        kind = {np.float32: "f32", np.float16: "f16"}[dtype]
+        assert len(linears) == 2 and all(n.startswith(f"onnx_linear_{kind}_") for n in linears), linears
         names = onnx_heads.write_weights(tmp_path / "w.gguf", keep, heads.sha256)
         stored = open_gguf(tmp_path / "w.gguf").tensors
         vm = relax.VirtualMachine(_compile_module(mod, resolve("llvm")), tvm.cpu())
