@@ -158,3 +158,17 @@ def test_the_pipeline_names_no_family():
             if tok.type != tokenize.COMMENT and tok.start[0] not in docs and names.search(tok.string):
                 hits.append(f"{f.relative_to(root)}:{tok.start[0]}: {tok.string[:40]}")
     assert not hits, hits
+
+
+def test_published_q2_recipe_types_follow_the_spec():
+    """ds4-spec §1.1's Q2 recipe: routed gate/up IQ2_XXS, down Q2_K, attention projections, shared
+    experts and output Q8_0, the indexer's q_b and proj F16, norms F32."""
+    from ds4tvm.families.deepseek4.published import flash_config, q2_recipe_type
+    from ds4tvm.families.deepseek4.tensors import tensor_specs
+
+    types = {s.name: q2_recipe_type(s) for s in tensor_specs(flash_config())}
+    indexed = [n for n in types if ".indexer." in n]
+    assert indexed and all(types[n] == QT.F16 for n in indexed if not n.endswith("norm.weight"))
+    assert types["blk.2.indexer.attn_q_b.weight"] == QT.F16 and types["blk.2.attn_q_b.weight"] == QT.Q8_0
+    assert types["blk.5.ffn_gate_exps.weight"] == QT.IQ2_XXS and types["blk.5.ffn_down_exps.weight"] == QT.Q2_K
+    assert types["output.weight"] == QT.Q8_0 and types["blk.5.ffn_up_shexp.weight"] == QT.Q8_0

@@ -39,6 +39,6 @@ def q2_recipe_type(spec: TensorSpec) -> QT:
         return QT.IQ2_XXS
     if "ffn_down_exps" in name:
         return QT.Q2_K
-    if name.endswith(_Q8_0) and not name.startswith("indexer"):
+    if name.endswith(_Q8_0) and ".indexer." not in name:   # blk.N.indexer.attn_q_b stays F16
         return QT.Q8_0
     return default_type(spec)   # F16 (embedding, compressors, indexer, router, HC), F32 norms, I32 tid2eid
