@@ -114,5 +114,9 @@ def malformed(d, D: int, V: int) -> dict:
     float_tokens = medusa(D, V, 2, tokens=True)
     float_tokens.graph.input[1].type.tensor_type.elem_type = TP.FLOAT
     add("float tokens", float_tokens, "input 'tokens' is float32")
+    short = medusa(D, V, 2, tokens=True)
+    embed = next(t for t in short.graph.initializer if t.name == "embed")
+    embed.CopyFrom(nh.from_array(nh.to_array(embed)[:V // 2], "embed"))
+    add("short token table", short, f"expected a table of at least {V} rows")
     add("invalid graph", medusa(D, V, 2, opset=11), "the ONNX checker rejects it")   # Unsqueeze's axes input is opset 13
     return cases

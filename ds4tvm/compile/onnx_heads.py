@@ -76,6 +76,7 @@ def read(path: Path, n_embd: int, n_vocab: int, max_verify: int) -> Heads:
     _check_ops(model, path)
     inputs = _check_inputs(model, path, n_embd)
     k = _check_output(model, path, n_vocab, max_verify)
+    _check_token_tables(model, path, n_vocab)
     return Heads(model, k, inputs, opset, hashlib.sha256(path.read_bytes()).hexdigest())
 
 
@@ -160,6 +161,26 @@ def _check_output(model, path, n_vocab: int, max_verify: int) -> int:
     if not 1 <= k <= max_verify - 1:
         raise _fail(path, f"output 'logits' has K = {k} heads; expected 1..{max_verify - 1} (max-verify - 1)")
     return k
+
+
+def _check_token_tables(model, path, n_vocab: int) -> None:
+    """A table read by token id (Gather of `tokens`) must have a row for every id the engine lets
+    through: the importer's gather does not check its indices."""
+    import onnx
+
+    rows = {t.name: (t.dims[0] if t.dims else None) for t in model.graph.initializer}
+    for v in onnx.shape_inference.infer_shapes(model).graph.value_info:   # tables computed in the graph
+        dims = _dims(v)
+        rows.setdefault(v.name, dims[0] if dims and isinstance(dims[0], int) else None)
+    for i, node in enumerate(model.graph.node):
+        if node.op_type != "Gather" or list(node.input[1:2]) != ["tokens"]:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        n = rows.get(node.input[0])
+        if axis != 0 or n is None or n < n_vocab:
+            raise _fail(path, f"node {node.name or f'#{i}'!r} gathers {node.input[0]!r} by token id: expected a "
+                              f"table of at least {n_vocab} rows on axis 0 (the vocabulary), got "
+                              f"{'axis ' + str(axis) if axis else n}")
 
 
 # ---------------------------------------------------------------------------------------- import

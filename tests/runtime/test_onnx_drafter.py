@@ -59,7 +59,7 @@ def test_imported_heads_equal_onnxruntime(tmp_path):
     from ds4tvm.compile.targets import resolve
 
     rng = np.random.default_rng(7)
-    for tokens, dtype in ((True, np.float32), (False, np.float16)):
+    for tokens, dtype in ((True, np.float32), (False, np.float16), (True, np.float16)):
         path = onnx_models.save(onnx_models.medusa(D, V, K, seed=3, tokens=tokens, dtype=dtype), tmp_path / "h.onnx")
         heads = onnx_heads.read(path, D, V, 8)
         model, keep = onnx_heads.prepare(heads.model)
