@@ -118,5 +118,6 @@ def malformed(d, D: int, V: int) -> dict:
     embed = next(t for t in short.graph.initializer if t.name == "embed")
     embed.CopyFrom(nh.from_array(nh.to_array(embed)[:V // 2], "embed"))
     add("short token table", short, f"expected a table of at least {V} rows")
+    add("float64 weights", medusa(D, V, 2, dtype=np.float64), "is float64; expected float32 or float16")
     add("invalid graph", medusa(D, V, 2, opset=11), "the ONNX checker rejects it")   # Unsqueeze's axes input is opset 13
     return cases

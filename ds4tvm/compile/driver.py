@@ -165,6 +165,8 @@ def _with_heads(mod, functions, heads, path: Path, tgt_spec, out_dir: Path, para
     (a weight file of its own role), their function taking the weight arguments after the module's."""
     from dataclasses import replace
 
+    import tvm
+
     from ..artifact import FunctionSpec
 
     missing = [f.name for f in functions if f.name in TARGET_FUNCTIONS and "hidden" not in f.outputs]
@@ -176,23 +178,18 @@ def _with_heads(mod, functions, heads, path: Path, tgt_spec, out_dir: Path, para
         func = onnx_heads.import_function(model)
     except Exception as e:  # noqa: BLE001 - the frontend's converters raise anything on what they cannot take
         raise Ds4Error(f"{path}: TVM's ONNX frontend cannot import it ({onnx_heads.first_line(e)})") from None
-    import tvm
-
     if tgt_spec.device == "cpu":
         mod = onnx_heads.add_to_module(mod, func, cpu_threads=int(tgt_spec.tvm.get("num-cores", 1)))
     else:
         mod = onnx_heads.add_to_module(mod, func, gpu_target=tvm.target.Target(tgt_spec.tvm))
     out_dir.mkdir(parents=True, exist_ok=True)
     weights_path = out_dir / onnx_heads.WEIGHTS_FILE
-    try:
-        tensors = onnx_heads.write_weights(weights_path, keep, heads.sha256)
-    except Ds4Error as e:
-        raise Ds4Error(f"{path}: {e.message}") from None
+    tensors = onnx_heads.write_weights(weights_path, keep, heads.sha256)
     n = len(params)
     params += [[name, tensor, None, onnx_heads.ROLE] for (name, _), tensor in zip(keep, tensors)]
     weights[onnx_heads.ROLE] = file_identity(weights_path, inside=out_dir)
-    drafters["onnx"] = {"k": heads.k, "inputs": list(heads.inputs), "opset": heads.opset, "source": str(path),
-                        "source_sha256": heads.sha256}
+    drafters["onnx"] = {"function": onnx_heads.FUNCTION, "k": heads.k, "inputs": list(heads.inputs),
+                        "opset": heads.opset, "source": str(path), "source_sha256": heads.sha256}
     kinds = {"hidden": "float32", "tokens": "tokens"}
     spec = FunctionSpec(onnx_heads.FUNCTION, tuple((i, kinds[i]) for i in heads.inputs), ("logits",),
                         params=(n, len(params)))

@@ -36,6 +36,7 @@ ROLE = "draft_onnx"
 SMALL = 1024            # initializers with fewer elements stay constants
 MIN_OPSET = 13          # the first opset whose Unsqueeze/Split/Reduce* take their axes as inputs
 _INPUTS = {"hidden": ("float32", 2), "tokens": ("int64", 1)}
+WEIGHT_TYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}   # GGML types they are stored as
 
 
 @dataclass
@@ -77,6 +78,7 @@ def read(path: Path, n_embd: int, n_vocab: int, max_verify: int) -> Heads:
     inputs = _check_inputs(model, path, n_embd)
     k = _check_output(model, path, n_vocab, max_verify)
     _check_token_tables(model, path, n_vocab)
+    _check_weights(model, path)
     return Heads(model, k, inputs, opset, hashlib.sha256(path.read_bytes()).hexdigest())
 
 
@@ -163,6 +165,15 @@ def _check_output(model, path, n_vocab: int, max_verify: int) -> int:
     return k
 
 
+def _check_weights(model, path) -> None:
+    import onnx
+
+    for t in model.graph.initializer:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+        if int(np.prod(t.dims)) >= SMALL and dtype.kind not in "iub" and dtype not in WEIGHT_TYPES:
+            raise _fail(path, f"initializer {t.name!r} is {dtype}; expected float32 or float16 weights")
+
+
 def _check_token_tables(model, path, n_vocab: int) -> None:
     """A table read by token id (Gather of `tokens`) must have a row for every id the engine lets
     through: the importer's gather does not check its indices."""
@@ -197,7 +208,7 @@ def prepare(model) -> tuple[object, list[tuple[str, np.ndarray]]]:
     rhs_only = _matmul_weights(m, arrays)
     head, keep = [], []
     for name, a in arrays.items():
-        if a.dtype.kind == "f" and a.dtype != np.float64 and a.size >= SMALL:
+        if a.dtype.kind == "f" and a.size >= SMALL:   # read() let float32 and float16 through
             if name in rhs_only:   # W [K, N] becomes its transpose, read back through a Transpose node
                 keep.append((name + ".T", np.ascontiguousarray(a.T)))
                 head.append(helper.make_node("Transpose", [name + ".T"], [name], perm=[1, 0]))
@@ -341,12 +352,8 @@ def write_weights(path: Path, keep: list[tuple[str, np.ndarray]], source_sha256:
 
     from ..gguf.writer import TensorOut, write_gguf
 
-    types = {np.dtype(np.float32): QT.F32, np.dtype(np.float16): QT.F16}
-    tensors = []
-    for i, (name, a) in enumerate(keep):
-        if a.dtype not in types:
-            raise Ds4Error(f"initializer {name!r} is {a.dtype}; expected float32 or float16 weights")
-        tensors.append(TensorOut(f"onnx.{i}", types[a.dtype], a.shape, lambda a=a: a))
+    tensors = [TensorOut(f"onnx.{i}", getattr(QT, WEIGHT_TYPES[a.dtype]), a.shape, lambda a=a: a)
+               for i, (name, a) in enumerate(keep)]
     write_gguf(path, "ds4tvm-onnx-heads", {"ds4tvm.onnx.names": [n for n, _ in keep],
                                           "ds4tvm.onnx.source_sha256": source_sha256}, tensors)
     return [t.name for t in tensors]

@@ -1,7 +1,7 @@
 """Drafters for the speculative loop (runtime/speculative.py), and the one place the speculation
 flags are turned into a drafter: the model's family lists the drafters it offers and the flags
-that enable each (families.DraftSpec), GENERIC the ones every family has (ONNX draft heads over the
-target's hidden state); the artifact says which were compiled in."""
+that enable each (families.DraftSpec), `_generic()` the ones every family has (ONNX draft heads over
+the target's hidden state); the artifact says which were compiled in."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...compile.onnx_heads import FUNCTION
 from ...errors import Ds4Error
 from ..speculative import DraftCounters
 
@@ -18,7 +17,7 @@ class ONNXDrafter:
         if settings is None:
             raise Ds4Error(f"{engine.dir}: this artifact has no ONNX draft heads; compile it with "
                            f"ds4-compile --draft-onnx HEADS.onnx")
-        self.k, self.inputs = int(settings["k"]), tuple(settings["inputs"])
+        self.k, self.inputs, self.function = int(settings["k"]), tuple(settings["inputs"]), settings["function"]
         self.hidden = None                     # the target's hidden state at the last committed position
         self.stats = DraftCounters()
         self.by_head = [0] * self.k            # cycles in which head i's draft was accepted
@@ -35,7 +34,7 @@ class ONNXDrafter:
         inputs = {"hidden": self.hidden[None]}
         if "tokens" in self.inputs:
             inputs["tokens"] = [token]
-        logits = engine.call(FUNCTION, **inputs)["logits"][0]
+        logits = engine.call(self.function, **inputs)["logits"][0]
         drafts = [int(np.argmax(row)) for row in logits[:max_tokens]]
         self._drafted = len(drafts)
         return drafts
