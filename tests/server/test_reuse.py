@@ -110,7 +110,8 @@ def _check_reuse(turns, answers, seen: bool = False):
         assert prev_prompt - 1 <= cached < prompt
 
 
-@pytest.mark.parametrize("mode", ["plain", "dspark"])
+# the DSpark case is the plain one with the drafter's rings fed too: kept under -m slow for the suite's time
+@pytest.mark.parametrize("mode", ["plain", pytest.param("dspark", marks=pytest.mark.slow)])
 def test_a_conversation_continues_from_its_prefix_and_answers_as_a_fresh_server(art, reference, mode):
     users, answers = reference
     server = ServerProcess("-m", art, "--alias", "demo", *(["--dspark"] if mode == "dspark" else []))
@@ -200,6 +201,7 @@ def test_checkpoints_on_disk_survive_a_restart_and_damaged_ones_are_recomputed(a
             assert len(warnings) == len({line.split(":")[2] for line in warnings})   # one per file
 
 
+@pytest.mark.slow   # the store's size bound runs by default in tests/runtime/test_prefix.py; this is it through a server
 def test_the_checkpoint_directory_stays_within_its_size(art, reference, tmp_path):
     users, _ = reference
     kv, limit = tmp_path / "kv", 1_200_000
