@@ -22,12 +22,12 @@ How the heads join the artifact:
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..artifact import file_sha256
 from ..errors import Ds4Error
 
 FUNCTION = "draft_onnx"
@@ -76,10 +76,10 @@ def read(path: Path, n_embd: int, n_vocab: int, max_verify: int) -> Heads:
     opset = _opset(model, path)
     _check_ops(model, path)
     inputs = _check_inputs(model, path, n_embd)
-    k = _check_output(model, path, n_vocab, max_verify)
-    _check_token_tables(model, path, n_vocab)
+    k, inferred = _check_output(model, path, n_vocab, max_verify)
+    _check_token_tables(model, inferred, path, n_vocab)
     _check_weights(model, path)
-    return Heads(model, k, inputs, opset, hashlib.sha256(path.read_bytes()).hexdigest())
+    return Heads(model, k, inputs, opset, file_sha256(path))
 
 
 def _opset(model, path) -> int:
@@ -141,7 +141,8 @@ def _check_inputs(model, path, n_embd: int) -> tuple[str, ...]:
     return names
 
 
-def _check_output(model, path, n_vocab: int, max_verify: int) -> int:
+def _check_output(model, path, n_vocab: int, max_verify: int):
+    """K, and the model after shape inference (the token-table check reads its shapes too)."""
     import onnx
 
     outputs = [o.name for o in model.graph.output]
@@ -162,7 +163,7 @@ def _check_output(model, path, n_vocab: int, max_verify: int) -> int:
         raise _fail(path, f"output 'logits' has {v} columns; expected the target's vocabulary of {n_vocab}")
     if not 1 <= k <= max_verify - 1:
         raise _fail(path, f"output 'logits' has K = {k} heads; expected 1..{max_verify - 1} (max-verify - 1)")
-    return k
+    return k, inferred
 
 
 def _check_weights(model, path) -> None:
@@ -174,13 +175,11 @@ def _check_weights(model, path) -> None:
             raise _fail(path, f"initializer {t.name!r} is {dtype}; expected float32 or float16 weights")
 
 
-def _check_token_tables(model, path, n_vocab: int) -> None:
+def _check_token_tables(model, inferred, path, n_vocab: int) -> None:
     """A table read by token id (Gather of `tokens`) must have a row for every id the engine lets
     through: the importer's gather does not check its indices."""
-    import onnx
-
     rows = {t.name: (t.dims[0] if t.dims else None) for t in model.graph.initializer}
-    for v in onnx.shape_inference.infer_shapes(model).graph.value_info:   # tables computed in the graph
+    for v in inferred.graph.value_info:   # tables computed in the graph
         dims = _dims(v)
         rows.setdefault(v.name, dims[0] if dims and isinstance(dims[0], int) else None)
     for i, node in enumerate(model.graph.node):

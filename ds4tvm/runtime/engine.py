@@ -84,6 +84,8 @@ class Engine:
         lib = tvm.runtime.load_module(str(self.dir / m.library))
         self.vm = VirtualMachine(lib, self.dev)
         self.params = self._bind_params()
+        self._params_of = {name: self.params if f.params is None else self.params[f.params[0]:f.params[1]]
+                           for name, f in self.functions.items()}   # each function's weight arguments
         for g in self.files.values():
             g.release_pages()
         self.state_specs = m.state_specs()
@@ -251,8 +253,7 @@ class Engine:
         if spec.states is not None:
             args.append(self.states[spec.states])
             self.seq.fed.add(spec.states)
-        params = self.params if spec.params is None else self.params[spec.params[0]:spec.params[1]]
-        result = self.vm[fn](*args, *params)
+        result = self.vm[fn](*args, *self._params_of[fn])
         result = [result] if hasattr(result, "numpy") else list(result)
         return {name: result[i].numpy() for i, name in enumerate(spec.outputs)}
 
