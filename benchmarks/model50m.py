@@ -1,30 +1,49 @@
 """A DeepSeek-V4-shaped random model of >= 50M parameters (all layer kinds), for compile-time,
-memory and speed measurements. Usage: python benchmarks/model50m.py OUT.gguf [q8_0|f16]"""
+memory and speed measurements, in the formats the real models ship in. Usage:
+    python benchmarks/model50m.py OUT.gguf [q8_0|f16|q4_k|q2|mxfp4]
+
+Expert width 512, so that every variant holds the same matrices (K-quants need rows of 256):
+  q8_0, f16  the dense, routed and embedding matrices in that type;
+  q4_k       dense and routed Q4_K (quantized from the random values, so the model stays sane);
+  q2         the published Q2 recipe (published.q2_recipe_type: IQ2_XXS gate/up experts, Q2_K
+             down experts, Q8_0 attention, shared experts and output; random valid IQ2/Q2 blocks);
+  mxfp4      routed experts MXFP4, the rest as q8_0."""
 
 import sys
 
 from gguf import GGMLQuantizationType as QT
 
+from ds4tvm.families.deepseek4.published import q2_recipe_type
 from ds4tvm.families.deepseek4.random_model import default_type, tiny_config, write_random_deepseek4
 from ds4tvm.gguf.validate import DENSE, EMBED, ROUTED
+
+KINDS = ("q8_0", "f16", "q4_k", "q2", "mxfp4")
 
 
 def config():
     return tiny_config(n_layers=8, n_embd=512, n_vocab=32768, n_head=8, head_dim=128, n_rot=64, q_lora_rank=256,
-                       o_lora_rank=256, o_groups=4, n_expert=16, n_expert_used=4, n_ff_exp=384, n_hash_layers=2,
+                       o_lora_rank=256, o_groups=4, n_expert=16, n_expert_used=4, n_ff_exp=512, n_hash_layers=2,
                        sliding_window=128, idx_n_head=16, idx_head_dim=64, idx_top_k=64,
                        compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128))
 
 
-def type_of(spec, kind: str):
-    """Q8_0 or F16 for the dense, routed and embedding matrices; the rest as the demo has them."""
-    if spec.types in (DENSE, ROUTED, EMBED) and spec.shape[0] % 32 == 0:
-        return QT.Q8_0 if kind == "q8_0" else QT.F16
+def type_of(spec, kind: str) -> QT:
+    if kind == "q2":
+        return q2_recipe_type(spec)
+    big = spec.types in (DENSE, ROUTED, EMBED) and spec.shape[0] % 32 == 0
+    if kind == "mxfp4" and spec.types == ROUTED:
+        return QT.MXFP4
+    if kind == "q4_k" and spec.types in (DENSE, ROUTED) and spec.shape[0] % 256 == 0:
+        return QT.Q4_K
+    if big:
+        return QT.F16 if kind == "f16" else QT.Q8_0
     return default_type(spec)
 
 
 def main():
     out, kind = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "q8_0")
+    if kind not in KINDS:
+        sys.exit(f"model50m.py: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
     path = write_random_deepseek4(out, config(), seed=50, type_of=lambda s: type_of(s, kind), progress=True)
     from ds4tvm.gguf import open_gguf
     print(f"{path}: {open_gguf(path).n_params() / 1e6:.1f}M parameters")

@@ -1,11 +1,13 @@
 """ds4tvm against llama.cpp (llama-cpp-python 0.3.36) on the same DeepSeek-V4-shaped GGUF, in one run.
 
-    python benchmarks/vs_llamacpp.py [--llama-env DIR] [--types f16,q8_0] [--repeats 3]
+    python benchmarks/vs_llamacpp.py [--llama-env DIR] [--types q8_0,q4_k,q2,mxfp4] [--repeats 3]
 
 llama-cpp-python compiles llama.cpp from source (~6 minutes), so it lives in its own virtual
 environment: DIR (default .bench/llamacpp-env) is created on first use and reused. Both engines
-run on the same file, alternately; the table prints prefill and decode tok/s and ours/theirs, and
-how many of the first 32 greedy tokens agree (ds4tvm compiled without ds4's FP8/FP4 round trips,
+run on the same file, alternately; the table prints prefill and decode tok/s and ours/theirs, the
+weight bytes one decode token reads (every matrix once, the chosen experts' share of the routed
+ones, one embedding row) with the GB/s each engine's decode reaches over them, and how many of the
+first 32 greedy tokens agree (ds4tvm compiled without ds4's FP8/FP4 round trips,
 which llama.cpp does not have). On this CPU llama.cpp's AMX path crashes on quantized models unless
 use_extra_bufts is off; the llama.cpp side turns it off. llama.cpp keeps its default F16 KV cache:
 with type_k/type_v F32 its token-by-token decode of this model departs from its own prefill logits
@@ -53,6 +55,22 @@ def llama_env(d: Path) -> Path:
     return py
 
 
+def bytes_per_token(gguf: Path) -> int:
+    from ds4tvm.gguf import open_gguf
+
+    f = open_gguf(gguf)
+    share = f.get("expert_used_count", "int") / f.get("expert_count", "int")
+    total = 0
+    for t in f.tensors.values():
+        if "_exps." in t.name:
+            total += t.n_bytes * share
+        elif t.name.startswith("token_embd"):
+            total += t.n_bytes / t.shape[-1]
+        else:
+            total += t.n_bytes
+    return int(total)
+
+
 def ours(artifact: Path) -> dict:
     import time
 
@@ -75,7 +93,7 @@ def ours(artifact: Path) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-env", type=Path, default=ROOT / ".bench" / "llamacpp-env")
-    ap.add_argument("--types", default="f16,q8_0")
+    ap.add_argument("--types", default="q8_0,q4_k,q2,mxfp4")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ours", type=Path, help=argparse.SUPPRESS)   # one ds4tvm run (a child process)
     a = ap.parse_args()
@@ -102,12 +120,13 @@ def main():
         med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
         same = sum(x == y for x, y in zip(mine[0]["tokens"], theirs[0]["tokens"]))
         rows.append((kind, med(mine, "prefill"), med(theirs, "prefill"), med(mine, "decode"), med(theirs, "decode"),
-                     same))
-    print("| type | prefill ours | prefill llama.cpp | ratio | decode ours | decode llama.cpp | ratio | greedy "
-          f"tokens equal (of {GEN}) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for kind, pm, pt, dm, dt, same in rows:
-        print(f"| {kind} | {pm:.0f} | {pt:.0f} | {pm / pt:.2f} | {dm:.0f} | {dt:.0f} | {dm / dt:.2f} | {same} |")
+                     bytes_per_token(gguf) / 1e6, same))
+    print("| type | prefill ours | prefill llama.cpp | ratio | decode ours | decode llama.cpp | ratio | MB per token "
+          f"| GB/s ours | GB/s llama.cpp | greedy tokens equal (of {GEN}) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for kind, pm, pt, dm, dt, mb, same in rows:
+        print(f"| {kind} | {pm:.0f} | {pt:.0f} | {pm / pt:.2f} | {dm:.0f} | {dt:.0f} | {dm / dt:.2f} | {mb:.1f} "
+              f"| {dm * mb / 1e3:.1f} | {dt * mb / 1e3:.1f} | {same} |")
 
 
 if __name__ == "__main__":

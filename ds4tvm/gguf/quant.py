@@ -314,7 +314,34 @@ def quantize(values: np.ndarray, qtype: QT) -> np.ndarray:
         return values.astype(np.float16)
     if qtype in (QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4):
         return gq.quantize(values, qtype)
+    if qtype == QT.Q4_K:
+        return _quantize_q4_k(values)
     raise Ds4Error(f"no quantizer for {qtype.name}: use random_blocks() for test data of this type")
+
+
+def _quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """Q4_K by each 32-value sub-block's minimum and range (no search for the best scales, as
+    llama.cpp does): value = d*sc*q - dmin*m with 6-bit sc, m packed as get_scale_min_k4 reads them."""
+    *lead, K = values.shape
+    if K % 256:
+        raise Ds4Error(f"row length {K} is not a multiple of the Q4_K block size 256")
+    x = values.reshape(-1, 8, 32).astype(np.float32)
+    lo = np.maximum(-x.min(axis=2), 0)                               # [n, 8] offsets, >= 0
+    step = np.maximum((x.max(axis=2) + lo) / 15, 1e-30)
+    d = (step.max(axis=1, keepdims=True) / 63).astype(np.float16)
+    dmin = (lo.max(axis=1, keepdims=True) / 63).astype(np.float16)
+    df, mf = np.maximum(d.astype(np.float32), 1e-30), np.maximum(dmin.astype(np.float32), 1e-30)
+    sc = np.clip(np.rint(step / df), 1, 63).astype(np.uint8)
+    m = np.clip(np.rint(lo / mf), 0, 63).astype(np.uint8)
+    q = np.rint((x + (dmin.astype(np.float32) * m)[..., None]) / (df * sc)[..., None])
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)     # 64-value groups: low, high nibble
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    scales = np.empty((x.shape[0], 12), np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, qs], axis=1)
+    return blocks.reshape(*lead, K // 256 * 144)
 
 
 _FP16_FIELDS = {  # byte offsets of fp16 scale fields inside a block

@@ -23,36 +23,61 @@ from __future__ import annotations
 
 import functools
 
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
+from tvm import tirx
 from tvm.script import tirx as T
 
 from ..gguf.quant import plane_format
-from .dequant import DEQUANT
+from .dequant import DEQUANT, tables
 
-RB, NR, TB, HT = 16, 4, 6, 12     # row tile, rows per micro-kernel, tokens per micro-kernel, tile threshold
+RB, NR, TB = 16, 4, 6             # row tile, rows per micro-kernel, tokens per micro-kernel
 PARALLEL_MIN_WEIGHTS = 1 << 16    # smaller linears run on one core (the pool's launch costs more)
-PARALLEL_MIN_SLOTS = 64           # likewise for routed experts: (token, slot) pairs per call
-FORMATS = (QT.F32, QT.F16, QT.BF16, QT.Q8_0)
+ARGS = 7                          # weight arguments of every kernel: Q4_K's five planes, IQ2_XXS's 3 + 2 tables
+FORMATS = tuple(DEQUANT)
 
 
 def supports(qtype: QT, N: int, K: int, groups: int = 1) -> bool:
-    return qtype in FORMATS and N % (RB * groups) == 0 and K % 32 == 0
+    return qtype in FORMATS and N % (RB * groups) == 0 and K % max(32, GGML_QUANT_SIZES[qtype][0]) == 0
+
+
+def _unroll(qtype: QT) -> int:
+    """Vectors of 16 weights that share a format's scales: a block (at most 256 weights)."""
+    return max(1, min(GGML_QUANT_SIZES[qtype][0], 256) // 16)
+
+
+def _lanes(qtype: QT) -> int:
+    """Lanes of one dequantized vector: IQ2_XXS decodes 8 weights per grid entry, so an 8-lane
+    vector reads its grid row and sign pattern with one contiguous load each."""
+    return 8 if qtype == QT.IQ2_XXS else 16
+
+
+def _tile_from(qtype: QT) -> int:
+    """Tokens from which a tile is dequantized once into a buffer instead of in registers by every
+    micro-kernel: formats whose dequantization costs more than the product do so from two tokens."""
+    return 12 if qtype in (QT.F32, QT.F16, QT.BF16, QT.Q8_0) else 2
+
+
+def weight_args(qtype: QT, planes: list) -> list:
+    """The ARGS weight arguments a kernel of `qtype` takes: its planes, its lookup tables (already
+    in `planes` when the caller passes them), padded by repeating the first (never read)."""
+    return planes + planes[:1] * (ARGS - len(planes))
 
 
 def _parallel(threads: int, N: int, K: int) -> bool:
     return threads > 1 and N * K >= PARALLEL_MIN_WEIGHTS
 
 
-def _planes(qtype: QT, lead: tuple, K: int) -> list[tuple[tuple, str]]:
-    """(shape, dtype) of each plane, padded to two (the kernels take two plane arguments)."""
-    out = [((*lead, f.per_row(K)), f.dtype) for f in plane_format(qtype).fields]
-    return out + out[:1] * (2 - len(out))
+def _arg_types(qtype: QT, lead: tuple, K: int) -> list[tuple[tuple, str]]:
+    """(shape, dtype) of each weight argument: the planes, then the tables."""
+    planes = [((*lead, f.per_row(K)), f.dtype) for f in plane_format(qtype).fields]
+    return weight_args(qtype, planes + [(t.shape, str(t.dtype)) for t in tables(qtype).values()])
 
 
 def _dequant(qtype: QT):
-    names = [f.name for f in plane_format(qtype).fields]
+    names = [f.name for f in plane_format(qtype).fields] + list(tables(qtype))
     deq = DEQUANT[qtype]
-    return lambda r, k, p0, p1: deq(dict(zip(names, (p0, p1))), r, k)
+    return lambda r, k, ws: deq(dict(zip(names, ws)), r, k)
 
 
 @T.macro
@@ -63,65 +88,74 @@ def _zero(acc, nt):
                 acc[t, n, lane] = T.float32(0)
 
 
-@T.macro
-def _fold_to_two(acc, nt):
-    """Each accumulator's 16 lanes summed in halves down to lanes 0 and 1 (16->8->4->2)."""
-    for t in T.unroll(nt):
-        for n in T.unroll(NR):
-            for lane in T.vectorized(8):
-                acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 8]
-            for lane in T.vectorized(4):
-                acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 4]
-            for lane in T.vectorized(2):
-                acc[t, n, lane] = acc[t, n, lane] + acc[t, n, lane + 2]
+def _lane_sum(acc, t, n):
+    """The 16 lanes of accumulator (t, n) summed in halves (16->8->4->2->1) as shuffles of one
+    vector value: in registers, where halving the local buffer in place went through memory."""
+    v = tirx.BufferLoad(acc, [t, n, tirx.Ramp(0, 1, 16)])
+    w = 16
+    while w > 1:
+        w //= 2
+        v = tirx.Shuffle([v], list(range(w))) + tirx.Shuffle([v], list(range(w, 2 * w)))
+    return v
 
 
-def _row_tiles(K: int, x_at, w_at, y_at):
-    """The tiled product both kernels share, as a macro row_tile(first, count, tile, x, y, ctx,
-    p0, p1): output rows tile*RB .. for the `count` token rows first .. first+count-1 of a list.
-    The accessors, evaluated while parsing, say where those rows live: x_at(x, ctx, i, tile, k)
-    the input of list entry i, y_at(ctx, i, tile, r) the output index of entry i and tile row r,
-    w_at(inline, tile, r, k, wt, p0, p1) weight row r of the tile (dequantized, or from wt)."""
-    KC = K // 16
+def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
+    """The tiled product both kernels share, as a macro row_tile(first, count, tile, x, y, ctx, ws):
+    output rows tile*RB .. for the `count` token rows first .. first+count-1 of a list. The
+    accessors, evaluated while parsing, say where those rows live: x_at(x, ctx, i, tile, k) the
+    input of list entry i, y_at(ctx, i, tile, r) the output index of entry i and tile row r,
+    w_at(inline, tile, r, k, wt, ws) weight row r of the tile (dequantized from the weight
+    arguments ws, or read from wt). Weights are dequantized VW lanes at a time, into wt from HT
+    tokens; the k loop is unrolled by U vectors of 16 (a block of the format), so the block's
+    scales are loaded and converted once for all its vectors."""
+    KC, H = K // 16, 16 // VW
 
     @T.macro
-    def micro(inline, nt, i0, tile, rb, x, y, ctx, wt, p0, p1):
+    def micro(inline, nt, i0, tile, rb, x, y, ctx, wt, ws):
         acc = T.decl_buffer((nt, NR, 16), "float32", scope="local")
         _zero(acc, nt)
-        for kc in range(KC):
-            for t in T.unroll(nt):
-                for n in T.unroll(NR):
-                    for lane in T.vectorized(16):
-                        acc[t, n, lane] = acc[t, n, lane] + x_at(x, ctx, i0 + t, tile, kc * 16 + lane) * w_at(
-                            inline, tile, rb * NR + n, kc * 16 + lane, wt, p0, p1)
-        _fold_to_two(acc, nt)
+        for kb in range(KC // (U if inline else 1)):
+            for u in T.unroll(U if inline else 1):
+                for t in T.unroll(nt):
+                    for n in T.unroll(NR):
+                        for h in T.unroll(H):
+                            for lane in T.vectorized(VW):
+                                acc[t, n, h * VW + lane] = acc[t, n, h * VW + lane] + x_at(
+                                    x, ctx, i0 + t, tile, (kb * (U if inline else 1) + u) * 16 + h * VW + lane) * w_at(
+                                    inline, tile, rb * NR + n, (kb * (U if inline else 1) + u) * 16 + h * VW + lane, wt, ws)
         for t in T.unroll(nt):
             for n in T.unroll(NR):
-                T.buffer_store(y, acc[t, n, 0] + acc[t, n, 1], y_at(ctx, i0 + t, tile, rb * NR + n))
+                T.buffer_store(y, _lane_sum(acc, t, n), y_at(ctx, i0 + t, tile, rb * NR + n))
 
     @T.macro
-    def blocks(inline, first, count, tile, x, y, ctx, wt, p0, p1):
+    def blocks(inline, first, count, tile, x, y, ctx, wt, ws):
         for rb in range(RB // NR):
             for blk in range(count // TB):
-                micro(inline, TB, first + blk * TB, tile, rb, x, y, ctx, wt, p0, p1)
+                micro(inline, TB, first + blk * TB, tile, rb, x, y, ctx, wt, ws)
             # the last count % TB rows in blocks of 4, 2, 1 (still sharing each weight vector)
             if count % TB >= 4:
-                micro(inline, 4, first + count // TB * TB, tile, rb, x, y, ctx, wt, p0, p1)
+                micro(inline, 4, first + count // TB * TB, tile, rb, x, y, ctx, wt, ws)
             if count % TB % 4 >= 2:
-                micro(inline, 2, first + count // TB * TB + count % TB // 4 * 4, tile, rb, x, y, ctx, wt, p0, p1)
+                micro(inline, 2, first + count // TB * TB + count % TB // 4 * 4, tile, rb, x, y, ctx, wt, ws)
             if count % TB % 2 == 1:
-                micro(inline, 1, first + count - 1, tile, rb, x, y, ctx, wt, p0, p1)
+                micro(inline, 1, first + count - 1, tile, rb, x, y, ctx, wt, ws)
 
     @T.macro
-    def row_tile(first, count, tile, x, y, ctx, p0, p1):
-        wt = T.decl_buffer((RB, K), "float32")
+    def row_tile(first, count, tile, x, y, ctx, ws):
         if count >= HT:
-            for r, kb in T.grid(RB, K // 32):
-                for kl in T.vectorized(32):
-                    wt[r, kb * 32 + kl] = w_at(True, tile, r, kb * 32 + kl, wt, p0, p1)
-            blocks(False, first, count, tile, x, y, ctx, wt, p0, p1)
+            wt = T.decl_buffer((RB, K), "float32")
+            for r, kb in T.grid(RB, KC // U):
+                for u in T.unroll(U):
+                    for h in T.unroll(H):
+                        for lane in T.vectorized(VW):
+                            wt[r, (kb * U + u) * 16 + h * VW + lane] = w_at(
+                                True, tile, r, (kb * U + u) * 16 + h * VW + lane, wt, ws)
+            blocks(False, first, count, tile, x, y, ctx, wt, ws)
+        elif HT <= 2:   # one token: only the one-token micro-kernel is ever run here
+            for rb in range(RB // NR):
+                micro(True, 1, first, tile, rb, x, y, ctx, None, ws)
         else:
-            blocks(True, first, count, tile, x, y, ctx, wt, p0, p1)
+            blocks(True, first, count, tile, x, y, ctx, None, ws)
 
     return row_tile
 
@@ -133,62 +167,64 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, groups: int = 1):
     parallel = _parallel(threads, N, K)
     deq = _dequant(qtype)
     rows_per_group = N // groups
-    (s0, d0), (s1, d1) = _planes(qtype, (N,), K)
+    a = _arg_types(qtype, (N,), K)
 
     def x_at(x, _ctx, i, rt, k):   # a tile's input columns are its group's slice of x
         return x[i, rt * RB // rows_per_group * K + k]
 
-    def w_at(inline, rt, r, k, wt, p0, p1):
-        return deq((rt * RB + r,), k, p0, p1) if inline else wt[r, k]
+    def w_at(inline, rt, r, k, wt, ws):
+        return deq((rt * RB + r,), k, ws) if inline else wt[r, k]
 
     def y_at(_ctx, i, rt, r):
         return [i, rt * RB + r]
 
-    row_tile = _row_tiles(K, x_at, w_at, y_at)
+    row_tile = _row_tiles(K, _lanes(qtype), _tile_from(qtype), _unroll(qtype), x_at, w_at, y_at)
 
     @T.prim_func(private=True)
-    def main(x_h: T.handle, p0: T.Buffer(s0, d0), p1: T.Buffer(s1, d1), y_h: T.handle):
+    def main(x_h: T.handle, w0: T.Buffer(*a[0]), w1: T.Buffer(*a[1]), w2: T.Buffer(*a[2]), w3: T.Buffer(*a[3]),
+             w4: T.Buffer(*a[4]), w5: T.Buffer(*a[5]), w6: T.Buffer(*a[6]), y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         n_tok = T.int32()
         x = T.match_buffer(x_h, (n_tok, groups * K), "float32")
         y = T.match_buffer(y_h, (n_tok, N), "float32")
         if parallel:
             for rt in T.parallel(N // RB):
-                row_tile(0, n_tok, rt, x, y, x, p0, p1)
+                row_tile(0, n_tok, rt, x, y, x, (w0, w1, w2, w3, w4, w5, w6))
         else:
             for rt in T.serial(N // RB):
-                row_tile(0, n_tok, rt, x, y, x, p0, p1)
+                row_tile(0, n_tok, rt, x, y, x, (w0, w1, w2, w3, w4, w5, w6))
 
     return main
 
 
 @functools.lru_cache(maxsize=None)
 def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool, threads: int):
-    """y[T, J, N] = x[T, (J|1), K] @ W[ids[t, j], N, K]^T for any T, grouped by expert: tile et is
-    expert et // NT, rows et % NT * RB .., over the expert's entries of the sorted slot list."""
+    """y[T, J, N] = x[T, (J|1), K] @ W[ids[t, j], N, K]^T for any T, grouped by expert: the
+    (token, slot) pairs are sorted by expert, and the row tiles of the experts in use (in order
+    of expert id) are shared among the cores, so a decode's six experts keep both cores busy."""
     deq = _dequant(qtype)
-    parallel = _parallel(threads, N, K)   # per expert; calls with few slots also stay on one core
-    (s0, d0), (s1, d1) = _planes(qtype, (E, N), K)
+    parallel = _parallel(threads, N, K)
+    a = _arg_types(qtype, (E, N), K)
     NT, XJ = N // RB, (J if per_slot_input else 1)
 
     def x_at(x, slots, i, _et, k):
         return x[slots[i] // J, slots[i] % J if per_slot_input else 0, k]
 
-    def w_at(inline, et, r, k, wt, p0, p1):
-        return deq((et // NT, et % NT * RB + r), k, p0, p1) if inline else wt[r, k]
+    def w_at(inline, et, r, k, wt, ws):
+        return deq((et // NT, et % NT * RB + r), k, ws) if inline else wt[r, k]
 
     def y_at(slots, i, et, r):
         return [slots[i] // J, slots[i] % J, et % NT * RB + r]
 
-    row_tile = _row_tiles(K, x_at, w_at, y_at)
+    row_tile = _row_tiles(K, _lanes(qtype), _tile_from(qtype), _unroll(qtype), x_at, w_at, y_at)
 
     @T.macro
-    def expert_tile(et, x, y, slots, cnt, off, p0, p1):
-        if cnt[et // NT] > 0:   # experts nobody chose cost nothing
-            row_tile(off[et // NT], cnt[et // NT], et, x, y, slots, p0, p1)
+    def used_tile(ut, x, y, slots, cnt, off, used, ws):
+        row_tile(off[used[ut // NT]], cnt[used[ut // NT]], used[ut // NT] * NT + ut % NT, x, y, slots, ws)
 
     @T.prim_func(private=True)
-    def main(x_h: T.handle, ids_h: T.handle, p0: T.Buffer(s0, d0), p1: T.Buffer(s1, d1), y_h: T.handle):
+    def main(x_h: T.handle, ids_h: T.handle, w0: T.Buffer(*a[0]), w1: T.Buffer(*a[1]), w2: T.Buffer(*a[2]),
+             w3: T.Buffer(*a[3]), w4: T.Buffer(*a[4]), w5: T.Buffer(*a[5]), w6: T.Buffer(*a[6]), y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         n_tok = T.int32()
         x = T.match_buffer(x_h, (n_tok, XJ, K), "float32")
@@ -197,6 +233,7 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
         cnt = T.decl_buffer((E,), "int32")
         off = T.decl_buffer((E + 1,), "int32")
         fill = T.decl_buffer((E,), "int32")
+        used = T.decl_buffer((E + 1,), "int32")   # the experts chosen at least once; their count last
         slots = T.decl_buffer((n_tok * J,), "int32")
         # counting sort of the (token, slot) pairs by expert: slots[off[e] .. off[e] + cnt[e]]
         for e in range(E):
@@ -204,17 +241,23 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
         for s in range(n_tok * J):
             cnt[ids[s // J, s % J]] = cnt[ids[s // J, s % J]] + 1
         off[0] = 0
+        used[E] = 0
         for e in range(E):
             off[e + 1] = off[e] + cnt[e]
             fill[e] = off[e]
+            if cnt[e] > 0:   # experts nobody chose cost nothing
+                used[used[E]] = e
+                used[E] = used[E] + 1
         for s in range(n_tok * J):
             slots[fill[ids[s // J, s % J]]] = s
             fill[ids[s // J, s % J]] = fill[ids[s // J, s % J]] + 1
-        if parallel and n_tok * J >= PARALLEL_MIN_SLOTS:
-            for et in T.parallel(E * NT):
-                expert_tile(et, x, y, slots, cnt, off, p0, p1)
+        n_used: T.int32 = used[E]
+        if parallel:
+            for p in T.parallel(threads):   # tiles dealt round-robin: balanced whatever the experts
+                for i in range((n_used * NT - p + threads - 1) // threads):
+                    used_tile(p + i * threads, x, y, slots, cnt, off, used, (w0, w1, w2, w3, w4, w5, w6))
         else:
-            for et in T.serial(E * NT):
-                expert_tile(et, x, y, slots, cnt, off, p0, p1)
+            for ut in T.serial(n_used * NT):
+                used_tile(ut, x, y, slots, cnt, off, used, (w0, w1, w2, w3, w4, w5, w6))
 
     return main

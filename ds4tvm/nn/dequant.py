@@ -4,8 +4,11 @@ kernels of nn/qweight.py and the hand-written CPU kernels of nn/cpu_kernels.py."
 
 from __future__ import annotations
 
+import numpy as np
 from gguf import GGMLQuantizationType as QT
 from tvm import tirx
+
+from ..gguf.quant import _iq2_tables
 
 F32 = "float32"
 
@@ -67,9 +70,13 @@ def _deq_q6_k(P, r, k):
 
 
 def _deq_mxfp4(P, r, k):
+    """The e2m1 code's doubled value (gguf's kvalues table) from its bits, so a vector of them
+    needs no gather: magnitude m in 1..7 is ((2 + m % 2) << (m // 2)) >> 1."""
     j = k % 32
-    nib = (P["qs"][(*r, (k // 32) * 16 + j % 16)] >> ((j // 16) * 4).astype("uint8")) & _u8(15)
-    val = P["mxfp4_values"][nib.astype("int32")]
+    nib = ((P["qs"][(*r, (k // 32) * 16 + j % 16)] >> ((j // 16) * 4).astype("uint8")) & _u8(15)).astype("int32")
+    m = nib & 7
+    mag = tirx.Select(m == 0, 0, ((2 + (m & 1)) << (m >> 1)) >> 1)
+    val = tirx.Select(nib >= 8, -mag, mag)
     e = P["e"][(*r, k // 32)].astype("uint32")
     half = tirx.Select(e < 2, tirx.reinterpret(F32, tirx.const(0x00200000, "uint32") << e),
                        tirx.reinterpret(F32, (e - tirx.const(1, "uint32")) << tirx.const(23, "uint32")))
@@ -77,6 +84,7 @@ def _deq_mxfp4(P, r, k):
 
 
 def _deq_iq2_xxs(P, r, k):
+    """Eight weights share a grid row and a sign pattern: both are table rows [index, k % 8]."""
     i = k % 256
     g = i // 32
     aux = P["aux"][(*r, (k // 256) * 8 + g)]
@@ -84,9 +92,16 @@ def _deq_iq2_xxs(P, r, k):
         * tirx.const(0.25, F32)
     grid_idx = P["grid"][(*r, (k // 256) * 32 + g * 4 + (i % 32) // 8)].astype("int32")
     sign_idx = ((aux >> (tirx.const(7, "uint32") * ((i % 32) // 8).astype("uint32"))) & tirx.const(127, "uint32"))
-    bit = (P["iq2_ksigns"][sign_idx.astype("int32")] >> (i % 8).astype("uint8")) & _u8(1)
-    val = db * P["iq2_grid"][grid_idx, i % 8]
-    return tirx.Select(bit == _u8(0), val, -val)
+    return db * P["iq2_grid"][grid_idx, i % 8] * P["iq2_signs"][sign_idx.astype("int32"), i % 8]
+
+
+def tables(qtype: QT) -> dict[str, np.ndarray]:
+    """Lookup tables a format's expressions read, passed to the kernels as constants."""
+    if qtype == QT.IQ2_XXS:
+        grid, ksigns = _iq2_tables()
+        signs = np.where((ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1, -1.0, 1.0)
+        return {"iq2_grid": grid.astype(np.float32), "iq2_signs": signs.astype(np.float32)}
+    return {}
 
 
 DEQUANT = {QT.F32: _deq_f, QT.F16: _deq_f, QT.BF16: _deq_bf16, QT.Q8_0: _deq_q8_0, QT.Q4_1: _deq_q4_1,

@@ -10,15 +10,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-import numpy as np
 from gguf import GGMLQuantizationType as QT
 from tvm import te
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from . import cpu_kernels
-from .dequant import DEQUANT
-from ..gguf.quant import MXFP4_VALUES, _iq2_tables, plane_format
+from .dequant import DEQUANT, tables
+from ..gguf.quant import plane_format
 
 F32 = "float32"
 # Set while a module is exported for a CPU target: the number of cores it is compiled for. Linears
@@ -56,16 +55,6 @@ def _row_matmul(x_te, w, rows: tuple, K: int, x_at):
     return te.compute((x_te.shape[0], *rows), lambda t, *r: te.sum(part[(t, *r, li)], axis=li), name=ROW_MATMUL)
 
 
-def _tables(qtype: QT) -> dict[str, np.ndarray]:
-    """Lookup tables some formats need, passed to kernels as constants."""
-    if qtype == QT.MXFP4:
-        return {"mxfp4_values": MXFP4_VALUES.astype(np.int8)}
-    if qtype == QT.IQ2_XXS:
-        grid, ksigns = _iq2_tables()
-        return {"iq2_grid": grid.astype(np.float32), "iq2_ksigns": ksigns.copy()}
-    return {}
-
-
 class QWeight(nn.Module):
     """A GGUF tensor kept in its format: numpy shape (..., N, K) as planes."""
 
@@ -83,13 +72,11 @@ class QWeight(nn.Module):
         return [getattr(self, f"plane_{n}") for n in self.fields]
 
     def _te_args(self):
-        tables = _tables(self.qtype)
-        consts = [nn.Tensor.from_const(v) for v in tables.values()]
-        return self.planes() + consts, self.fields + list(tables)
+        consts = tables(self.qtype)
+        return self.planes() + [nn.Tensor.from_const(v) for v in consts.values()], self.fields + list(consts)
 
-    def _padded_planes(self) -> list[nn.Tensor]:
-        ps = self.planes()
-        return ps + ps[:1] * (2 - len(ps))   # the CPU kernels take two plane arguments
+    def _cpu_args(self) -> list[nn.Tensor]:
+        return cpu_kernels.weight_args(self.qtype, self._te_args()[0])
 
     def linear(self, x: nn.Tensor, name: str = "qlinear") -> nn.Tensor:
         """y[t, n] = sum_k x[t, k] * W[n, k] for x of shape [T, K]."""
@@ -97,7 +84,7 @@ class QWeight(nn.Module):
         threads = _CPU_THREADS.get()
         if threads is not None and cpu_kernels.supports(self.qtype, N, K):
             func = cpu_kernels.dense_linear(self.qtype, N, K, threads)
-            return op.tensor_ir_op(func, name, [x, *self._padded_planes()],
+            return op.tensor_ir_op(func, name, [x, *self._cpu_args()],
                                    nn.Tensor.placeholder((x.shape[0], N), F32))
         args, names = self._te_args()
         deq = DEQUANT[self.qtype]
@@ -119,7 +106,7 @@ class QWeight(nn.Module):
         if threads is not None and cpu_kernels.supports(self.qtype, N, K, groups):
             func = cpu_kernels.dense_linear(self.qtype, N, K, threads, groups)
             T = x.shape[0]
-            y = op.tensor_ir_op(func, name, [op.reshape(x, (T, groups * K)), *self._padded_planes()],
+            y = op.tensor_ir_op(func, name, [op.reshape(x, (T, groups * K)), *self._cpu_args()],
                                 nn.Tensor.placeholder((T, N), F32))
             return op.reshape(y, (T, groups, No))
         args, names = self._te_args()
@@ -138,11 +125,10 @@ class QWeight(nn.Module):
         E, N, K = self.shape
         per_expert_input = len(x.shape) == 3
         threads, T, J = _CPU_THREADS.get(), x.shape[0], experts.shape[1]
-        # one token (decode) keeps the TE kernel: grouping by expert has nothing to share there
-        if threads is not None and cpu_kernels.supports(self.qtype, N, K) and not isinstance(T, int):
+        if threads is not None and cpu_kernels.supports(self.qtype, N, K):
             func = cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads)
             xs = x if per_expert_input else op.reshape(x, (T, 1, K))
-            return op.tensor_ir_op(func, name, [xs, experts, *self._padded_planes()],
+            return op.tensor_ir_op(func, name, [xs, experts, *self._cpu_args()],
                                    nn.Tensor.placeholder((T, J, N), F32))
         args, names = self._te_args()
         deq = DEQUANT[self.qtype]
@@ -159,8 +145,8 @@ class QWeight(nn.Module):
 
             part = te.compute((ids.shape[0], ids.shape[1], N, lanes), partial, name=EXPERT_PARTIAL)
 
-            def fold(t, j, n):   # the lanes summed in halves, in the order of cpu_kernels.expert_linear:
-                v = [part[t, j, n, lane] for lane in range(lanes)]   # decode and verify round alike
+            def fold(t, j, n):   # the lanes summed in halves, as the CPU kernels of cpu_kernels.py do
+                v = [part[t, j, n, lane] for lane in range(lanes)]
                 while len(v) > 1:
                     v = [a + b for a, b in zip(v[:len(v) // 2], v[len(v) // 2:])]
                 return v[0]

@@ -1,5 +1,5 @@
 """Random DeepSeek-V4 GGUFs of any shape and tensor types, written without a checkpoint: the
-embedded demo model, and kernel tests for formats that have no numpy quantizer (Q4_K, Q2_K,
+embedded demo model, and kernel tests for formats that have no numpy quantizer (Q2_K, Q6_K,
 IQ2_XXS), whose tensors are random valid blocks."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def random_tensors(specs: list[TensorSpec], cfg: Config, rng: np.random.Generato
                                  for _ in range(shape[0])]).astype(np.int32)
             if spec.types == NORM:
                 return (1.0 + 0.1 * sub.standard_normal(shape)).astype(np.float32)
-            if qtype in (QT.Q4_K, QT.Q2_K, QT.Q6_K, QT.IQ2_XXS):
+            if qtype in (QT.Q2_K, QT.Q6_K, QT.IQ2_XXS):
                 return random_blocks(qtype, shape, sub, scale=scale / (32 * np.sqrt(shape[-1])))
             values = sub.standard_normal(shape).astype(np.float32) * (scale / np.sqrt(shape[-1]))
             return quantize(values, qtype)
