@@ -174,28 +174,10 @@ def check(work: Path, gen: int) -> dict:
 
 
 def decode_profile(engine, top: int = 20) -> list[list]:
-    """Per-kernel time of one decode step through the VM's instrument hook (a device sync around
-    every call, so the sum exceeds a plain step): [name, calls, ms], largest first."""
-    import collections
+    """Per-kernel time of one decode step (benchmarks/profile.py): [name, calls, ms], largest first."""
+    from profile import kernel_profile   # benchmarks/ is this script's directory, first on sys.path
 
-    times, calls, start = collections.defaultdict(float), collections.Counter(), [0.0]
-
-    def hook(func, name, before_run, ret_val, *args):
-        engine.dev.sync()
-        if before_run:
-            start[0] = time.perf_counter()
-        else:
-            times[name] += time.perf_counter() - start[0]
-            calls[name] += 1
-        return 0   # run the call as usual
-
-    engine.vm.set_instrument(hook)
-    engine.decode(7)
-    times.clear()
-    calls.clear()
-    engine.decode(7)
-    rows = sorted(([n, calls[n], round(t * 1e3, 3)] for n, t in times.items()), key=lambda r: -r[2])
-    return [["all", sum(calls.values()), round(sum(times.values()) * 1e3, 3)]] + rows[:top]
+    return kernel_profile(engine, lambda: engine.decode(7))[:top + 1]
 
 
 def main() -> None:

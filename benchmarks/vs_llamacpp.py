@@ -59,7 +59,7 @@ def bytes_per_token(gguf: Path) -> int:
     from ds4tvm.gguf import open_gguf
 
     f = open_gguf(gguf)
-    share = f.get("expert_used_count", "int") / f.get("expert_count", "int")
+    share = f.get(f.key("expert_used_count"), "int") / f.get(f.key("expert_count"), "int")
     total = 0
     for t in f.tensors.values():
         if "_exps." in t.name:

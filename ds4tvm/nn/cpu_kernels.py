@@ -1,22 +1,26 @@
-"""Hand-written CPU kernels for the quantized linears of formats with one or two planes (F32, F16,
-BF16, Q8_0), written in TVMScript because their register blocking is beyond the TE schedules in
-schedules/llvm.py (which keep the other formats).
+"""Hand-written CPU kernels for the quantized linears of every plane format (F32, F16, BF16,
+Q8_0, Q4_1, Q4_K, Q2_K, Q6_K, MXFP4, IQ2_XXS), written in TVMScript because their register
+blocking is beyond the TE schedules in schedules/llvm.py (which keep the shapes these do not take).
 
 The core is a micro-kernel of TB tokens x NR output rows whose TB*NR accumulators are 16-lane
-vectors of partial sums over k, folded 16->8->4->2->1 at the end: 24 of the 32 AVX-512 registers,
-each weight vector loaded once for TB tokens and each token vector once for NR rows. Output rows
-go in tiles of RB; with fewer than HT tokens (decode, verify) a tile's weights are dequantized in
-registers inside the micro-kernel; with more (prefill) the tile is dequantized once into a
-[RB, K] buffer (32 KB at K = 512) that every token block reads. Leftover tokens run 4-, 2- and 1-token
-variants of the same core, so they still share each weight vector.
+vectors of partial sums over k, summed in halves (16->8->4->2->1) at the end: 24 of the 32
+AVX-512 registers, each weight vector loaded once for TB tokens and each token vector once for NR
+rows. Weights come from nn/dequant.py's expressions (gguf's float operations, so every path
+rounds alike), VW lanes at a time, the k loop unrolled over one block of the format so that its
+scales are loaded and converted once. Output rows go in tiles of RB; with fewer than HT tokens a
+tile's weights are dequantized in registers inside the micro-kernel; with more the tile is
+dequantized once into a [RB, K] buffer (32 KB at K = 512) that every token block reads (from 12
+tokens for the one-plane formats, from 2 for the others, whose dequantization costs more than the
+product). Leftover tokens run 4-, 2- and 1-token variants of the same core, so they still share
+each weight vector. A token's outputs do not depend on the tokens beside it, bit for bit.
 
-Routed experts sort the (token, slot) pairs by expert first (a counting sort in the kernel), then
-run the same tiles per expert over that expert's slots only: an expert used by 30 tokens of a
-prefill is read and dequantized once instead of 30 times, and experts nobody chose cost nothing.
+Routed experts sort the (token, slot) pairs by expert first (a counting sort in the kernel), list
+the experts in use, and deal those experts' row tiles round-robin to the cores (TVM splits a
+parallel loop of dynamic extent badly): an expert used by 30 tokens of a prefill is read and
+dequantized once instead of 30 times, experts nobody chose cost nothing, and a decode's few
+experts keep every core busy.
 
-On the 127M benchmark model's shapes (2 threads, side by side with the TE schedules): dense
-1.1-3.8x faster at every token count from 1 to 128, experts 1.2-1.4x at 6 tokens and 2.5-4x at
-64-128 (slower at one token, so decode keeps the TE kernel). BENCHMARKS.md has the model numbers.
+benchmarks/cpu_kernels.py times each format against the TE kernels; BENCHMARKS.md has the numbers.
 """
 
 from __future__ import annotations

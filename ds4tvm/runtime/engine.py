@@ -81,6 +81,11 @@ class Engine:
         # TVM's CPU pool reads TVM_NUM_THREADS when it starts (at the first parallel kernel); left
         # unset it used one thread on this 2-core machine. Default: every core this process may use.
         os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+        # Workers that spin between kernels lose their core to any other busy process and every
+        # parallel kernel then waits a scheduler slice for them: 2-thread decode fell from 84 to
+        # 2.3 tok/s beside one busy core with any spin count, 71 -> 45 with none (BENCHMARKS.md,
+        # benchmarks/contention.py). A machine kept for ds4 alone can set a count (e.g. 3000).
+        os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
         lib = tvm.runtime.load_module(str(self.dir / m.library))
         self.vm = VirtualMachine(lib, self.dev)
         self.params = self._bind_params()

@@ -1,9 +1,9 @@
 """The CPU (llvm) pipeline: TVM's default CPU build passes, spelled out so that tuning records and
 schedules have their place in it.
 
-Linears in F32/F16/BF16/Q8_0 arrive already written as register-blocked TIR kernels
-(nn/cpu_kernels.py, chosen when the module is exported for a CPU target). The TE kernels of the
-other formats (and of shapes those kernels do not take) are scheduled here: dense ones dequantize
+Linears arrive already written as register-blocked TIR kernels (nn/cpu_kernels.py, chosen when
+the module is exported for a CPU target). The TE kernels of shapes those kernels do not take (and
+of modules exported without a CPU target) are scheduled here: dense ones dequantize
 each weight row once per call into a one-row buffer shared by all the call's tokens; dense and
 expert products keep 16 partial sums per output in one AVX-512 vector (the reduction split into
 strided lanes) and sum them at the end. On a Q8_0 4096x4096 GEMV this took one core from 0.59 to

@@ -51,7 +51,13 @@ def test_plane_kernels_match_gguf_dequantize(qtype):
     assert np.abs(ye.numpy() - ref_e).max() <= 1e-5 * np.abs(ref_e).max()
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+# One of each kind of kernel in the default run (one plane, one-byte blocks with a scale, a K-quant
+# super-block, bits decoded to values, 8-lane grid rows); the rest under -m slow.
+CPU_DEFAULT = (QT.F16, QT.Q8_0, QT.Q4_K, QT.MXFP4, QT.IQ2_XXS)
+
+
+@pytest.mark.parametrize("qtype", [t if t in CPU_DEFAULT else pytest.param(t, marks=pytest.mark.slow) for t in TYPES],
+                         ids=lambda t: t.name)
 def test_cpu_kernels_match_gguf_dequantize(qtype):
     """nn/cpu_kernels.py (chosen when exporting for a CPU target): dense, grouped and routed-expert
     linears, for token counts that take every path (register dequantization, a dequantized tile
