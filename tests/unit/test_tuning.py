@@ -41,16 +41,20 @@ def test_a_saved_record_changes_the_compiled_kernel_and_others_keep_the_hand_sch
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 
+    from ds4tvm.nn.qweight import ROW_PARTIAL
     from ds4tvm.schedules.llvm import hand_schedule
     from ds4tvm.schedules.tuning import has_records, tunable_kernels
 
     mod, target, _ = tiny_module
     kernels = dict(tunable_kernels(mod, target))
-    assert {"qlinear_experts2", "hc_mix1"} <= set(kernels)   # decode-shaped (static) TE linears
-    name = "qlinear_experts2"
+    # decode-shaped (static) TE linears: the HC mixes and a linear whose shape the CPU kernels do
+    # not take (every other linear is hand-written, so not tunable)
+    linears = sorted(n for n in kernels if n.startswith("qlinear"))
+    assert linears and "hc_mix1" in kernels, sorted(kernels)
+    name = linears[0]
     kmod = _normalize_mod(kernels[name])
     sch = hand_schedule(kmod["main"], 1) or s_tir.Schedule(kmod)
-    sch.annotate(sch.get_sblock("expert_partial"), "ds4.from_record", 1)
+    sch.annotate(sch.get_sblock(ROW_PARTIAL), "ds4.from_record", 1)
     db = ms.database.JSONDatabase(work_dir=str(tmp_path))
     db.commit_tuning_record(ms.database.TuningRecord(sch.trace, db.commit_workload(kmod), [1e-6], target,
                                                      ms.arg_info.ArgInfo.from_prim_func(kmod["main"])))
@@ -61,7 +65,7 @@ def test_a_saved_record_changes_the_compiled_kernel_and_others_keep_the_hand_sch
     assert "ds4.from_record" not in plain[name].script()
     assert "ds4.from_record" in tuned[name].script() and tuned[name].attrs["tirx.is_scheduled"]
     # every other kernel is exactly what the hand schedule makes
-    for other in ("hc_mix1", "qlinear_experts3"):
+    for other in sorted(set(kernels) - {name}):
         assert "ds4.from_record" not in tuned[other].script()
         assert tuned[other].script() == plain[other].script()
 
