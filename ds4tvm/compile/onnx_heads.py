@@ -311,7 +311,7 @@ def add_to_module(mod, func, cpu_threads: int | None = None, gpu_target=None):
             if key not in kernels:
                 kernels[key] = bb.add_func(cpu_kernels.dense_linear(qtype, N, K, cpu_threads),
                                            f"onnx_linear_{qtype.name.lower()}_{N}x{K}")
-            return relax.call_tir(kernels[key], [xs, *cpu_kernels.weight_args(qtype, [ws])],
+            return relax.call_tir(kernels[key], [xs, *cpu_kernels.weight_args([ws])],
                                   relax.TensorType([xs.ty.shape[0], N], "float32"))
         k = te.reduce_axis((0, K), "k")
         return bb.call_te(lambda a, b: te.compute(

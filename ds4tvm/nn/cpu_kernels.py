@@ -62,10 +62,10 @@ def _tile_from(qtype: QT) -> int:
     return 12 if qtype in (QT.F32, QT.F16, QT.BF16, QT.Q8_0) else 2
 
 
-def weight_args(qtype: QT, planes: list) -> list:
-    """The ARGS weight arguments a kernel of `qtype` takes: its planes, its lookup tables (already
-    in `planes` when the caller passes them), padded by repeating the first (never read)."""
-    return planes + planes[:1] * (ARGS - len(planes))
+def weight_args(args: list) -> list:
+    """The ARGS weight arguments every kernel takes: a format's planes and then its tables, padded
+    by repeating the first (never read)."""
+    return args + args[:1] * (ARGS - len(args))
 
 
 def _parallel(threads: int, N: int, K: int) -> bool:
@@ -75,7 +75,7 @@ def _parallel(threads: int, N: int, K: int) -> bool:
 def _arg_types(qtype: QT, lead: tuple, K: int) -> list[tuple[tuple, str]]:
     """(shape, dtype) of each weight argument: the planes, then the tables."""
     planes = [((*lead, f.per_row(K)), f.dtype) for f in plane_format(qtype).fields]
-    return weight_args(qtype, planes + [(t.shape, str(t.dtype)) for t in tables(qtype).values()])
+    return weight_args(planes + [(t.shape, str(t.dtype)) for t in tables(qtype).values()])
 
 
 def _dequant(qtype: QT):

@@ -76,7 +76,7 @@ class QWeight(nn.Module):
         return self.planes() + [nn.Tensor.from_const(v) for v in consts.values()], self.fields + list(consts)
 
     def _cpu_args(self) -> list[nn.Tensor]:
-        return cpu_kernels.weight_args(self.qtype, self._te_args()[0])
+        return cpu_kernels.weight_args(self._te_args()[0])
 
     def linear(self, x: nn.Tensor, name: str = "qlinear") -> nn.Tensor:
         """y[t, n] = sum_k x[t, k] * W[n, k] for x of shape [T, K]."""
