@@ -39,10 +39,19 @@ RB, NR, TB = 16, 4, 6             # row tile, rows per micro-kernel, tokens per 
 PARALLEL_MIN_WEIGHTS = 1 << 16    # smaller linears run on one core (the pool's launch costs more)
 ARGS = 7                          # weight arguments of every kernel: Q4_K's five planes, IQ2_XXS's 3 + 2 tables
 FORMATS = tuple(DEQUANT)
+ONE_PLANE = (QT.F32, QT.F16, QT.BF16, QT.Q8_0)   # one value plane (and a scale): cheap to dequantize
 
 
 def supports(qtype: QT, N: int, K: int, groups: int = 1) -> bool:
     return qtype in FORMATS and N % (RB * groups) == 0 and K % max(32, GGML_QUANT_SIZES[qtype][0]) == 0
+
+
+def takes_experts(qtype: QT, N: int, K: int, tokens) -> bool:
+    """Whether expert_linear serves a routed-expert call of `tokens` tokens. A one-token call in
+    a one-plane format keeps the TE kernel: there it is faster (Q8_0 0.065 against 0.089 ms per
+    call, benchmarks/cpu_kernels.py; decode 0.89x before this was kept), and it sums each output in
+    the same order as these kernels, so decode and verify still round alike (tests/unit/test_kernels.py)."""
+    return supports(qtype, N, K) and not (isinstance(tokens, int) and tokens == 1 and qtype in ONE_PLANE)
 
 
 def _unroll(qtype: QT) -> int:
@@ -59,7 +68,7 @@ def _lanes(qtype: QT) -> int:
 def _tile_from(qtype: QT) -> int:
     """Tokens from which a tile is dequantized once into a buffer instead of in registers by every
     micro-kernel: formats whose dequantization costs more than the product do so from two tokens."""
-    return 12 if qtype in (QT.F32, QT.F16, QT.BF16, QT.Q8_0) else 2
+    return 12 if qtype in ONE_PLANE else 2
 
 
 def weight_args(args: list) -> list:

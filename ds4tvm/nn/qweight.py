@@ -125,7 +125,7 @@ class QWeight(nn.Module):
         E, N, K = self.shape
         per_expert_input = len(x.shape) == 3
         threads, T, J = _CPU_THREADS.get(), x.shape[0], experts.shape[1]
-        if threads is not None and cpu_kernels.supports(self.qtype, N, K):
+        if threads is not None and cpu_kernels.takes_experts(self.qtype, N, K, T):
             func = cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads)
             xs = x if per_expert_input else op.reshape(x, (T, 1, K))
             return op.tensor_ir_op(func, name, [xs, experts, *self._cpu_args()],

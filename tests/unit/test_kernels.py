@@ -66,6 +66,7 @@ def test_cpu_kernels_match_gguf_dequantize(qtype):
     from tvm import relax
     from tvm.relax.frontend import nn
 
+    from ds4tvm.nn import cpu_kernels
     from ds4tvm.nn.qweight import QWeight, for_cpu
     from ds4tvm.schedules.llvm import pipeline
 
@@ -81,13 +82,19 @@ def test_cpu_kernels_match_gguf_dequantize(qtype):
             return (self.w.linear(x), self.w.grouped_linear(xg, G), self.we.expert_linear(x, sel),
                     self.we.expert_linear(xe, sel))
 
-    spec = {"f": {"x": nn.spec.Tensor(["t", K], "float32"), "xg": nn.spec.Tensor(["t", G, K], "float32"),
-                  "xe": nn.spec.Tensor(["t", J, K], "float32"), "sel": nn.spec.Tensor(["t", J], "int32"),
-                  "$": {"param_mode": "plain", "effect_mode": "none"}}}
+        def f1(self, x, xg, xe, sel):
+            return self.f(x, xg, xe, sel)
+
+    def inputs(t):   # t tokens: "t" for any number (verify, prefill), 1 for decode's static shape
+        return {"x": nn.spec.Tensor([t, K], "float32"), "xg": nn.spec.Tensor([t, G, K], "float32"),
+                "xe": nn.spec.Tensor([t, J, K], "float32"), "sel": nn.spec.Tensor([t, J], "int32"),
+                "$": {"param_mode": "plain", "effect_mode": "none"}}
+
     with for_cpu(2):
-        mod, params = M().export_tvm(spec=spec)
+        mod, params = M().export_tvm(spec={"f": inputs("t"), "f1": inputs(1)})
     script = mod.script()
-    assert "row_matmul" not in script and "expert_matmul" not in script   # no TE linear left
+    assert "row_matmul" not in script   # no TE linear left but one-token experts in one-plane formats
+    assert ("expert_matmul" in script) == (qtype in cpu_kernels.ONE_PLANE)
     target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
     vm = relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu())
     raw, raw_e = random_blocks(qtype, (N, K), rng), random_blocks(qtype, (E, N, K), rng)
@@ -106,9 +113,11 @@ def test_cpu_kernels_match_gguf_dequantize(qtype):
                 np.einsum("tk,tjnk->tjn", x, We[sel]), np.einsum("tjk,tjnk->tjn", xe, We[sel])]
         for got, ref in zip((y, yg, ye, ye2), refs):
             assert np.abs(got.numpy() - ref).max() <= 1e-5 * np.abs(ref).max(), (T, qtype)
-        # a token's outputs do not depend on the tokens beside it, bit for bit: decode, verify and
-        # prefill round alike (the rollback and identity tests rely on it)
+        # a token's outputs do not depend on the tokens beside it, bit for bit, whichever kernel a
+        # shape takes: decode (f1), verify and prefill round alike (the rollback and identity
+        # tests rely on it)
         t = T - 1
-        one = vm["f"](*(tvm.runtime.tensor(a[t:t + 1]) for a in (x, xg, xe, sel)), *args)
-        for got, alone in zip((y, yg, ye, ye2), one):
-            assert np.array_equal(got.numpy()[t:t + 1], alone.numpy()), (T, qtype)
+        for fn in ("f", "f1"):
+            one = vm[fn](*(tvm.runtime.tensor(a[t:t + 1]) for a in (x, xg, xe, sel)), *args)
+            for got, alone in zip((y, yg, ye, ye2), one):
+                assert np.array_equal(got.numpy()[t:t + 1], alone.numpy()), (T, qtype, fn)
