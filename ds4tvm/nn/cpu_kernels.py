@@ -18,7 +18,8 @@ Routed experts sort the (token, slot) pairs by expert first (a counting sort in 
 the experts in use, and deal those experts' row tiles round-robin to the cores (TVM splits a
 parallel loop of dynamic extent badly): an expert used by 30 tokens of a prefill is read and
 dequantized once instead of 30 times, experts nobody chose cost nothing, and a decode's few
-experts keep every core busy.
+experts keep every core busy (one-token calls in the one-plane formats keep the TE kernel, which
+is faster there: takes_experts).
 
 benchmarks/cpu_kernels.py times each format against the TE kernels; BENCHMARKS.md has the numbers.
 """
