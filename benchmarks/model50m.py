@@ -20,11 +20,11 @@ from ds4tvm.gguf.validate import DENSE, EMBED, ROUTED
 KINDS = ("q8_0", "f16", "q4_k", "q2", "mxfp4")
 
 
-def config():
-    return tiny_config(n_layers=8, n_embd=512, n_vocab=32768, n_head=8, head_dim=128, n_rot=64, q_lora_rank=256,
-                       o_lora_rank=256, o_groups=4, n_expert=16, n_expert_used=4, n_ff_exp=512, n_hash_layers=2,
-                       sliding_window=128, idx_n_head=16, idx_head_dim=64, idx_top_k=64,
-                       compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128))
+def config(**overrides):
+    return tiny_config(**{**dict(n_layers=8, n_embd=512, n_vocab=32768, n_head=8, head_dim=128, n_rot=64,
+                                 q_lora_rank=256, o_lora_rank=256, o_groups=4, n_expert=16, n_expert_used=4,
+                                 n_ff_exp=512, n_hash_layers=2, sliding_window=128, idx_n_head=16, idx_head_dim=64,
+                                 idx_top_k=64, compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128)), **overrides})
 
 
 def type_of(spec, kind: str) -> QT:
