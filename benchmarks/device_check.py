@@ -174,8 +174,8 @@ def check(work: Path, gen: int) -> dict:
 
 
 def decode_profile(engine, top: int = 20) -> list[list]:
-    """Per-kernel time of one decode step (benchmarks/profile.py): [name, calls, ms], largest first."""
-    from profile import kernel_profile   # benchmarks/ is this script's directory, first on sys.path
+    """Per-kernel time of one decode step (benchmarks/kernel_profile.py): [name, calls, ms], largest first."""
+    from kernel_profile import kernel_profile   # benchmarks/ is this script's directory, first on sys.path
 
     return kernel_profile(engine, lambda: engine.decode(7))[:top + 1]
 

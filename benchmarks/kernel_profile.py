@@ -1,6 +1,6 @@
 """Per-kernel time of one decode step and of one prefill, through the VM's instrument hook (a
 device sync around every call, so the sums exceed a plain step). Usage:
-    python benchmarks/profile.py ARTIFACT [--prompt 64] [--top 20]
+    python benchmarks/kernel_profile.py ARTIFACT [--prompt 64] [--top 20]
 
 Prints, for decode and for prefill: kernel name, calls, ms, share of the step, largest first."""
 
