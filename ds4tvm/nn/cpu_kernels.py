@@ -124,19 +124,25 @@ def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
     scales are loaded and converted once for all its vectors."""
     KC, H = K // 16, 16 // VW
 
+    def unroll(dequantizing):   # reading a dequantized tile has no scales to share
+        return U if dequantizing else 1
+
+    def k_of(kb, u, h, lane, dequantizing):   # column of lane `lane` of half h of vector kb*unroll + u
+        return (kb * unroll(dequantizing) + u) * 16 + h * VW + lane
+
     @T.macro
     def micro(inline, nt, i0, tile, rb, x, y, ctx, wt, ws):
         acc = T.decl_buffer((nt, NR, 16), "float32", scope="local")
         _zero(acc, nt)
-        for kb in range(KC // (U if inline else 1)):
-            for u in T.unroll(U if inline else 1):
+        for kb in range(KC // unroll(inline)):
+            for u in T.unroll(unroll(inline)):
                 for t in T.unroll(nt):
                     for n in T.unroll(NR):
                         for h in T.unroll(H):
                             for lane in T.vectorized(VW):
                                 acc[t, n, h * VW + lane] = acc[t, n, h * VW + lane] + x_at(
-                                    x, ctx, i0 + t, tile, (kb * (U if inline else 1) + u) * 16 + h * VW + lane) * w_at(
-                                    inline, tile, rb * NR + n, (kb * (U if inline else 1) + u) * 16 + h * VW + lane, wt, ws)
+                                    x, ctx, i0 + t, tile, k_of(kb, u, h, lane, inline)) * w_at(
+                                    inline, tile, rb * NR + n, k_of(kb, u, h, lane, inline), wt, ws)
         for t in T.unroll(nt):
             for n in T.unroll(NR):
                 T.buffer_store(y, _lane_sum(acc, t, n), y_at(ctx, i0 + t, tile, rb * NR + n))
@@ -162,8 +168,7 @@ def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
                 for u in T.unroll(U):
                     for h in T.unroll(H):
                         for lane in T.vectorized(VW):
-                            wt[r, (kb * U + u) * 16 + h * VW + lane] = w_at(
-                                True, tile, r, (kb * U + u) * 16 + h * VW + lane, wt, ws)
+                            wt[r, k_of(kb, u, h, lane, True)] = w_at(True, tile, r, k_of(kb, u, h, lane, True), wt, ws)
             blocks(False, first, count, tile, x, y, ctx, wt, ws)
         elif HT <= 2:   # one token: only the one-token micro-kernel is ever run here
             for rb in range(RB // NR):
