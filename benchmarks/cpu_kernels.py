@@ -4,7 +4,7 @@ linear, in one run. Prints ms per call and the weight bytes read per second (GB/
 the experts a call uses, or of the whole matrix) at one token (decode) and at --tokens (prefill).
 
     python benchmarks/cpu_kernels.py [--types q8_0,q4_k,q2_k,iq2_xxs,mxfp4] [--shape 16,512,512,4]
-        [--tokens 64] [--threads 2]
+        [--tokens 64] [--threads 2] [--no-int8]
 
 --shape is E,N,K,J: E experts of N x K weights, J chosen per token (the benchmark model's routed
 gate/up by default); the dense linear is one N*E/4 x K matrix."""
@@ -21,11 +21,12 @@ from tvm import relax
 from tvm.relax.frontend import nn
 
 from ds4tvm.gguf.quant import random_blocks, to_planes
+from ds4tvm.nn import cpu_kernels
 from ds4tvm.nn.qweight import QWeight, for_cpu
 from ds4tvm.schedules.llvm import pipeline
 
 
-def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, hand: bool):
+def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, kernel: str):
     class M(nn.Module):
         def __init__(self):
             self.w = QWeight("w", qtype, (N * E // 4, K))
@@ -40,8 +41,8 @@ def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, hand: bool):
     mode = {"param_mode": "plain", "effect_mode": "none"}
     spec = {"dense": {"x": nn.spec.Tensor(["t", K], "float32"), "$": mode},
             "experts": {"x": nn.spec.Tensor(["t", K], "float32"), "sel": nn.spec.Tensor(["t", J], "int32"), "$": mode}}
-    if hand:
-        with for_cpu(threads):
+    if kernel != "TE":
+        with for_cpu(threads, int8_activations=kernel == "int8"):
             mod, params = M().export_tvm(spec=spec)
     else:
         mod, params = M().export_tvm(spec=spec)
@@ -56,12 +57,14 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the int8-activation kernels (--int8-activations; needs AVX-512 VNNI)")
     a = ap.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(a.threads)   # TVM's default counts x86 cores as hyperthread pairs
     E, N, K, J = (int(v) for v in a.shape.split(","))
     rng = np.random.default_rng(0)
     print(f"E={E} N={N} K={K} J={J}, dense {N * E // 4}x{K}, {a.threads} threads; ms per call (GB/s of weights)")
-    print(f"| type | kernel | dense 1 | experts 1 | dense {a.tokens} | experts {a.tokens} | experts 1: TE / hand |")
+    print(f"| type | kernel | dense 1 | experts 1 | dense {a.tokens} | experts {a.tokens} | experts 1: TE / this |")
     print("|---|---|---|---|---|---|---|")
     for name in a.types.split(","):
         qtype = QT[name.upper()]
@@ -70,8 +73,9 @@ def main():
         planes = {o: to_planes(raw[o], qtype, s) for o, s in shapes.items()}
         nbytes = {o: sum(v.nbytes for v in planes[o].fields.values()) for o in shapes}
         times = {}
-        for hand in (True, False):
-            vm, params = build(qtype, E, N, K, J, a.threads, hand)
+        kernels = ["int8", "hand", "TE"] if a.int8 and cpu_kernels.takes_int8(qtype, K) else ["hand", "TE"]
+        for kernel in kernels:
+            vm, params = build(qtype, E, N, K, J, a.threads, kernel)
             args = [tvm.runtime.tensor(np.ascontiguousarray(planes[n.split(".")[0]].fields[n.split("plane_")[1]]))
                     for n, _ in params]
             row = []
@@ -80,14 +84,15 @@ def main():
                 sel_np = np.stack([rng.choice(E, J, replace=False) for _ in range(T)]).astype(np.int32)
                 sel = tvm.runtime.tensor(sel_np)
                 used = len(np.unique(sel_np))
+                vm["dense"](x, *args), vm["experts"](x, sel, *args)   # warm up: thread pool, first-touch pages
                 dense = vm.time_evaluator("dense", tvm.cpu(), number=20, repeat=a.repeat)(x, *args)
                 exp = vm.time_evaluator("experts", tvm.cpu(), number=20, repeat=a.repeat)(x, sel, *args)
                 row += [(dense.median, nbytes["w"]), (exp.median, nbytes["we"] * used / E)]
-            times[hand] = row
-        for hand in (True, False):
-            cells = " | ".join(f"{t * 1e3:.3f} ({b / t / 1e9:.1f})" for t, b in times[hand])
-            ratio = f"{times[False][1][0] / times[True][1][0]:.1f}x" if hand else ""
-            print(f"| {qtype.name} | {'hand' if hand else 'TE'} | {cells} | {ratio} |", flush=True)
+            times[kernel] = row
+        for kernel in kernels:
+            cells = " | ".join(f"{t * 1e3:.3f} ({b / t / 1e9:.1f})" for t, b in times[kernel])
+            ratio = f"{times['TE'][1][0] / times[kernel][1][0]:.1f}x" if kernel != "TE" else ""
+            print(f"| {qtype.name} | {kernel} | {cells} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

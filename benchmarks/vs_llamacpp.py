@@ -1,6 +1,10 @@
 """ds4tvm against llama.cpp (llama-cpp-python 0.3.36) on the same DeepSeek-V4-shaped GGUF, in one run.
 
     python benchmarks/vs_llamacpp.py [--llama-env DIR] [--types q8_0,q4_k,q2,mxfp4] [--repeats 3]
+        [--modes fp32,int8]
+
+--modes: ds4tvm compiled with float inputs to its linears (fp32) and with --int8-activations (int8,
+on CPUs with AVX-512 VNNI), each a row of the table.
 
 llama-cpp-python compiles llama.cpp from source (~6 minutes), so it lives in its own virtual
 environment: DIR (default .bench/llamacpp-env) is created on first use and reused. Both engines
@@ -95,6 +99,7 @@ def main():
     ap.add_argument("--llama-env", type=Path, default=ROOT / ".bench" / "llamacpp-env")
     ap.add_argument("--types", default="q8_0,q4_k,q2,mxfp4")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", default="fp32,int8")
     ap.add_argument("--ours", type=Path, help=argparse.SUPPRESS)   # one ds4tvm run (a child process)
     a = ap.parse_args()
     if a.ours is not None:
@@ -106,21 +111,26 @@ def main():
     for kind in a.types.split(","):
         gguf = work / f"m-{kind}.gguf"
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model50m.py"), str(gguf), kind], check=True)
-        art = work / f"art-{kind}"
-        subprocess.run([sys.executable, "-c", "from ds4tvm.cli import compile_main; compile_main()", str(gguf),
-                        "--target", "cpu", "-o", str(art), "--no-kv-rounding", "--quiet"], check=True)
-        mine, theirs = [], []
+        modes = a.modes.split(",")
+        arts = {m: work / f"art-{kind}-{m}" for m in modes}
+        for m, art in arts.items():
+            subprocess.run([sys.executable, "-c", "from ds4tvm.cli import compile_main; compile_main()", str(gguf),
+                            "--target", "cpu", "-o", str(art), "--no-kv-rounding", "--quiet",
+                            *(["--int8-activations"] if m == "int8" else [])], check=True)
+        mine, theirs = {m: [] for m in modes}, []
         for _ in range(a.repeats):  # alternate the engines, each in a fresh process (no idle thread pool left)
-            out = subprocess.run([sys.executable, __file__, "--ours", str(art)], capture_output=True, text=True,
-                                 check=True)
-            mine.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            for m, art in arts.items():
+                out = subprocess.run([sys.executable, __file__, "--ours", str(art)], capture_output=True,
+                                     text=True, check=True)
+                mine[m].append(json.loads(out.stdout.strip().splitlines()[-1]))
             out = subprocess.run([str(py), "-c", LLAMA_SIDE, str(gguf), json.dumps(PROMPT), str(GEN)],
                                  capture_output=True, text=True, check=True)
             theirs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
-        same = sum(x == y for x, y in zip(mine[0]["tokens"], theirs[0]["tokens"]))
-        rows.append((kind, med(mine, "prefill"), med(theirs, "prefill"), med(mine, "decode"), med(theirs, "decode"),
-                     bytes_per_token(gguf) / 1e6, same))
+        for m in modes:
+            same = sum(x == y for x, y in zip(mine[m][0]["tokens"], theirs[0]["tokens"]))
+            rows.append((f"{kind} ({m})", med(mine[m], "prefill"), med(theirs, "prefill"), med(mine[m], "decode"),
+                         med(theirs, "decode"), bytes_per_token(gguf) / 1e6, same))
     print("| type | prefill ours | prefill llama.cpp | ratio | decode ours | decode llama.cpp | ratio | MB per token "
           f"| GB/s ours | GB/s llama.cpp | greedy tokens equal (of {GEN}) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

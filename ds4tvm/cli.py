@@ -615,6 +615,10 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                   records: Optional[Path] = typer.Option(None, "--records",
                                                          help="tuning database directory to apply and tune into "
                                                               "(default: ds4tvm/schedules/tuned/<target>)"),
+                  int8_activations: bool = typer.Option(False, "--int8-activations",
+                                                        help="CPU: quantize the inputs of the Q8_0/Q4_K/Q2_K/IQ2_XXS "
+                                                             "linears to int8 and use VNNI dot products (faster; "
+                                                             "logits change by the 8-bit rounding)"),
                   quiet: bool = typer.Option(False, "--quiet", help="no progress bar")):
     """Compile MODEL (and the drafter of its --mtp support file) for TARGET into an artifact directory or a
     package."""
@@ -635,9 +639,10 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
         from .compile.toolchains import prepare_cuda
 
         prepare_cuda()   # before anything imports TVM
-    for t in targets:
-        resolve(t)  # a bad --target fails before any work
-    from .compile.driver import compile_gguf
+    from .compile.driver import check_int8_activations, compile_gguf
+
+    for t in targets:   # a bad --target fails before any work
+        check_int8_activations(resolve(t), int8_activations)
 
     if len(targets) > 1 and package is None:
         raise Ds4Error("--target given several times: an artifact directory holds one target; "
@@ -656,12 +661,14 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
         from .compile.driver import compile_shapes
 
         out = out or Path(f"ds4-flash-shapes-{resolve(targets[0]).name}")
-        _echo_json(compile_shapes(family, targets[0], bounds, out, progress=not quiet))
+        _echo_json(compile_shapes(family, targets[0], bounds, out, progress=not quiet,
+                                  int8_activations=int8_activations))
         return
     if package is None:
         out = out or Path(f"{model.stem}-{resolve(targets[0]).name}.ds4tvm")
         compile_gguf(model, targets[0], out, bounds, kv_rounding=not no_kv_rounding, progress=not quiet,
-                     support=mtp, tune_trials=tune, records=records, draft_onnx=draft_onnx)
+                     support=mtp, tune_trials=tune, records=records, draft_onnx=draft_onnx,
+                     int8_activations=int8_activations)
         if tune:
             for line in json.loads((out / "manifest.json").read_text())["extra"]["tuning"]:
                 typer.echo(json.dumps(line))
@@ -672,7 +679,8 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
     work = Path(tempfile.mkdtemp(prefix=".ds4-package-", dir=package.resolve().parent))
     try:
         arts = [compile_gguf(model, t, work / str(i), bounds, kv_rounding=not no_kv_rounding, progress=not quiet,
-                             support=mtp, tune_trials=tune, records=records, draft_onnx=draft_onnx)
+                             support=mtp, tune_trials=tune, records=records, draft_onnx=draft_onnx,
+                             int8_activations=int8_activations)
                 for i, t in enumerate(targets)]
         build_package(arts, package)
     finally:

@@ -94,11 +94,14 @@ def check_bounds(family, cfg, bounds) -> None:
 
 def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_rounding: bool = True,
                  progress: bool = False, support: Path | None = None, tune_trials: int = 0,
-                 records: Path | None = None, draft_onnx: Path | None = None) -> Path:
+                 records: Path | None = None, draft_onnx: Path | None = None,
+                 int8_activations: bool = False) -> Path:
     """records: the tuning database to apply (and, with tune_trials > 0, to tune into); by default
     the one shipped for the target (schedules/tuning.py). draft_onnx: draft heads to compile in
-    (compile/onnx_heads.py)."""
+    (compile/onnx_heads.py). int8_activations: the CPU linears quantize their inputs to int8
+    (nn/cpu_int8.py)."""
     tgt_spec = resolve(target)
+    check_int8_activations(tgt_spec, int8_activations)
     if tune_trials and tgt_spec.device != "cpu":
         raise Ds4Error(f"--tune: {tgt_spec.name} kernels can only be tuned on their device; tune cpu targets here "
                        f"(schedules/tuning.py), or compile without --tune")
@@ -118,7 +121,7 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
             m.config, tensor_types(m.gguf), bounds, kv_rounding, dm.family if dm else None, support_cfg,
             tensor_types(dm.gguf) if dm else {}))
         phases.next()
-        mod, named = _export(built.module, tgt_spec)
+        mod, named = _export(built.module, tgt_spec, int8_activations)
         params = [[name, *built.sources[id(p)]] for name, p in named]
         functions, weights = built.functions, {MODEL: file_identity(gguf_path),
                                                **({"support": file_identity(support)} if dm else {})}
@@ -150,6 +153,8 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
             manifest.extra["tuning_records"] = str(records)
         if tuning is not None:
             manifest.extra["tuning"] = tuning
+        if int8_activations:
+            manifest.extra["int8_activations"] = True
         manifest.write(out_dir)
         return out_dir
     finally:
@@ -196,12 +201,27 @@ def _with_heads(mod, functions, heads, path: Path, tgt_spec, out_dir: Path, para
     return mod, [replace(f, params=(0, n)) for f in functions] + [spec]
 
 
-def _export(model, tgt_spec):
+def check_int8_activations(tgt_spec, wanted: bool) -> None:
+    """The int8 path's dot products are AVX-512 VNNI instructions: only CPU targets that have them."""
+    if not wanted:
+        return
+    if tgt_spec.device != "cpu":
+        raise Ds4Error(f"--int8-activations: a CPU option; {tgt_spec.name} is a {tgt_spec.device} target")
+    import tvm
+    from tvm.target import codegen
+
+    if not codegen.target_has_features("avx512vnni", tvm.target.Target(tgt_spec.tvm)):
+        raise Ds4Error(f"--int8-activations: target {tgt_spec.name} has no AVX-512 VNNI (vpdpbusd); use "
+                       f"--target cpu on a CPU that has it (Ice Lake / Zen 4 or later), or compile without it")
+
+
+def _export(model, tgt_spec, int8_activations: bool = False):
     """The Relax module and its parameters; CPU targets get the hand-written linear kernels."""
     from ..nn.qweight import for_cpu
 
     cpu = tgt_spec.device == "cpu"
-    with for_cpu(int(tgt_spec.tvm.get("num-cores", 1))) if cpu else contextlib.nullcontext():
+    threads = int(tgt_spec.tvm.get("num-cores", 1))
+    with for_cpu(threads, int8_activations) if cpu else contextlib.nullcontext():
         return model.export_tvm(spec=model.spec())
 
 
@@ -234,12 +254,14 @@ def _compile_module(mod, tgt_spec, records: Path | None = None):
         return tvm.compile(mod, target=tgt, relax_pipeline=relax_pipeline)
 
 
-def compile_shapes(family: str, target: str, bounds, out_dir: Path, progress: bool = False) -> dict:
+def compile_shapes(family: str, target: str, bounds, out_dir: Path, progress: bool = False,
+                   int8_activations: bool = False) -> dict:
     """Compiles a family at its published shapes and tensor types (with the drafter its entry
     pairs), without weights; writes the library to out_dir and returns times and sizes."""
     import resource
 
     tgt_spec = resolve(target)
+    check_int8_activations(tgt_spec, int8_activations)
     prepare(tgt_spec.device)
     fam = family_named(family)
     if fam.published is None:
@@ -250,7 +272,7 @@ def compile_shapes(family: str, target: str, bounds, out_dir: Path, progress: bo
         req.bounds = bounds
         built = load_attr(fam.build)(req)
         phases.next()
-        mod, named = _export(built.module, tgt_spec)
+        mod, named = _export(built.module, tgt_spec, int8_activations)
         phases.next()
         ex = _compile_module(mod, tgt_spec)
         phases.next()

@@ -34,6 +34,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..gguf.quant import plane_format
+from . import cpu_int8
 from .dequant import DEQUANT, tables
 
 RB, NR, TB = 16, 4, 6             # row tile, rows per micro-kernel, tokens per micro-kernel
@@ -47,12 +48,19 @@ def supports(qtype: QT, N: int, K: int, groups: int = 1) -> bool:
     return qtype in FORMATS and N % (RB * groups) == 0 and K % max(32, GGML_QUANT_SIZES[qtype][0]) == 0
 
 
-def takes_experts(qtype: QT, N: int, K: int, tokens) -> bool:
+def takes_int8(qtype: QT, K: int) -> bool:
+    """Whether the int8-activation path (nn/cpu_int8.py) has a decoder for the format and K is a
+    whole number of its 256-weight blocks."""
+    return qtype in cpu_int8.FORMATS and K % cpu_int8.BLOCK == 0
+
+
+def takes_experts(qtype: QT, N: int, K: int, tokens, int8: bool = False) -> bool:
     """Whether expert_linear serves a routed-expert call of `tokens` tokens. A one-token call in
     a one-plane format keeps the TE kernel: there it is faster (Q8_0 0.065 against 0.089 ms per
     call, benchmarks/cpu_kernels.py; decode 0.89x before this was kept), and it sums each output in
     the same order as these kernels, so decode and verify still round alike (tests/unit/test_kernels.py)."""
-    return supports(qtype, N, K) and not (isinstance(tokens, int) and tokens == 1 and qtype in ONE_PLANE)
+    one_token_te = isinstance(tokens, int) and tokens == 1 and qtype in ONE_PLANE and not int8
+    return supports(qtype, N, K) and not one_token_te
 
 
 def _unroll(qtype: QT) -> int:
@@ -82,10 +90,15 @@ def _parallel(threads: int, N: int, K: int) -> bool:
     return threads > 1 and N * K >= PARALLEL_MIN_WEIGHTS
 
 
-def _arg_types(qtype: QT, lead: tuple, K: int) -> list[tuple[tuple, str]]:
+def kernel_tables(qtype: QT, int8: bool = False) -> dict:
+    """The lookup tables a kernel takes after the planes (the int8 path gathers its own)."""
+    return cpu_int8.tables(qtype) if int8 else tables(qtype)
+
+
+def _arg_types(qtype: QT, lead: tuple, K: int, int8: bool) -> list[tuple[tuple, str]]:
     """(shape, dtype) of each weight argument: the planes, then the tables."""
     planes = [((*lead, f.per_row(K)), f.dtype) for f in plane_format(qtype).fields]
-    return weight_args(planes + [(t.shape, str(t.dtype)) for t in tables(qtype).values()])
+    return weight_args(planes + [(t.shape, str(t.dtype)) for t in kernel_tables(qtype, int8).values()])
 
 
 def _dequant(qtype: QT):
@@ -113,6 +126,75 @@ def _lane_sum(acc, t, n):
     return v
 
 
+def _token_blocks(micro):
+    """A macro blocks(inline, first, count, tile, ...) that runs `micro` over token rows first ..
+    first+count-1 in blocks of TB, the last count % TB rows in blocks of 4, 2, 1 (still sharing
+    each weight vector)."""
+
+    @T.macro
+    def blocks(inline, first, count, tile, x, y, ctx, wt, ws):
+        for rb in range(RB // NR):
+            for blk in range(count // TB):
+                micro(inline, TB, first + blk * TB, tile, rb, x, y, ctx, wt, ws)
+            if count % TB >= 4:
+                micro(inline, 4, first + count // TB * TB, tile, rb, x, y, ctx, wt, ws)
+            if count % TB % 4 >= 2:
+                micro(inline, 2, first + count // TB * TB + count % TB // 4 * 4, tile, rb, x, y, ctx, wt, ws)
+            if count % TB % 2 == 1:
+                micro(inline, 1, first + count - 1, tile, rb, x, y, ctx, wt, ws)
+
+    return blocks
+
+
+def _int8_row_tiles(qtype: QT, K: int, x_loc, w_row, y_at):
+    """The row_tile macro of the int8-activation path (nn/cpu_int8.py): x is the tuple (xq, D, X)
+    of quantized inputs, x_loc(ctx, i, tile) the quantized row and first column of list entry i,
+    w_row(tile, r) the weight row index of tile row r. Weights are always decoded in registers:
+    their codes feed the dot products directly."""
+    dec = cpu_int8.block_decoder(qtype)
+
+    def row(ctx, i, tile):
+        return x_loc(ctx, i, tile)[0]
+
+    def col(ctx, i, tile, blk, j):   # input column of chunk j of block blk
+        return x_loc(ctx, i, tile)[1] + blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK
+
+    @T.macro
+    def chunk(acc, nt, i0, tile, rb, blk, j, x, ctx, ws):
+        for n in T.unroll(NR):   # a row's chunk is decoded once (bound) for all nt tokens
+            u = T.bind(dec(w_row(tile, rb * NR + n), blk, ws)[0][j])
+            S = T.bind(dec(w_row(tile, rb * NR + n), blk, ws)[1][j])
+            for t in T.unroll(nt):
+                T.buffer_store(acc, cpu_int8.chunk_update(acc, t, n, u, S, x[0], x[1], row(ctx, i0 + t, tile),
+                                                          col(ctx, i0 + t, tile, blk, j)), [t, n, tirx.Ramp(0, 1, 16)])
+
+    @T.macro
+    def micro(_inline, nt, i0, tile, rb, x, y, ctx, _wt, ws):
+        acc = T.decl_buffer((nt, NR, 16), "float32")   # global: on the stack below 1 KB (_zero)
+        _zero(acc, nt)
+        for blk in range(K // cpu_int8.BLOCK):
+            chunk(acc, nt, i0, tile, rb, blk, 0, x, ctx, ws)
+            chunk(acc, nt, i0, tile, rb, blk, 1, x, ctx, ws)
+            chunk(acc, nt, i0, tile, rb, blk, 2, x, ctx, ws)
+            chunk(acc, nt, i0, tile, rb, blk, 3, x, ctx, ws)
+            for n in T.unroll(NR):
+                M = T.bind(dec(w_row(tile, rb * NR + n), blk, ws)[2])
+                for t in T.unroll(nt):
+                    T.buffer_store(acc, cpu_int8.offset_update(acc, t, n, M, x[2], row(ctx, i0 + t, tile),
+                                                               col(ctx, i0 + t, tile, blk, 0)), [t, n, tirx.Ramp(0, 1, 16)])
+        for t in T.unroll(nt):
+            for n in T.unroll(NR):
+                T.buffer_store(y, _lane_sum(acc, t, n), y_at(ctx, i0 + t, tile, rb * NR + n))
+
+    blocks = _token_blocks(micro)
+
+    @T.macro
+    def row_tile(first, count, tile, x, y, ctx, ws):
+        blocks(True, first, count, tile, x, y, ctx, None, ws)
+
+    return row_tile
+
+
 def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
     """The tiled product both kernels share, as a macro row_tile(first, count, tile, x, y, ctx, ws):
     output rows tile*RB .. for the `count` token rows first .. first+count-1 of a list. The
@@ -132,7 +214,7 @@ def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
 
     @T.macro
     def micro(inline, nt, i0, tile, rb, x, y, ctx, wt, ws):
-        acc = T.decl_buffer((nt, NR, 16), "float32", scope="local")
+        acc = T.decl_buffer((nt, NR, 16), "float32")   # global: on the stack below 1 KB (_zero)
         _zero(acc, nt)
         for kb in range(KC // unroll(inline)):
             for u in T.unroll(unroll(inline)):
@@ -147,18 +229,7 @@ def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
             for n in T.unroll(NR):
                 T.buffer_store(y, _lane_sum(acc, t, n), y_at(ctx, i0 + t, tile, rb * NR + n))
 
-    @T.macro
-    def blocks(inline, first, count, tile, x, y, ctx, wt, ws):
-        for rb in range(RB // NR):
-            for blk in range(count // TB):
-                micro(inline, TB, first + blk * TB, tile, rb, x, y, ctx, wt, ws)
-            # the last count % TB rows in blocks of 4, 2, 1 (still sharing each weight vector)
-            if count % TB >= 4:
-                micro(inline, 4, first + count // TB * TB, tile, rb, x, y, ctx, wt, ws)
-            if count % TB % 4 >= 2:
-                micro(inline, 2, first + count // TB * TB + count % TB // 4 * 4, tile, rb, x, y, ctx, wt, ws)
-            if count % TB % 2 == 1:
-                micro(inline, 1, first + count - 1, tile, rb, x, y, ctx, wt, ws)
+    blocks = _token_blocks(micro)
 
     @T.macro
     def row_tile(first, count, tile, x, y, ctx, ws):
@@ -179,25 +250,47 @@ def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
     return row_tile
 
 
-@functools.lru_cache(maxsize=None)   # one PrimFunc per shape, shared by the layers
-def dense_linear(qtype: QT, N: int, K: int, threads: int, groups: int = 1):
-    """y[T, N] = x[T, K] @ W[N, K]^T for any T. With groups G, x is [T, G*K] and output rows
-    g*N/G .. (g+1)*N/G read x[:, g*K : (g+1)*K] (a grouped projection)."""
-    parallel = _parallel(threads, N, K)
+def _tiles(qtype: QT, K: int, int8: bool, x_at, x_loc, w_row, y_at):
+    """The row_tile macro of the float path (x_at: an input element) or of the int8 path (x_loc:
+    a quantized input row and its first column); w_row(tile, r): the weight row of tile row r."""
+    if int8:
+        return _int8_row_tiles(qtype, K, x_loc, w_row, y_at)
     deq = _dequant(qtype)
+
+    def w_at(inline, tile, r, k, wt, ws):
+        return deq(w_row(tile, r), k, ws) if inline else wt[r, k]
+
+    return _row_tiles(K, _lanes(qtype), _tile_from(qtype), _unroll(qtype), x_at, w_at, y_at)
+
+
+@functools.lru_cache(maxsize=None)   # one PrimFunc per shape, shared by the layers
+def dense_linear(qtype: QT, N: int, K: int, threads: int, groups: int = 1, int8: bool = False):
+    """y[T, N] = x[T, K] @ W[N, K]^T for any T. With groups G, x is [T, G*K] and output rows
+    g*N/G .. (g+1)*N/G read x[:, g*K : (g+1)*K] (a grouped projection). int8: inputs quantized
+    to int8 (nn/cpu_int8.py)."""
+    parallel = _parallel(threads, N, K)
     rows_per_group = N // groups
-    a = _arg_types(qtype, (N,), K)
+    a = _arg_types(qtype, (N,), K, int8)
 
     def x_at(x, _ctx, i, rt, k):   # a tile's input columns are its group's slice of x
         return x[i, rt * RB // rows_per_group * K + k]
 
-    def w_at(inline, rt, r, k, wt, ws):
-        return deq((rt * RB + r,), k, ws) if inline else wt[r, k]
+    def x_loc(_ctx, i, rt):
+        return i, rt * RB // rows_per_group * K
 
     def y_at(_ctx, i, rt, r):
         return [i, rt * RB + r]
 
-    row_tile = _row_tiles(K, _lanes(qtype), _tile_from(qtype), _unroll(qtype), x_at, w_at, y_at)
+    row_tile = _tiles(qtype, K, int8, x_at, x_loc, lambda rt, r: (rt * RB + r,), y_at)
+
+    @T.macro
+    def tiles(n_tok, x, y, ws):
+        if parallel:
+            for rt in T.parallel(N // RB):
+                row_tile(0, n_tok, rt, x, y, None, ws)
+        else:
+            for rt in T.serial(N // RB):
+                row_tile(0, n_tok, rt, x, y, None, ws)
 
     @T.prim_func(private=True)
     def main(x_h: T.handle, w0: T.Buffer(*a[0]), w1: T.Buffer(*a[1]), w2: T.Buffer(*a[2]), w3: T.Buffer(*a[3]),
@@ -206,40 +299,60 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, groups: int = 1):
         n_tok = T.int32()
         x = T.match_buffer(x_h, (n_tok, groups * K), "float32")
         y = T.match_buffer(y_h, (n_tok, N), "float32")
-        if parallel:
-            for rt in T.parallel(N // RB):
-                row_tile(0, n_tok, rt, x, y, x, (w0, w1, w2, w3, w4, w5, w6))
+        if int8:
+            xq = T.decl_buffer((n_tok, groups * K), "int8")
+            D = T.decl_buffer((n_tok, groups * K // 4), "float32")
+            X = T.decl_buffer((n_tok, groups * K // 16), "float32")
+            cpu_int8.quantize(x, _row_of_2d, n_tok, groups * K, xq, D, X)
+            tiles(n_tok, (xq, D, X), y, (w0, w1, w2, w3, w4, w5, w6))
         else:
-            for rt in T.serial(N // RB):
-                row_tile(0, n_tok, rt, x, y, x, (w0, w1, w2, w3, w4, w5, w6))
+            tiles(n_tok, x, y, (w0, w1, w2, w3, w4, w5, w6))
 
     return main
 
 
+def _row_of_2d(x, r, k):
+    return x[r, k]
+
+
 @functools.lru_cache(maxsize=None)
-def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool, threads: int):
+def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool, threads: int,
+                  int8: bool = False):
     """y[T, J, N] = x[T, (J|1), K] @ W[ids[t, j], N, K]^T for any T, grouped by expert: the
     (token, slot) pairs are sorted by expert, and the row tiles of the experts in use (in order
-    of expert id) are shared among the cores, so a decode's six experts keep both cores busy."""
-    deq = _dequant(qtype)
+    of expert id) are shared among the cores, so a decode's six experts keep both cores busy.
+    int8: inputs quantized to int8 (nn/cpu_int8.py)."""
     parallel = _parallel(threads, N, K)
-    a = _arg_types(qtype, (E, N), K)
+    a = _arg_types(qtype, (E, N), K, int8)
     NT, XJ = N // RB, (J if per_slot_input else 1)
 
     def x_at(x, slots, i, _et, k):
         return x[slots[i] // J, slots[i] % J if per_slot_input else 0, k]
 
-    def w_at(inline, et, r, k, wt, ws):
-        return deq((et // NT, et % NT * RB + r), k, ws) if inline else wt[r, k]
+    def x_loc(slots, i, _et):   # the quantized inputs are x's rows flattened: [T * XJ, K]
+        return (slots[i] // J * XJ + (slots[i] % J if per_slot_input else 0)), 0
 
     def y_at(slots, i, et, r):
         return [slots[i] // J, slots[i] % J, et % NT * RB + r]
 
-    row_tile = _row_tiles(K, _lanes(qtype), _tile_from(qtype), _unroll(qtype), x_at, w_at, y_at)
+    def x_row(x, r, k):
+        return x[r // XJ, r % XJ, k]
+
+    row_tile = _tiles(qtype, K, int8, x_at, x_loc, lambda et, r: (et // NT, et % NT * RB + r), y_at)
 
     @T.macro
     def used_tile(ut, x, y, slots, cnt, off, used, ws):
         row_tile(off[used[ut // NT]], cnt[used[ut // NT]], used[ut // NT] * NT + ut % NT, x, y, slots, ws)
+
+    @T.macro
+    def tiles(n_used, x, y, slots, cnt, off, used, ws):
+        if parallel:
+            for p in T.parallel(threads):   # tiles dealt round-robin: balanced whatever the experts
+                for i in range((n_used * NT - p + threads - 1) // threads):
+                    used_tile(p + i * threads, x, y, slots, cnt, off, used, ws)
+        else:
+            for ut in T.serial(n_used * NT):
+                used_tile(ut, x, y, slots, cnt, off, used, ws)
 
     @T.prim_func(private=True)
     def main(x_h: T.handle, ids_h: T.handle, w0: T.Buffer(*a[0]), w1: T.Buffer(*a[1]), w2: T.Buffer(*a[2]),
@@ -271,12 +384,13 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
             slots[fill[ids[s // J, s % J]]] = s
             fill[ids[s // J, s % J]] = fill[ids[s // J, s % J]] + 1
         n_used: T.int32 = used[E]
-        if parallel:
-            for p in T.parallel(threads):   # tiles dealt round-robin: balanced whatever the experts
-                for i in range((n_used * NT - p + threads - 1) // threads):
-                    used_tile(p + i * threads, x, y, slots, cnt, off, used, (w0, w1, w2, w3, w4, w5, w6))
+        if int8:
+            xq = T.decl_buffer((n_tok * XJ, K), "int8")
+            D = T.decl_buffer((n_tok * XJ, K // 4), "float32")
+            X = T.decl_buffer((n_tok * XJ, K // 16), "float32")
+            cpu_int8.quantize(x, x_row, n_tok * XJ, K, xq, D, X)
+            tiles(n_used, (xq, D, X), y, slots, cnt, off, used, (w0, w1, w2, w3, w4, w5, w6))
         else:
-            for ut in T.serial(n_used * NT):
-                used_tile(ut, x, y, slots, cnt, off, used, (w0, w1, w2, w3, w4, w5, w6))
+            tiles(n_used, x, y, slots, cnt, off, used, (w0, w1, w2, w3, w4, w5, w6))
 
     return main

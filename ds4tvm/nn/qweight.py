@@ -20,18 +20,25 @@ from .dequant import DEQUANT, tables
 from ..gguf.quant import plane_format
 
 F32 = "float32"
-# Set while a module is exported for a CPU target: the number of cores it is compiled for. Linears
-# whose format nn/cpu_kernels.py covers then use those kernels instead of TE kernels.
-_CPU_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ds4_cpu_threads", default=None)
+# Set while a module is exported for a CPU target: the number of cores it is compiled for, and
+# whether inputs are quantized to int8 (nn/cpu_int8.py). Linears whose format nn/cpu_kernels.py
+# covers then use those kernels instead of TE kernels.
+_CPU: contextvars.ContextVar[tuple[int, bool] | None] = contextvars.ContextVar("ds4_cpu", default=None)
 
 
 @contextlib.contextmanager
-def for_cpu(threads: int):
-    token = _CPU_THREADS.set(threads)
+def for_cpu(threads: int, int8_activations: bool = False):
+    token = _CPU.set((threads, int8_activations))
     try:
         yield
     finally:
-        _CPU_THREADS.reset(token)
+        _CPU.reset(token)
+
+
+def _cpu_mode(qtype: QT, K: int) -> tuple[int | None, bool]:
+    """(threads, int8) of the CPU kernels while exporting for a CPU target; threads None otherwise."""
+    threads, int8 = _CPU.get() or (None, False)
+    return threads, int8 and cpu_kernels.takes_int8(qtype, K)
 
 
 # Block names the CPU schedule looks for (schedules/llvm.py).
@@ -75,16 +82,17 @@ class QWeight(nn.Module):
         consts = tables(self.qtype)
         return self.planes() + [nn.Tensor.from_const(v) for v in consts.values()], self.fields + list(consts)
 
-    def _cpu_args(self) -> list[nn.Tensor]:
-        return cpu_kernels.weight_args(self._te_args()[0])
+    def _cpu_args(self, int8: bool) -> list[nn.Tensor]:
+        consts = cpu_kernels.kernel_tables(self.qtype, int8)
+        return cpu_kernels.weight_args(self.planes() + [nn.Tensor.from_const(v) for v in consts.values()])
 
     def linear(self, x: nn.Tensor, name: str = "qlinear") -> nn.Tensor:
         """y[t, n] = sum_k x[t, k] * W[n, k] for x of shape [T, K]."""
         N, K = self.shape
-        threads = _CPU_THREADS.get()
+        threads, int8 = _cpu_mode(self.qtype, K)
         if threads is not None and cpu_kernels.supports(self.qtype, N, K):
-            func = cpu_kernels.dense_linear(self.qtype, N, K, threads)
-            return op.tensor_ir_op(func, name, [x, *self._cpu_args()],
+            func = cpu_kernels.dense_linear(self.qtype, N, K, threads, 1, int8)
+            return op.tensor_ir_op(func, name, [x, *self._cpu_args(int8)],
                                    nn.Tensor.placeholder((x.shape[0], N), F32))
         args, names = self._te_args()
         deq = DEQUANT[self.qtype]
@@ -102,11 +110,11 @@ class QWeight(nn.Module):
         """x [T, G, Kg] -> y [T, G, N/G]: group g uses rows g*N/G.. of W (columns are Kg wide)."""
         N, K = self.shape
         No = N // groups
-        threads = _CPU_THREADS.get()
+        threads, int8 = _cpu_mode(self.qtype, K)
         if threads is not None and cpu_kernels.supports(self.qtype, N, K, groups):
-            func = cpu_kernels.dense_linear(self.qtype, N, K, threads, groups)
+            func = cpu_kernels.dense_linear(self.qtype, N, K, threads, groups, int8)
             T = x.shape[0]
-            y = op.tensor_ir_op(func, name, [op.reshape(x, (T, groups * K)), *self._cpu_args()],
+            y = op.tensor_ir_op(func, name, [op.reshape(x, (T, groups * K)), *self._cpu_args(int8)],
                                 nn.Tensor.placeholder((T, N), F32))
             return op.reshape(y, (T, groups, No))
         args, names = self._te_args()
@@ -124,11 +132,11 @@ class QWeight(nn.Module):
         are read. x is [T, K] (shared by the chosen experts) or [T, J, K]."""
         E, N, K = self.shape
         per_expert_input = len(x.shape) == 3
-        threads, T, J = _CPU_THREADS.get(), x.shape[0], experts.shape[1]
-        if threads is not None and cpu_kernels.takes_experts(self.qtype, N, K, T):
-            func = cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads)
+        (threads, int8), T, J = _cpu_mode(self.qtype, K), x.shape[0], experts.shape[1]
+        if threads is not None and cpu_kernels.takes_experts(self.qtype, N, K, T, int8):
+            func = cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads, int8)
             xs = x if per_expert_input else op.reshape(x, (T, 1, K))
-            return op.tensor_ir_op(func, name, [xs, experts, *self._cpu_args()],
+            return op.tensor_ir_op(func, name, [xs, experts, *self._cpu_args(int8)],
                                    nn.Tensor.placeholder((T, J, N), F32))
         args, names = self._te_args()
         deq = DEQUANT[self.qtype]

@@ -63,8 +63,45 @@ def test_cpu_kernels_match_gguf_dequantize(qtype):
     linears, for token counts that take every path (register dequantization, a dequantized tile
     from 12 tokens, every leftover of blocks of 6 in blocks of 4/2/1, experts with no, one, few and
     many slots)."""
+    _check_cpu_kernels(qtype, int8=False)
+
+
+def _host_has_vnni() -> bool:
+    from tvm.target import codegen
+
+    from ds4tvm.compile.targets import resolve
+
+    return bool(codegen.target_has_features("avx512vnni", tvm.target.Target(resolve("cpu").tvm)))
+
+
+INT8_DEFAULT = (QT.Q4_K, QT.IQ2_XXS)   # nibbles with offsets; gathered grid rows and signs
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(t, marks=() if t in INT8_DEFAULT else pytest.mark.slow)
+                                   for t in (QT.Q8_0, QT.Q4_K, QT.Q2_K, QT.IQ2_XXS)], ids=lambda t: t.name)
+def test_int8_activation_kernels_match_gguf_q8_0_inputs(qtype):
+    """The --int8-activations kernels (nn/cpu_int8.py), in every form and token count as above,
+    against gguf's dequantized weights times the inputs as gguf's Q8_0 quantizer rounds them (its
+    codes, with the block scale kept in float32). Their difference from the float inputs' product
+    (~1e-3 of the largest output) is 100x the tolerance, so a kernel that skipped the rounding fails."""
+    if not _host_has_vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI, which the int8-activation kernels need")
+    _check_cpu_kernels(qtype, int8=True)
+
+
+def q8_0_inputs(x: np.ndarray) -> np.ndarray:
+    """x as the int8 path sees it: gguf's Q8_0 codes per 32 values times amax / 127 in float32."""
+    K = x.shape[-1]
+    rows = x.reshape(-1, K)
+    codes = quants.quantize(rows, QT.Q8_0).reshape(len(rows), K // 32, 34)[..., 2:].view(np.int8)
+    d = np.abs(rows.reshape(len(rows), K // 32, 32)).max(-1, keepdims=True) / np.float32(127)
+    return (codes.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
+def _check_cpu_kernels(qtype, int8: bool):
     from tvm import relax
     from tvm.relax.frontend import nn
+    from tvm.target import codegen
 
     from ds4tvm.nn import cpu_kernels
     from ds4tvm.nn.qweight import QWeight, for_cpu
@@ -90,18 +127,21 @@ def test_cpu_kernels_match_gguf_dequantize(qtype):
                 "xe": nn.spec.Tensor([t, J, K], "float32"), "sel": nn.spec.Tensor([t, J], "int32"),
                 "$": {"param_mode": "plain", "effect_mode": "none"}}
 
-    with for_cpu(2):
+    with for_cpu(2, int8_activations=int8):
         mod, params = M().export_tvm(spec={"f": inputs("t"), "f1": inputs(1)})
     script = mod.script()
     assert "row_matmul" not in script   # no TE linear left but one-token experts in one-plane formats
-    assert ("expert_matmul" in script) == (qtype in cpu_kernels.ONE_PLANE)
-    target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    assert ("expert_matmul" in script) == (qtype in cpu_kernels.ONE_PLANE and not int8)
+    assert ("vpdpbusd" in script) == int8
+    target = tvm.target.Target({"kind": "llvm", "num-cores": 2,
+                                **({"mcpu": codegen.llvm_get_system_cpu()} if int8 else {})})
     vm = relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu())
     raw, raw_e = random_blocks(qtype, (N, K), rng), random_blocks(qtype, (E, N, K), rng)
     W, We = quants.dequantize(raw, qtype).astype(np.float64), quants.dequantize(raw_e, qtype).astype(np.float64)
     planes = {"w": to_planes(raw, qtype, (N, K)), "we": to_planes(raw_e, qtype, (E, N, K))}
     args = [tvm.runtime.tensor(np.ascontiguousarray(planes[n.split(".")[0]].fields[n.split("plane_")[1]]))
             for n, _ in params]
+    seen = q8_0_inputs if int8 else (lambda a: a)
     for T in (1, 2, 3, 4, 5, 7, 11, 12, 13, 17, 23, 30):
         x = rng.standard_normal((T, K)).astype(np.float32)
         xg = rng.standard_normal((T, G, K)).astype(np.float32)
@@ -109,8 +149,8 @@ def test_cpu_kernels_match_gguf_dequantize(qtype):
         sel = rng.integers(0, E - 1, (T, J)).astype(np.int32)   # expert E-1 is never chosen
         y, yg, ye, ye2 = vm["f"](tvm.runtime.tensor(x), tvm.runtime.tensor(xg), tvm.runtime.tensor(xe),
                                  tvm.runtime.tensor(sel), *args)
-        refs = [x @ W.T, np.einsum("tgk,gok->tgo", xg, W.reshape(G, N // G, K)),
-                np.einsum("tk,tjnk->tjn", x, We[sel]), np.einsum("tjk,tjnk->tjn", xe, We[sel])]
+        refs = [seen(x) @ W.T, np.einsum("tgk,gok->tgo", seen(xg), W.reshape(G, N // G, K)),
+                np.einsum("tk,tjnk->tjn", seen(x), We[sel]), np.einsum("tjk,tjnk->tjn", seen(xe), We[sel])]
         for got, ref in zip((y, yg, ye, ye2), refs):
             assert np.abs(got.numpy() - ref).max() <= 1e-5 * np.abs(ref).max(), (T, qtype)
         # a token's outputs do not depend on the tokens beside it, bit for bit, whichever kernel a

@@ -1,0 +1,187 @@
+"""The int8-activation path of the CPU linears (a compile option, `ds4-compile --int8-activations`):
+each token's input is quantized to int8 in blocks of 32 (gguf's Q8_0 rounding, the scale kept in
+float32) and multiplied by the weights' integer codes with AVX-512 VNNI dot products (vpdpbusd:
+64 u8 x s8 products summed into 16 int32 lanes per instruction), as llama.cpp's CPU backend does.
+It reads the same planes as nn/cpu_kernels.py and replaces that module's float micro-kernel only.
+
+The logits change: every input is rounded to 8 bits (a relative error of about 1/254 of its
+block's largest magnitude), so they no longer match transformers to ~1e-6; what the kernels
+compute is checked against gguf's own Q8_0 quantizer applied to the input
+(tests/unit/test_kernels.py). A token's outputs still do not depend on the tokens beside it, bit
+for bit, so decode and verify round alike.
+
+Each format decodes a block of 256 weights of a row into four chunks of 64 unsigned codes u
+(u8 x 64) with a scale per dot-product lane S (f32 x 16: each lane sums 4 products), and an offset
+per 16 weights M (f32 x 16), such that weight = S * u - M. With the token's input scales per lane
+D and its sums of 16 inputs X (the scale times the codes' sum), each chunk adds
+cvt(dot(u, q)) * S * D to the token's 16 partial sums and the block subtracts M * X. Signed codes
+(Q8_0, IQ2_XXS) are biased by 128 to be unsigned, M = 128 S.
+"""
+
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType as QT
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..gguf.quant import _iq2_tables, plane_format
+
+F32 = "float32"
+CHUNK = 64          # weights per dot product
+BLOCK = 256         # weights per decoded block: four chunks
+ACT_BLOCK = 32      # inputs per int8 scale
+
+
+def _vec(buf, lead: tuple, start, lanes: int):
+    return tirx.BufferLoad(buf, [*lead, tirx.Ramp(start, 1, lanes)])
+
+
+def _bc(value, dtype: str, lanes: int):
+    return tirx.Broadcast(tirx.const(value, dtype), lanes)
+
+
+def _halves(a, b):
+    """Lanes 0-7 a, lanes 8-15 b (two scalars of a chunk's two 32-weight blocks)."""
+    return tirx.Shuffle([tirx.Broadcast(a, 8), tirx.Broadcast(b, 8)], list(range(16)))
+
+
+def _spread(v, first: int, per: int):
+    """16 lanes from a vector of per-block values: lane l takes v[first + l // per]."""
+    n = v.ty.dtype.lanes
+    return tirx.Shuffle([v] * max(1, 16 // n), [first + lane // per for lane in range(16)])
+
+
+def _nibbles(v, shifts: tuple[int, int], mask: int):
+    """The 64 codes of a chunk from 32 bytes: the first 32 at shifts[0], the next at shifts[1]."""
+    lo, hi = ((v >> _bc(s, "uint8", 32)) & _bc(mask, "uint8", 32) for s in shifts)
+    return tirx.Shuffle([lo, hi], list(range(64)))
+
+
+def _gather_rows(table, idx):
+    """table[idx] for eight int32 indices into a table of uint64 rows: one AVX-512 gather (TVM
+    would load the lanes one by one)."""
+    return T.call_llvm_pure_intrin("uint64x8", "llvm.x86.avx512.mask.gather.dpq.512", _bc(0, "uint64", 8),
+                                   T.address_of(table[0]), idx, tirx.Broadcast(tirx.const(True, "bool"), 8),
+                                   tirx.const(8, "int32"))
+
+
+def _f16(P, name, r, i):
+    return P[name][(*r, i)].astype(F32)
+
+
+def _q4_k(P, r, s):
+    sc = _vec(P["sc"], r, s * 8, 8).astype("float32x8") * tirx.Broadcast(_f16(P, "d", r, s), 8)
+    mn = _vec(P["mn"], r, s * 8, 8).astype("float32x8") * tirx.Broadcast(_f16(P, "dmin", r, s), 8)
+    codes = [_nibbles(_vec(P["qs"], r, s * 128 + j * 32, 32), (0, 4), 15) for j in range(4)]
+    return codes, [_spread(sc, 2 * j, 8) for j in range(4)], _spread(mn, 0, 2)
+
+
+def _q2_k(P, r, s):
+    raw = _vec(P["sc"], r, s * 16, 16)
+    sc = (raw & _bc(15, "uint8", 16)).astype("float32x16") * tirx.Broadcast(_f16(P, "d", r, s), 16)
+    mn = (raw >> _bc(4, "uint8", 16)).astype("float32x16") * tirx.Broadcast(_f16(P, "dmin", r, s), 16)
+    codes = [_nibbles(_vec(P["qs"], r, s * 64 + j // 2 * 32, 32), (j % 2 * 4, j % 2 * 4 + 2), 3) for j in range(4)]
+    return codes, [_spread(sc, 4 * j, 4) for j in range(4)], mn
+
+
+def _q8_0(P, r, s):
+    d = _vec(P["d"], r, s * 8, 8).astype("float32x8")
+    codes = [tirx.reinterpret("uint8x64", _vec(P["qs"], r, s * 256 + j * CHUNK, 64)) ^ _bc(128, "uint8", 64)
+             for j in range(4)]
+    return codes, [_spread(d, 2 * j, 8) for j in range(4)], _spread(d, 0, 2) * _bc(128.0, F32, 16)
+
+
+def _iq2_xxs_codes(P, r, s, aux, j):
+    """Chunk j's codes: eight grid rows (128 + magnitudes 8/25/43) and eight sign masks (0xFF
+    bytes for negative weights), gathered as 64-bit table rows; a negative weight's code is
+    128 - magnitude, which is -(128 + magnitude) mod 256."""
+    grid = _vec(P["grid"], r, s * 32 + j * 8, 8).astype("int32x8")
+    words = tirx.Shuffle([aux], [2 * j + i // 4 for i in range(8)])
+    shifts = tirx.Shuffle([tirx.Ramp(tirx.const(0, "uint32"), tirx.const(7, "uint32"), 4)] * 2, list(range(8)))
+    sign_idx = ((words >> shifts) & _bc(127, "uint32", 8)).astype("int32x8")
+    codes = tirx.reinterpret("uint8x64", _gather_rows(P["iq2_grid8"], grid))
+    neg = tirx.reinterpret("uint8x64", _gather_rows(P["iq2_sign8"], sign_idx))
+    return (codes ^ neg) - neg
+
+
+def _iq2_xxs(P, r, s):
+    aux = _vec(P["aux"], r, s * 8, 8)
+    db = (tirx.Broadcast(_f16(P, "d", r, s), 8) * (_bc(0.5, F32, 8) + (aux >> _bc(28, "uint32", 8)).astype("float32x8"))
+          * _bc(0.25, F32, 8))
+    codes = [_iq2_xxs_codes(P, r, s, aux, j) for j in range(4)]
+    return codes, [_spread(db, 2 * j, 8) for j in range(4)], _spread(db, 0, 2) * _bc(128.0, F32, 16)
+
+
+BLOCKS = {QT.Q4_K: _q4_k, QT.Q2_K: _q2_k, QT.Q8_0: _q8_0, QT.IQ2_XXS: _iq2_xxs}
+FORMATS = tuple(BLOCKS)
+
+
+def tables(qtype: QT) -> dict:
+    """The tables the int8 decoders gather 64-bit rows from (IQ2_XXS: 128 + the grid magnitudes,
+    and sign masks with 0xFF for a negative weight)."""
+    import numpy as np
+
+    if qtype != QT.IQ2_XXS:
+        return {}
+    grid, ksigns = _iq2_tables()
+    neg = ((ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1) * np.uint8(255)
+    return {"iq2_grid8": np.ascontiguousarray(grid.astype(np.uint8) + np.uint8(128)).view(np.uint64).reshape(256),
+            "iq2_sign8": np.ascontiguousarray(neg.astype(np.uint8)).view(np.uint64).reshape(128)}
+
+
+def block_decoder(qtype: QT):
+    """dec(rows, blk, ws) -> (codes, scales, mins) of 256-weight block blk of a weight row: the
+    four chunks' codes (u8 x 64) and scales S (f32 x 16, one per dot-product lane), and the
+    block's offsets (f32 x 16, one per 16 weights), all loaded and converted once per block."""
+    names = [f.name for f in plane_format(qtype).fields] + list(tables(qtype))
+    dec = BLOCKS[qtype]
+    return lambda r, blk, ws: dec(dict(zip(names, ws)), r, blk)
+
+
+def _roundf(v):
+    """gguf's np_roundf (half away from zero) in the same float operations."""
+    a = T.fabs(v)
+    f = T.floor(a)
+    b = f + T.floor(T.float32(2) * (a - f))
+    return T.Select(v < T.float32(0), -b, b)
+
+
+@T.macro
+def quantize(x, x2, rows, Kx, xq, D, X):
+    """xq[r, k] int8, D[r, k/4] each dot-product lane's input scale, X[r, k/16] the scale times
+    the sum of 16 inputs' codes: rows x2(x, r, k) in blocks of 32 as gguf's Q8_0 quantizer rounds
+    them."""
+    amax = T.decl_buffer((1,), F32, scope="local")
+    for r, b in T.grid(rows, Kx // ACT_BLOCK):
+        amax[0] = T.float32(0)
+        for i in range(ACT_BLOCK):
+            amax[0] = T.max(amax[0], T.fabs(x2(x, r, b * ACT_BLOCK + i)))
+        d: T.float32 = amax[0] / T.float32(127)
+        inv: T.float32 = T.Select(d == T.float32(0), T.float32(0), T.float32(1) / d)
+        for i in T.vectorized(ACT_BLOCK):
+            xq[r, b * ACT_BLOCK + i] = T.Cast("int8", _roundf(x2(x, r, b * ACT_BLOCK + i) * inv))
+        for lane in T.vectorized(ACT_BLOCK // 4):
+            D[r, b * 8 + lane] = d
+        for h in range(2):
+            X[r, b * 2 + h] = T.float32(0)
+            for i in range(16):
+                X[r, b * 2 + h] = X[r, b * 2 + h] + T.Cast(F32, xq[r, b * ACT_BLOCK + h * 16 + i])
+            X[r, b * 2 + h] = d * X[r, b * 2 + h]
+
+
+def _lanes16(buf, i0: tuple, start):
+    return tirx.BufferLoad(buf, [*i0, tirx.Ramp(start, 1, 16)])
+
+
+def chunk_update(acc, t, n, u, S, xq, D, row, col):
+    """(token t, row n)'s 16 partial sums plus chunk u, S at input column col of quantized row
+    `row`: cvt(dot(u, q)) * S * D."""
+    q = _vec(xq, (row,), col, 64)
+    dot = T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", _bc(0, "int32", 16), u, q)
+    return _lanes16(acc, (t, n), 0) + dot.astype("float32x16") * (S * _lanes16(D, (row,), col // 4))
+
+
+def offset_update(acc, t, n, M, X, row, col):
+    """(token t, row n)'s 16 partial sums less a block's offsets M (at input column col, one per
+    16 weights) times the inputs' sums X over the same 16."""
+    return _lanes16(acc, (t, n), 0) - M * _lanes16(X, (row,), col // 16)
