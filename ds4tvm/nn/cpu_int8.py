@@ -92,16 +92,14 @@ def _q8_0(P, r, s):
 
 
 def _iq2_xxs_codes(P, r, s, aux, j):
-    """Chunk j's codes: eight grid rows (128 + magnitudes 8/25/43) and eight sign masks (0xFF
-    bytes for negative weights), gathered as 64-bit table rows; a negative weight's code is
-    128 - magnitude, which is -(128 + magnitude) mod 256."""
+    """Chunk j's codes: eight rows of the table of every (grid entry, sign pattern) pair, one
+    gather: the row of grid entry g and sign pattern p holds, per weight, 128 + its magnitude
+    (8/25/43) when positive, 128 - its magnitude when negative."""
     grid = _vec(P["grid"], r, s * 32 + j * 8, 8).astype("int32x8")
     words = tirx.Shuffle([aux], [2 * j + i // 4 for i in range(8)])
     shifts = tirx.Shuffle([tirx.Ramp(tirx.const(0, "uint32"), tirx.const(7, "uint32"), 4)] * 2, list(range(8)))
     sign_idx = ((words >> shifts) & _bc(127, "uint32", 8)).astype("int32x8")
-    codes = tirx.reinterpret("uint8x64", _gather_rows(P["iq2_grid8"], grid))
-    neg = tirx.reinterpret("uint8x64", _gather_rows(P["iq2_sign8"], sign_idx))
-    return (codes ^ neg) - neg
+    return tirx.reinterpret("uint8x64", _gather_rows(P["iq2_codes"], grid * _bc(128, "int32", 8) + sign_idx))
 
 
 def _iq2_xxs(P, r, s):
@@ -117,16 +115,17 @@ FORMATS = tuple(BLOCKS)
 
 
 def tables(qtype: QT) -> dict:
-    """The tables the int8 decoders gather 64-bit rows from (IQ2_XXS: 128 + the grid magnitudes,
-    and sign masks with 0xFF for a negative weight)."""
+    """The table the IQ2_XXS decoder gathers 64-bit rows from: the codes of every (grid entry,
+    sign pattern) pair, [256 * 128] (256 KB)."""
     import numpy as np
 
     if qtype != QT.IQ2_XXS:
         return {}
     grid, ksigns = _iq2_tables()
-    neg = ((ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1) * np.uint8(255)
-    return {"iq2_grid8": np.ascontiguousarray(grid.astype(np.uint8) + np.uint8(128)).view(np.uint64).reshape(256),
-            "iq2_sign8": np.ascontiguousarray(neg.astype(np.uint8)).view(np.uint64).reshape(128)}
+    mag = grid.astype(np.uint8)[:, None, :]                                         # [256, 1, 8]
+    neg = ((ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1).astype(bool)[None]  # [1, 128, 8]
+    codes = np.where(neg, np.uint8(128) - mag, np.uint8(128) + mag).astype(np.uint8)
+    return {"iq2_codes": np.ascontiguousarray(codes.reshape(-1, 8)).view(np.uint64).reshape(-1)}
 
 
 def block_decoder(qtype: QT):
