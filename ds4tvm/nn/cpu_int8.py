@@ -20,6 +20,7 @@ cvt(dot(u, q)) * S * D to the token's 16 partial sums and the block subtracts M 
 
 from __future__ import annotations
 
+import numpy as np
 from gguf import GGMLQuantizationType as QT
 from tvm import tirx
 from tvm.script import tirx as T
@@ -38,11 +39,6 @@ def _vec(buf, lead: tuple, start, lanes: int):
 
 def _bc(value, dtype: str, lanes: int):
     return tirx.Broadcast(tirx.const(value, dtype), lanes)
-
-
-def _halves(a, b):
-    """Lanes 0-7 a, lanes 8-15 b (two scalars of a chunk's two 32-weight blocks)."""
-    return tirx.Shuffle([tirx.Broadcast(a, 8), tirx.Broadcast(b, 8)], list(range(16)))
 
 
 def _spread(v, first: int, per: int):
@@ -116,9 +112,7 @@ FORMATS = tuple(BLOCKS)
 
 def tables(qtype: QT) -> dict:
     """The table the IQ2_XXS decoder gathers 64-bit rows from: the codes of every (grid entry,
-    sign pattern) pair, [256 * 128] (256 KB)."""
-    import numpy as np
-
+    sign pattern) pair, [256 * 128] (256 KB, one copy in a compiled module)."""
     if qtype != QT.IQ2_XXS:
         return {}
     grid, ksigns = _iq2_tables()
@@ -131,7 +125,8 @@ def tables(qtype: QT) -> dict:
 def block_decoder(qtype: QT):
     """dec(rows, blk, ws) -> (codes, scales, mins) of 256-weight block blk of a weight row: the
     four chunks' codes (u8 x 64) and scales S (f32 x 16, one per dot-product lane), and the
-    block's offsets (f32 x 16, one per 16 weights), all loaded and converted once per block."""
+    block's offsets (f32 x 16, one per 16 weights); the chunks' scales are lanes of one vector
+    of the block's, which LLVM loads and converts once."""
     names = [f.name for f in plane_format(qtype).fields] + list(tables(qtype))
     dec = BLOCKS[qtype]
     return lambda r, blk, ws: dec(dict(zip(names, ws)), r, blk)

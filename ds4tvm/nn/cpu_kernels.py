@@ -21,6 +21,13 @@ dequantized once instead of 30 times, experts nobody chose cost nothing, and a d
 experts keep every core busy (one-token calls in the one-plane formats keep the TE kernel, which
 is faster there: takes_experts).
 
+Accumulators are global-scope buffers: TVM keeps one under 1 KB on the stack, where LLVM holds it
+in registers, while a "local" one came from the workspace pool at every micro-kernel call (and the
+products went through memory).
+
+With int8=True (ds4-compile --int8-activations) the Q8_0/Q4_K/Q2_K/IQ2_XXS kernels quantize their
+inputs to int8 first and run nn/cpu_int8.py's VNNI micro-kernel in the same tiles and token blocks.
+
 benchmarks/cpu_kernels.py times each format against the TE kernels; BENCHMARKS.md has the numbers.
 """
 
@@ -58,7 +65,8 @@ def takes_experts(qtype: QT, N: int, K: int, tokens, int8: bool = False) -> bool
     """Whether expert_linear serves a routed-expert call of `tokens` tokens. A one-token call in
     a one-plane format keeps the TE kernel: there it is faster (Q8_0 0.065 against 0.089 ms per
     call, benchmarks/cpu_kernels.py; decode 0.89x before this was kept), and it sums each output in
-    the same order as these kernels, so decode and verify still round alike (tests/unit/test_kernels.py)."""
+    the same order as these kernels, so decode and verify still round alike (tests/unit/test_kernels.py).
+    With int8 inputs every call takes the hand kernel: the TE kernel has no int8 path."""
     one_token_te = isinstance(tokens, int) and tokens == 1 and qtype in ONE_PLANE and not int8
     return supports(qtype, N, K) and not one_token_te
 
@@ -170,7 +178,7 @@ def _int8_row_tiles(qtype: QT, K: int, x_loc, w_row, y_at):
 
     @T.macro
     def micro(_inline, nt, i0, tile, rb, x, y, ctx, _wt, ws):
-        acc = T.decl_buffer((nt, NR, 16), "float32")   # global: on the stack below 1 KB (_zero)
+        acc = T.decl_buffer((nt, NR, 16), "float32")   # global scope: see the module docstring
         _zero(acc, nt)
         for blk in range(K // cpu_int8.BLOCK):
             chunk(acc, nt, i0, tile, rb, blk, 0, x, ctx, ws)
@@ -214,7 +222,7 @@ def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
 
     @T.macro
     def micro(inline, nt, i0, tile, rb, x, y, ctx, wt, ws):
-        acc = T.decl_buffer((nt, NR, 16), "float32")   # global: on the stack below 1 KB (_zero)
+        acc = T.decl_buffer((nt, NR, 16), "float32")   # global scope: see the module docstring
         _zero(acc, nt)
         for kb in range(KC // unroll(inline)):
             for u in T.unroll(unroll(inline)):
