@@ -134,6 +134,14 @@ def _lane_sum(acc, t, n):
     return v
 
 
+@T.macro
+def _store_sums(y, acc, nt, y_at, ctx, i0, tile, rb):
+    """Each accumulator's lane sum into its output, y_at(ctx, i, tile, r) (a micro-kernel's end)."""
+    for t in T.unroll(nt):
+        for n in T.unroll(NR):
+            T.buffer_store(y, _lane_sum(acc, t, n), y_at(ctx, i0 + t, tile, rb * NR + n))
+
+
 def _token_blocks(micro):
     """A macro blocks(inline, first, count, tile, ...) that runs `micro` over token rows first ..
     first+count-1 in blocks of TB, the last count % TB rows in blocks of 4, 2, 1 (still sharing
@@ -190,9 +198,7 @@ def _int8_row_tiles(qtype: QT, K: int, x_loc, w_row, y_at):
                 for t in T.unroll(nt):
                     T.buffer_store(acc, cpu_int8.offset_update(acc, t, n, M, x[2], row(ctx, i0 + t, tile),
                                                                col(ctx, i0 + t, tile, blk, 0)), [t, n, tirx.Ramp(0, 1, 16)])
-        for t in T.unroll(nt):
-            for n in T.unroll(NR):
-                T.buffer_store(y, _lane_sum(acc, t, n), y_at(ctx, i0 + t, tile, rb * NR + n))
+        _store_sums(y, acc, nt, y_at, ctx, i0, tile, rb)
 
     blocks = _token_blocks(micro)
 
@@ -233,9 +239,7 @@ def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
                                 acc[t, n, h * VW + lane] = acc[t, n, h * VW + lane] + x_at(
                                     x, ctx, i0 + t, tile, k_of(kb, u, h, lane, inline)) * w_at(
                                     inline, tile, rb * NR + n, k_of(kb, u, h, lane, inline), wt, ws)
-        for t in T.unroll(nt):
-            for n in T.unroll(NR):
-                T.buffer_store(y, _lane_sum(acc, t, n), y_at(ctx, i0 + t, tile, rb * NR + n))
+        _store_sums(y, acc, nt, y_at, ctx, i0, tile, rb)
 
     blocks = _token_blocks(micro)
 
