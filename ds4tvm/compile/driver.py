@@ -201,16 +201,21 @@ def _with_heads(mod, functions, heads, path: Path, tgt_spec, out_dir: Path, para
     return mod, [replace(f, params=(0, n)) for f in functions] + [spec]
 
 
+def has_vnni(tgt_spec) -> bool:
+    """Whether a CPU target's code may use AVX-512 VNNI (its -mcpu has it)."""
+    import tvm
+    from tvm.target import codegen
+
+    return bool(codegen.target_has_features("avx512vnni", tvm.target.Target(tgt_spec.tvm)))
+
+
 def check_int8_activations(tgt_spec, wanted: bool) -> None:
     """The int8 path's dot products are AVX-512 VNNI instructions: only CPU targets that have them."""
     if not wanted:
         return
     if tgt_spec.device != "cpu":
         raise Ds4Error(f"--int8-activations: a CPU option; {tgt_spec.name} is a {tgt_spec.device} target")
-    import tvm
-    from tvm.target import codegen
-
-    if not codegen.target_has_features("avx512vnni", tvm.target.Target(tgt_spec.tvm)):
+    if not has_vnni(tgt_spec):
         raise Ds4Error(f"--int8-activations: target {tgt_spec.name} has no AVX-512 VNNI (vpdpbusd); use "
                        f"--target cpu on a CPU that has it (Ice Lake / Zen 4 or later), or compile without it")
 

@@ -20,15 +20,6 @@ def _model(path):
     return write_random_deepseek4(path, k_quant_config(n_vocab=768), seed=11, type_of=published_recipe_type)
 
 
-def _has_vnni() -> bool:
-    import tvm
-    from tvm.target import codegen
-
-    from ds4tvm.compile.targets import resolve
-
-    return bool(codegen.target_has_features("avx512vnni", tvm.target.Target(resolve("cpu").tvm)))
-
-
 def test_int8_activations_need_a_cpu_target_with_vnni(tmp_path):
     from ds4tvm.compile.driver import check_int8_activations
     from ds4tvm.compile.targets import resolve
@@ -46,7 +37,10 @@ def test_int8_activations_need_a_cpu_target_with_vnni(tmp_path):
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_int8_activation_logits_near_transformers_and_batching_blind(tmp_path):
-    if not _has_vnni():
+    from ds4tvm.compile.driver import has_vnni
+    from ds4tvm.compile.targets import resolve
+
+    if not has_vnni(resolve("cpu")):
         pytest.skip("this CPU has no AVX-512 VNNI")
     import torch
     from hf_models import hf_model_from_gguf

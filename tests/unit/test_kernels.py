@@ -67,14 +67,6 @@ def test_cpu_kernels_match_gguf_dequantize(qtype):
     _check_cpu_kernels(qtype, int8=False)
 
 
-def _host_has_vnni() -> bool:
-    from tvm.target import codegen
-
-    from ds4tvm.compile.targets import resolve
-
-    return bool(codegen.target_has_features("avx512vnni", tvm.target.Target(resolve("cpu").tvm)))
-
-
 INT8_DEFAULT = (QT.IQ2_XXS,)   # gathered codes, scales and offsets; the others under -m slow
 
 
@@ -85,7 +77,10 @@ def test_int8_activation_kernels_match_gguf_q8_0_inputs(qtype):
     against gguf's dequantized weights times the inputs as gguf's Q8_0 quantizer rounds them (its
     codes, with the block scale kept in float32). Their difference from the float inputs' product
     (~1e-3 of the largest output) is 100x the tolerance, so a kernel that skipped the rounding fails."""
-    if not _host_has_vnni():
+    from ds4tvm.compile.driver import has_vnni
+    from ds4tvm.compile.targets import resolve
+
+    if not has_vnni(resolve("cpu")):
         pytest.skip("this CPU has no AVX-512 VNNI, which the int8-activation kernels need")
     _check_cpu_kernels(qtype, int8=True)
 
