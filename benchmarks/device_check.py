@@ -85,17 +85,18 @@ def prepare(work: Path, arch: str) -> None:
     prepare_toolchain("cuda")   # before TVM is first imported
     from ds4tvm.artifact import Bounds
     from ds4tvm.compile.driver import compile_gguf
-    from ds4tvm.demo import build_demo
+    from ds4tvm.demo import BOUNDS, PROMPT, embedded_artifact, embedded_pair
     from ds4tvm.runtime.engine import Engine
+    from ds4tvm.runtime.tokenizer import Tokenizer
 
     work.mkdir(parents=True, exist_ok=True)
-    model, support, art, prompt = build_demo(work / "demo", progress=False)
-    cpu = Engine(art)
+    model, support = embedded_pair()
+    cpu = Engine(embedded_artifact(work / "demo", progress=False))
+    prompt = Tokenizer.from_metadata(cpu.tokenizer_data).encode(PROMPT)
     ref = all_logits(cpu, tiny_ids(cpu.n_vocab))
     toks, _ = speculative_tokens(cpu, prompt)
     np.savez(work / "reference.npz", tokens=np.array(toks), prompt=np.array(prompt), **ref)
-    bounds = Bounds(max_context=512, max_verify=8, prefill_chunk=256)
-    compile_gguf(model, f"cuda:{arch}", work / "demo-cuda", bounds, support=support)
+    compile_gguf(model, f"cuda:{arch}", work / "demo-cuda", Bounds(**BOUNDS), support=support)
     big = write_big(work / "big.gguf")
     compile_gguf(big, f"cuda:{arch}", work / "big-cuda", Bounds(max_context=1024, max_verify=16, prefill_chunk=256))
     big.unlink()   # `check` writes it again from the seed (the manifest's fingerprint must match)

@@ -137,12 +137,25 @@ def convert(hf_dir: Path = typer.Argument(..., help="transformers checkpoint dir
 
 # ---------------------------------------------------------------------------- demo
 @app.command()
-def demo(out_dir: Path = typer.Option(Path.home() / ".cache" / "ds4tvm" / "demo", "--dir",
-                                      help="where the embedded demo model is written")):
-    """Build the embedded tiny DeepSeek-V4 model and show what ds4 sees in it."""
+def demo(out_dir: Optional[Path] = typer.Option(None, "--dir", help="where the embedded model's artifact is "
+                                                 "compiled (default: the ds4tvm cache)")):
+    """Complete a Python prompt with the embedded code model, target-only and with DSpark."""
     from .demo import run_demo
 
     run_demo(out_dir)
+
+
+def _model_or_embedded(model: Path | None, progress: bool) -> Path:
+    """MODEL, or (none given) the embedded code model's artifact, compiled with its DSpark drafter on
+    first use: --dspark or a bare --mtp then speculate with that drafter."""
+    if model is not None:
+        return model
+    from .demo import TARGET_FILE, embedded_artifact
+
+    art = embedded_artifact(progress=progress)
+    print(f"ds4: no -m given: using the embedded demo model {TARGET_FILE} and its DSpark drafter ({art})",
+          file=sys.stderr, flush=True)
+    return art
 
 
 # ---------------------------------------------------------------------------- run / logits
@@ -192,8 +205,8 @@ MtpTimingOpt = Annotated[bool, typer.Option("--mtp-timing", help="MTP: print one
                                                                   "(enables MTP)")]
 DSparkOpt = Annotated[bool, typer.Option("--dspark", help="speculate with the DSpark drafter")]
 DSparkConfidenceOpt = Annotated[Optional[float], typer.Option(
-    "--dspark-confidence", help="confidence threshold (default 0.7, 0.8 with exact sampling; 0: full blocks); "
-                                "implies --dspark")]
+    "--dspark-confidence", help="confidence threshold (default: the support file's calibrated value, else 0.7; "
+                                "at least 0.8 with exact sampling; 0: full blocks); implies --dspark")]
 DSparkStrictOpt = Annotated[bool, typer.Option("--dspark-strict", help="load and check the drafter, decode "
                                                                         "target-only")]
 DraftOnnxOpt = Annotated[Optional[str], typer.Option(
@@ -217,7 +230,8 @@ def _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confide
 
 
 @app.command()
-def run(model: Path = typer.Option(..., "-m", "--model", help="artifact directory or GGUF (compiled on first use)"),
+def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifact directory or GGUF (compiled on "
+                                             "first use); default: the embedded demo model"),
         prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="prompt text (rendered with the chat template)"),
         tokens: Optional[str] = typer.Option(None, "--tokens", help="prompt as token ids, e.g. 1,2,3"),
         raw: bool = typer.Option(False, "--raw", help="tokenize the prompt as is, without the chat template"),
@@ -253,6 +267,7 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
         raise Ds4Error(f"-n {n_predict}: expected a count >= 0")
     options = _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
                             quality, exact_sampling, draft_onnx)
+    model = _model_or_embedded(model, progress=not as_json)
     engine, drafter = _speculative_engine(model, options, target, ctx, progress=not as_json)
     conversation = _Session(session, engine, drafter) if session is not None else None
     ids, tok = _prompt_ids(engine, model, prompt, tokens, raw, conversation)
@@ -302,7 +317,8 @@ def run(model: Path = typer.Option(..., "-m", "--model", help="artifact director
 
 
 @app.command()
-def serve(model: Path = typer.Option(..., "-m", "--model", help="artifact, package or GGUF (compiled on first use)"),
+def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifact, package or GGUF (compiled "
+                                               "on first use); default: the embedded demo model"),
           host: str = typer.Option("127.0.0.1", "--host", help="address to bind (loopback unless told otherwise)"),
           port: int = typer.Option(8000, "--port"),
           ctx: int = typer.Option(4096, "--ctx", help="context per request (and when compiling a GGUF on first use)"),
@@ -357,6 +373,7 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="artifact, packa
             raise Ds4Error(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
     options = _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
                             quality, exact_sampling, draft_onnx)
+    model = _model_or_embedded(model, progress=True)
     engine, drafter = _speculative_engine(model, options, target, ctx, progress=True)
     import uvicorn
 

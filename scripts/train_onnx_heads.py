@@ -3,7 +3,8 @@ model (`ds4 demo`), exports them with torch.onnx.export, compiles them into an a
 target and measures them on held-out text.
 
     python scripts/train_onnx_heads.py --out heads.onnx          # train + export (+ evaluate)
-    ds4-compile ~/.cache/ds4tvm/demo/ds4-demo-tiny-deepseek4.gguf --draft-onnx heads.onnx -o demo-heads
+    ds4-compile "$(python -c 'import ds4tvm.demo as d; print(d.embedded_pair()[0])')" \
+        --draft-onnx heads.onnx -o demo-heads
     ds4 run -m demo-heads -p "def parse(" --temp 0 --draft-onnx
 
 Each head is a residual block over the target's final hidden state h (r_k = h + SiLU(W_k h + b_k))
@@ -11,8 +12,8 @@ read by the target's own output head, frozen; all heads go through that head in 
 k at position p learns the token k + 2 positions after p: after the token t the target chooses from
 h, the (k + 1)-th token after t. The labels are the target's own greedy continuations (self-
 distillation: what greedy verification accepts), of prompts cut from the Python standard library's
-source (a fixed, sorted file list; files whose name starts with one of HELD_OUT are never trained
-on and give the evaluation prompts). The target's hidden states come from the ds4tvm engine
+source (ds4tvm/training/corpus.py: the files of corpus.HELD_OUT are never trained on and give the
+evaluation prompts). The target's hidden states come from the ds4tvm engine
 (every target function returns `hidden`), so the heads learn the compiled model's numbers.
 Deterministic for a seed (torch threads = cores).
 """
@@ -23,49 +24,11 @@ import argparse
 import json
 import os
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-HELD_OUT = ("s",)          # stdlib files whose name starts with these letters are evaluation only
-
-
-def corpus_files(held_out: bool) -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if p.name[0].lower().isalpha())
-    return [p for p in files if p.name.lower().startswith(HELD_OUT) == held_out]
-
-
-def prompts(tok, files: list[Path], n: int, length: int, seed: int) -> list[list[int]]:
-    """n windows of `length` tokens from the files, drawn with a fixed seed."""
-    rng = np.random.default_rng(seed)
-    out = []
-    while len(out) < n:
-        ids = tok.encode(files[rng.integers(len(files))].read_text(errors="replace")[:20000], add_bos=False)
-        if len(ids) > length:
-            start = int(rng.integers(len(ids) - length))
-            out.append(ids[start:start + length])
-    return out
-
-
-def collect(engine, windows, n_new: int, bar):
-    """(hidden [L, D], tokens [L]) per window: the window plus the target's greedy continuation."""
-    from ds4tvm.runtime.sampler import SamplingParams
-    from ds4tvm.runtime.speculative import generate
-
-    data = []
-    for w in windows:
-        engine.reset()
-        out, _ = generate(engine, w, n_new, SamplingParams(temperature=0.0), np.random.default_rng(0))
-        seq = w + out
-        engine.reset()
-        data.append((engine.prefill(seq, all_logits=True).outputs["hidden"], np.array(seq), len(w)))
-        bar()
-    return data
-
 
 def examples(data, k: int):
     """Training pairs: the hidden state at p (p + 1 a target choice) and the k tokens p + 2 .. p + k + 1."""
@@ -175,7 +138,8 @@ def evaluate(art: Path, heads: Path, windows, n_new: int) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("heads.onnx"))
-    ap.add_argument("--demo-dir", type=Path, default=Path.home() / ".cache" / "ds4tvm" / "demo")
+    ap.add_argument("--demo-dir", type=Path, default=None, help="where the embedded model's artifact is (compiled "
+                    "there on first use; default: the ds4tvm cache)")
     ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--windows", type=int, default=256, help="training prompts")
     ap.add_argument("--eval-windows", type=int, default=32, help="held-out prompts")
@@ -194,15 +158,16 @@ def main(argv=None):
 
     from ds4tvm.artifact import Bounds
     from ds4tvm.compile.driver import compile_gguf
-    from ds4tvm.demo import build_demo
+    from ds4tvm.demo import embedded_artifact, embedded_pair
+    from ds4tvm.training import corpus
     from ds4tvm.gguf import open_gguf
     from ds4tvm.runtime.engine import Engine
     from ds4tvm.runtime.tokenizer import Tokenizer
 
     torch.manual_seed(a.seed)
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    model_path, _, art, _ = build_demo(a.demo_dir, progress=True)
-    engine = Engine(art)
+    model_path = embedded_pair()[0]
+    engine = Engine(embedded_artifact(a.demo_dir))
     tok = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model_path))
     out = open_gguf(model_path).tensors["output.weight"]
     lm_head = dequantize(out.data, out.ggml_type).reshape(engine.n_vocab, -1).astype(np.float32)
@@ -210,8 +175,9 @@ def main(argv=None):
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=None, transient=False) as bar:
         task = bar.add_task("target continuations", total=a.windows, info="")
-        data = collect(engine, prompts(tok, corpus_files(False), a.windows, a.prompt_len, a.seed), a.continue_len,
-                       lambda: bar.advance(task))
+        data = corpus.greedy_continuations(engine, corpus.windows(tok, corpus.stdlib_files(False), a.windows,
+                                                                  a.prompt_len, a.seed),
+                                           a.continue_len, "hidden", lambda: bar.advance(task))
         x, y = examples(data, a.heads)
         heads = heads_module(lm_head, a.heads)
         task = bar.add_task("training heads", total=a.steps, info="")
@@ -226,7 +192,7 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as d:
             heads_art = compile_gguf(model_path, "cpu", Path(d) / "art", Bounds(512, 8, 256), draft_onnx=a.out,
                                      progress=True)
-            held = prompts(tok, corpus_files(True), a.eval_windows, a.prompt_len, a.seed + 1)
+            held = corpus.windows(tok, corpus.stdlib_files(True), a.eval_windows, a.prompt_len, a.seed + 1)
             report["held_out"] = evaluate(heads_art, a.out, held, a.continue_len)
         print(json.dumps(report["held_out"]))
     if a.json:

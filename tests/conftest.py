@@ -17,10 +17,10 @@ def fixtures_dir(sub: str) -> Path:
     return d
 
 
-def run_ds4(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_ds4(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """Runs the real `ds4` command line in a fresh process."""
     return subprocess.run([sys.executable, "-m", "ds4tvm.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 def run_ds4_compile(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -52,15 +52,16 @@ def tiny_artifact(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_pair(tmp_path_factory):
-    """The embedded demo: tiny DeepSeek-V4 + agreeing DSpark support, one artifact holding both;
-    built once for all test workers (the first builds it under a lock, the others reuse it)."""
+    """The random demo pair (tests/random_demo.py): tiny DeepSeek-V4 + agreeing DSpark support, one
+    artifact holding both; built once for all test workers (the first builds it under a lock, the
+    others reuse it)."""
     import fcntl
 
-    from ds4tvm.demo import build_demo
+    from random_demo import build_random_demo
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent   # shared by the workers of this run
     with open(root / "demo.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return build_demo(root / "demo-shared", progress=False)
+        return build_random_demo(root / "demo-shared")

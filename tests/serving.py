@@ -34,11 +34,11 @@ def wait_ready(port: int, proc: subprocess.Popen | None = None, timeout: float =
 class ServerProcess:
     """The real `ds4 serve` in its own process."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, env: dict | None = None):
         self.port = free_port()
         self.log = tempfile.TemporaryFile("w+")  # a pipe could fill up and block the server
         self.proc = subprocess.Popen([sys.executable, "-m", "ds4tvm.cli", "serve", *map(str, args), "--port",
-                                      str(self.port)], stdout=self.log, stderr=subprocess.STDOUT, text=True)
+                                      str(self.port)], stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
         wait_ready(self.port, self.proc, log=self.log)
         self.url = f"http://127.0.0.1:{self.port}"
 

@@ -34,19 +34,20 @@ class Weights:
     """Dequantized tensors of a GGUF as float64 torch tensors in numpy order ([out, in]), read on
     first use; with `trainable`, as Parameters in `cache` (shared by every prefix view)."""
 
-    def __init__(self, gguf_file, prefix: str = "", trainable: bool = False, cache: dict | None = None):
-        self.f, self.prefix, self.trainable = gguf_file, prefix, trainable
+    def __init__(self, gguf_file, prefix: str = "", trainable: bool = False, cache: dict | None = None,
+                 dtype=torch.float64):
+        self.f, self.prefix, self.trainable, self.dtype = gguf_file, prefix, trainable, dtype
         self.cache = {} if cache is None else cache
 
     def view(self, prefix: str) -> "Weights":
-        return Weights(self.f, self.prefix + prefix, self.trainable, self.cache)
+        return Weights(self.f, self.prefix + prefix, self.trainable, self.cache, self.dtype)
 
     def __call__(self, name: str) -> torch.Tensor:
         name = self.prefix + name
         if name not in self.cache:
             t = self.f.tensors[name]
-            w = quants.dequantize(np.asarray(t.data), t.ggml_type).astype(np.float64)
-            w = torch.from_numpy(w.reshape(tuple(reversed(t.shape))).copy())
+            w = quants.dequantize(np.asarray(t.data), t.ggml_type).reshape(tuple(reversed(t.shape)))
+            w = torch.from_numpy(np.array(w, np.float64)).to(self.dtype)
             self.cache[name] = torch.nn.Parameter(w) if self.trainable else w
         return self.cache[name]
 
@@ -81,7 +82,7 @@ def rope(x, positions, n_rot, base=10000.0, inverse=False):
     x = x.clone()
     j = torch.arange(n_rot // 2, dtype=torch.float64)
     theta = positions.to(torch.float64)[:, None] * base ** (-2.0 * j / n_rot) * (-1 if inverse else 1)
-    theta = theta.reshape(theta.shape[0], *([1] * (x.dim() - 2)), -1)
+    theta = theta.reshape(theta.shape[0], *([1] * (x.dim() - 2)), -1).to(x.dtype)
     a, b = x[..., -n_rot::2].clone(), x[..., -n_rot + 1::2].clone()
     x[..., -n_rot::2] = a * torch.cos(theta) - b * torch.sin(theta)
     x[..., -n_rot + 1::2] = a * torch.sin(theta) + b * torch.cos(theta)
@@ -108,19 +109,25 @@ class Stage:
 
     def attention(self, N, keys, visible, positions):
         """Token rows N [B, D] over keys [R, Dh] (visible [R] bool); the output projection."""
+        return self.attention_batch(N[None], keys[None], visible[None], positions[None])[0]
+
+    def attention_batch(self, N, keys, visible, positions):
+        """A proposals at once: N [A, B, D] over keys [A, R, Dh] (visible [A, R]), positions [A, B]."""
         b, w = self.b, self.w
-        H, Dh, B = b.n_head, b.head_dim, N.shape[0]
+        H, Dh, (A, B) = b.n_head, b.head_dim, N.shape[:2]
         q = rms(N @ w("attn_q_a.weight").T, b.rms_eps, w("attn_q_a_norm.weight")) @ w("attn_q_b.weight").T
-        q = rope(rms(q.reshape(B, H, Dh), b.rms_eps), positions, b.n_rot, self.rope_base)
-        scores = torch.einsum("bhd,rd->bhr", q, keys) / Dh ** 0.5
-        scores = scores.masked_fill(~visible, float("-inf"))
-        sinks = w("attn_sinks.weight")[None, :, None].expand(B, H, 1)
-        p = torch.softmax(torch.cat([scores, sinks], dim=2), dim=2)[..., :-1]   # sinks: denominator only
-        attn = rope(torch.einsum("bhr,rd->bhd", p, keys), positions, b.n_rot, self.rope_base, inverse=True)
+        flat = positions.reshape(-1)
+        q = rope(rms(q.reshape(A * B, H, Dh), b.rms_eps), flat, b.n_rot, self.rope_base).reshape(A, B, H, Dh)
+        scores = torch.einsum("abhd,ard->abhr", q, keys) / Dh ** 0.5
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        sinks = w("attn_sinks.weight")[None, None, :, None].expand(A, B, H, 1)
+        p = torch.softmax(torch.cat([scores, sinks], dim=3), dim=3)[..., :-1]   # sinks: denominator only
+        attn = torch.einsum("abhr,ard->abhd", p, keys).reshape(A * B, H, Dh)
+        attn = rope(attn, flat, b.n_rot, self.rope_base, inverse=True)
         g = b.o_groups
         wa = w("attn_output_a.weight").reshape(g, b.o_lora_rank, -1)
-        low = torch.einsum("gkc,bgc->bgk", wa, attn.reshape(B, g, -1)).reshape(B, -1)
-        return low @ w("attn_output_b.weight").T
+        low = torch.einsum("gkc,ngc->ngk", wa, attn.reshape(A * B, g, -1)).reshape(A * B, -1)
+        return (low @ w("attn_output_b.weight").T).reshape(A, B, -1)
 
     def moe(self, X):
         b, w = self.b, self.w
@@ -134,22 +141,26 @@ class Stage:
             return torch.nn.functional.silu(gate.clamp(max=lim)) * up.clamp(-lim, lim)
 
         gate, up, down = w("ffn_gate_exps.weight"), w("ffn_up_exps.weight"), w("ffn_down_exps.weight")
-        out = []
-        for i in range(h.shape[0]):
-            chosen = torch.topk(p[i] + w("exp_probs_b.bias"), b.n_expert_used).indices
-            weights = p[i, chosen] / p[i, chosen].sum().clamp(min=6.1e-5) * b.expert_weights_scale
-            y = sum(wt * (down[e] @ swiglu(gate[e] @ h[i], up[e] @ h[i])) for wt, e in zip(weights, chosen))
-            y = y + w("ffn_down_shexp.weight") @ swiglu(w("ffn_gate_shexp.weight") @ h[i],
-                                                        w("ffn_up_shexp.weight") @ h[i])
-            out.append(y)
-        return hc_post(torch.stack(out), X, post, comb)
+        chosen = torch.topk(p + w("exp_probs_b.bias"), b.n_expert_used, dim=1).indices          # [n, k]
+        picked = torch.gather(p, 1, chosen)
+        weights = picked / picked.sum(1, keepdim=True).clamp(min=6.1e-5) * b.expert_weights_scale
+        y = w("ffn_down_shexp.weight") @ swiglu(w("ffn_gate_shexp.weight") @ h.T, w("ffn_up_shexp.weight") @ h.T)
+        y = y.T
+        for e in range(gate.shape[0]):   # each expert over the rows that chose it
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            if len(rows):
+                he = h[rows]
+                ye = swiglu(he @ gate[e].T, he @ up[e].T) @ down[e].T
+                y = y.index_add(0, rows, ye * weights[rows, slot][:, None])
+        return hc_post(y, X, post, comb)
 
 
 class DSparkReference:
-    def __init__(self, target_gguf, support_gguf, cfg):
-        """cfg: the support file's Config (families.dspark.config), paired with the target."""
-        self.cfg, b = cfg, cfg.block
-        self.t, self.w = Weights(target_gguf), Weights(support_gguf, trainable=True)
+    def __init__(self, target_gguf, support_gguf, cfg, dtype=torch.float64):
+        """cfg: the support file's Config (families.dspark.config), paired with the target; dtype:
+        float64 for the tests, float32 for training."""
+        self.cfg, b, self.dtype = cfg, cfg.block, dtype
+        self.t, self.w = Weights(target_gguf, dtype=dtype), Weights(support_gguf, trainable=True, dtype=dtype)
         self.stages = [Stage(self.w.view(f"mtp.{s}."), b) for s in range(cfg.n_stages)]
         self.last = f"mtp.{cfg.n_stages - 1}."
         self.rings: list[dict[int, torch.Tensor]] = [{} for _ in self.stages]   # position -> K=V row
@@ -173,7 +184,7 @@ class DSparkReference:
         return write_gguf(path, meta["general.architecture"], meta, [out(key) for key in self.w.f.tensors])
 
     def main_x(self, captured) -> torch.Tensor:
-        h = torch.as_tensor(np.asarray(captured, np.float64)).reshape(len(captured), -1)
+        h = torch.as_tensor(np.asarray(captured, np.float64)).to(self.dtype).reshape(len(captured), -1)
         b = self.cfg.block
         return rms(h @ self.w("mtp.0.main_proj.weight").T, b.rms_eps, self.w("mtp.0.main_norm.weight"))
 
@@ -198,16 +209,53 @@ class DSparkReference:
         for stage, ring in zip(self.stages, self.rings):
             N, post, comb = stage.attn_input(torch.cat([row0, T]))
             kv = torch.cat([stage.kv(N[:1], torch.tensor([P])), stage.kv(N[1:], token_pos)])
-            ctx = torch.stack([ring[p] if p >= 0 else torch.zeros(b.head_dim, dtype=torch.float64)
+            ctx = torch.stack([ring[p] if p >= 0 else torch.zeros(b.head_dim, dtype=self.dtype)
                                for p in context])
             visible = torch.tensor([p >= 0 for p in context] + [True] * (B + 1))
             out = stage.attention(N[1:], torch.cat([ctx, kv]), visible, token_pos)
             T = stage.moe(hc_post(out, T, post[1:], comb[1:]))
-        w = self.w
-        pre = rms(T.reshape(B, -1), b.rms_eps) @ w(self.last + "hc_head_fn.weight").T
+        return self.head(T)
+
+    def head(self, T) -> torch.Tensor:
+        """The output HC head and norm of the last stage: token rows [n, hc, D] -> r [n, D]."""
+        b, w, n = self.cfg.block, self.w, T.shape[0]
+        pre = rms(T.reshape(n, -1), b.rms_eps) @ w(self.last + "hc_head_fn.weight").T
         wts = torch.sigmoid(pre * w(self.last + "hc_head_scale.weight")[0] + w(self.last + "hc_head_base.weight"))
         x = torch.einsum("bh,bhd->bd", wts + b.hc_eps, T)
         return rms(x, b.rms_eps, w(self.last + "norm.weight"))
+
+    def blocks(self, captured, tokens, anchors, direct=None) -> torch.Tensor:
+        """Training's batched form of observe + block: r [A, B, D] of the proposals after each
+        anchor position P of one sequence (tokens [L], captured rows [L, ...]) whose positions
+        before P were committed by prefill or verify, or by a plain decode step where `direct`
+        ([L] bool) says so."""
+        cfg, b = self.cfg, self.cfg.block
+        B, hc, A = cfg.block_size, b.hc, len(anchors)
+        mx = self.main_x(captured)
+        P = torch.as_tensor(np.asarray(anchors))
+        ids = torch.full((A, B), cfg.noise_token_id)
+        ids[:, 0] = torch.as_tensor(np.asarray(tokens))[P]
+        T = self.t("token_embd.weight")[ids][:, :, None].expand(A, B, hc, -1)
+        row0 = mx[P][:, None, None].expand(A, 1, hc, -1)
+        token_pos = P[:, None] + torch.arange(B)
+        block_pos = torch.cat([P[:, None], token_pos], 1)
+        ctx_pos = P[:, None] + torch.arange(1 - WINDOW, 0)
+        visible = torch.cat([ctx_pos >= 0, torch.ones(A, B + 1, dtype=torch.bool)], 1)
+        every = torch.arange(len(mx))
+        for stage in self.stages:
+            ring_in = stage.attn_input(mx[:, None].expand(-1, hc, -1))[0]
+            if direct is not None:
+                ring_in = torch.where(torch.as_tensor(np.asarray(direct))[:, None], mx, ring_in)
+            ring = stage.kv(ring_in, every)
+            N, post, comb = stage.attn_input(torch.cat([row0, T], 1).reshape(A * (B + 1), hc, -1))
+            kv = stage.kv(N, block_pos.reshape(-1)).reshape(A, B + 1, -1)
+            N = N.reshape(A, B + 1, -1)[:, 1:]
+            out = stage.attention_batch(N, torch.cat([ring[ctx_pos.clamp(min=0)], kv], 1), visible, token_pos)
+            post, comb = post.reshape(A, B + 1, hc)[:, 1:], comb.reshape(A, B + 1, hc, hc)[:, 1:]
+            X = hc_post(out.reshape(A * B, -1), T.reshape(A * B, hc, -1), post.reshape(A * B, hc),
+                        comb.reshape(A * B, hc, hc))
+            T = stage.moe(X).reshape(A, B, hc, -1)
+        return self.head(T.reshape(A * B, hc, -1)).reshape(A, B, -1)
 
     def logits(self, r) -> torch.Tensor:
         return r @ self.t("output.weight").T

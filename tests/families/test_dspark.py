@@ -16,7 +16,7 @@ def pair(demo_pair):
     """The demo pair (conftest.demo_pair: a tiny target whose residual writers are scaled down, so
     its next token is (nearly) a function of the current one, and a Markov-head DSpark support file
     that follows its greedy path) with the target-only artifact beside it."""
-    from ds4tvm.demo import N_TOKENS
+    from random_demo import N_TOKENS
     from ds4tvm.families.deepseek4.config import Config
     from ds4tvm.gguf import open_gguf
     from ds4tvm.runtime.engine import Engine

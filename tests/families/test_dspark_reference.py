@@ -123,3 +123,36 @@ def test_reference_parameters_train_and_save_back(pair, tmp_path):
     for name, t in src.tensors.items():
         assert saved.tensors[name].ggml_type == t.ggml_type
         np.testing.assert_array_equal(np.asarray(saved.tensors[name].data), np.asarray(t.data), err_msg=name)
+
+
+def test_batched_blocks_equal_one_proposal_at_a_time(tmp_path):
+    """blocks() (training's batched form) gives each anchor the r that observe() + block() give,
+    anchors near the start (a partly empty ring) and past the 128-row window alike, with ring rows
+    from prefill/verify and from plain decode steps (the direct path) mixed."""
+    import torch
+
+    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+    from ds4tvm.families.dspark.config import Config, paired_with
+    from ds4tvm.families.dspark.random_model import write_random_dspark
+    from ds4tvm.gguf import open_gguf
+    from ds4tvm.training.dspark_reference import DSparkReference
+
+    target_cfg = tiny_config()
+    model = write_random_deepseek4(tmp_path / "target.gguf", target_cfg, seed=41)
+    support = write_random_dspark(tmp_path / "support.gguf", target_cfg, seed=42, n_stages=2)
+    cfg = paired_with(Config.from_gguf(open_gguf(support)), target_cfg)
+    rng = np.random.default_rng(5)
+    L = 150
+    captured = rng.standard_normal((L, len(cfg.target_layer_ids), cfg.n_embd))
+    tokens = rng.integers(0, target_cfg.n_vocab, L)
+    anchors = [0, 3, 127, 128, 149]
+    direct = rng.random(L) < 0.3
+    ref = DSparkReference(open_gguf(model), open_gguf(support), cfg)
+    with torch.no_grad():
+        got = ref.blocks(captured, tokens, anchors, direct)
+        for a, P in enumerate(anchors):
+            ref.rings = [{} for _ in ref.stages]
+            for p in range(P):
+                ref.observe(captured[p:p + 1], p, direct=bool(direct[p]))
+            want = ref.block(captured[P], int(tokens[P]), P)
+            assert torch.abs(got[a] - want).max() <= 1e-12, P

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from conftest import run_ds4, run_ds4_compile
 
-from ds4tvm.demo import PROMPT
+from random_demo import PROMPT
 
 pytestmark = pytest.mark.compile
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import run_ds4
 from serving import ServerProcess
 
-from ds4tvm.demo import PROMPT
+from random_demo import PROMPT
 
 pytestmark = pytest.mark.compile
 

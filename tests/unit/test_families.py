@@ -172,3 +172,32 @@ def test_published_q2_recipe_types_follow_the_spec():
     assert types["blk.2.indexer.attn_q_b.weight"] == QT.F16 and types["blk.2.attn_q_b.weight"] == QT.Q8_0
     assert types["blk.5.ffn_gate_exps.weight"] == QT.IQ2_XXS and types["blk.5.ffn_down_exps.weight"] == QT.Q2_K
     assert types["output.weight"] == QT.Q8_0 and types["blk.5.ffn_up_shexp.weight"] == QT.Q8_0
+
+
+def test_dspark_default_theta_is_the_support_files_calibrated_one(tmp_path):
+    """A support file's deepseek4.dspark.confidence_threshold (written by scripts/train_demo.py) is
+    θ when --dspark-confidence is not given; exact sampling raises it to ds4's 0.8; a file without
+    it keeps ds4's defaults; a value outside [0, 1] is a one-line error naming the key."""
+    from types import SimpleNamespace
+
+    from ds4tvm.families.dspark.random_model import support_metadata
+    from ds4tvm.gguf.writer import TensorOut
+    from ds4tvm.runtime.drafters.dspark import default_theta
+
+    plain = open_gguf(write_random_dspark(tmp_path / "plain.gguf", tiny_config(), n_stages=1))
+    cfg = DSparkConfig.from_gguf(plain)
+    assert cfg.confidence_threshold is None
+    tensors = [TensorOut(n, t.ggml_type, tuple(reversed(t.shape)), lambda t=t: np.asarray(t.data))
+               for n, t in plain.tensors.items()]
+    for theta in (0.6, 1.5):
+        meta = {**support_metadata(cfg, "t"), "deepseek4.dspark.confidence_threshold": theta}
+        out = open_gguf(write_gguf(tmp_path / f"theta{theta}.gguf", meta["general.architecture"], meta, tensors))
+        if theta > 1:
+            with pytest.raises(Ds4Error, match="confidence_threshold 1.5"):
+                DSparkConfig.from_gguf(out)
+        else:
+            assert DSparkConfig.from_gguf(out).confidence_threshold == theta
+    engine = lambda theta: SimpleNamespace(drafters={"dspark": {"confidence_threshold": theta}})  # noqa: E731
+    assert default_theta(engine(0.6), exact=False) == 0.6 and default_theta(engine(0.6), exact=True) == 0.8
+    assert default_theta(engine(0.9), exact=True) == 0.9
+    assert default_theta(engine(None), exact=False) == 0.7 and default_theta(engine(None), exact=True) == 0.8

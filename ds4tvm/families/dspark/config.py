@@ -36,6 +36,8 @@ class Config:
     noise_token_id: int
     target_layer_ids: tuple[int, ...]
     block: V4Config           # shapes of each stage's V4 block (from the tensors)
+    # the θ its trainer calibrated (ds4tvm's own key; ds4 has none): --dspark-confidence's default
+    confidence_threshold: float | None = None
 
     @property
     def n_layers(self) -> int:
@@ -63,10 +65,14 @@ class Config:
         if not layers or any(b <= a for a, b in zip(layers, layers[1:])) or layers[0] < 0:
             raise Ds4Error(f"{f.name}: DSpark target_layer_ids {list(layers)} must be non-empty, "
                            f"non-negative and strictly increasing")
+        theta = _dspark_key(f, "confidence_threshold", "float", default=None)
+        theta = None if theta is None else round(theta, 6)   # stored as float32
+        if theta is not None and not 0 <= theta <= 1:
+            raise Ds4Error(f"{f.name}: DSpark confidence_threshold {theta} is outside [0, 1]")
         block = _block_shapes(f, stages)
         if not 0 <= noise < block.n_vocab:
             raise Ds4Error(f"{f.name}: DSpark noise_token_id {noise} is outside the vocabulary of {block.n_vocab}")
-        return cls(stages, block_size, rank, noise, layers, block)
+        return cls(stages, block_size, rank, noise, layers, block, theta)
 
 
 def _block_shapes(f: GGUFFile, stages: int) -> V4Config:

@@ -171,7 +171,7 @@ def extend(target_cls):
             d = self.draft_cfg
             return {"dspark": {"block_size": d.block_size, "markov_rank": d.markov_rank,
                                "noise_token_id": d.noise_token_id, "target_layer_ids": list(d.target_layer_ids),
-                               "n_stages": d.n_stages}}
+                               "n_stages": d.n_stages, "confidence_threshold": d.confidence_threshold}}
 
         def spec(self) -> dict:
             spec = super().spec()

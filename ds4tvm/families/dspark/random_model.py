@@ -29,4 +29,6 @@ def support_metadata(cfg: Config, name: str) -> dict:
             "deepseek4.dspark.block_size": cfg.block_size, "deepseek4.dspark.markov_rank": cfg.markov_rank,
             "deepseek4.dspark.noise_token_id": cfg.noise_token_id,
             "deepseek4.dspark.target_layer_ids": list(cfg.target_layer_ids),
-            "deepseek4.dspark.stage_count": cfg.n_stages}
+            "deepseek4.dspark.stage_count": cfg.n_stages,
+            **({} if cfg.confidence_threshold is None else
+               {"deepseek4.dspark.confidence_threshold": float(cfg.confidence_threshold)})}

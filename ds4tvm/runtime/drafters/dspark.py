@@ -189,10 +189,21 @@ class DSparkDrafter:
         return tokens, first
 
 
+def default_theta(engine, exact: bool) -> float:
+    """θ when --dspark-confidence is not given: the support file's calibrated value (raised to 0.8
+    under exact sampling, as ds4 raises its default), else ds4's defaults."""
+    calibrated = engine.drafters["dspark"].get("confidence_threshold") if "dspark" in engine.drafters else None
+    if calibrated is None:
+        return EXACT_DEFAULT_THETA if exact else DEFAULT_THETA
+    return max(calibrated, EXACT_DEFAULT_THETA) if exact else calibrated
+
+
 def from_options(engine, options):
-    """--dspark, --dspark-confidence θ (θ defaults to 0.8 with exact sampling), --dspark-strict
-    (the drafter is built and checked, decoding stays target-only)."""
-    theta = options.dspark_confidence if options.dspark_confidence is not None else (
-        EXACT_DEFAULT_THETA if options.exact_sampling else DEFAULT_THETA)
+    """--dspark, --dspark-confidence θ (θ defaults to the support file's calibrated value, else 0.7,
+    or 0.8 with exact sampling), --dspark-strict (the drafter is built and checked, decoding stays
+    target-only)."""
+    theta = options.dspark_confidence
+    if theta is None:
+        theta = default_theta(engine, options.exact_sampling)
     drafter = DSparkDrafter(engine, theta)
     return None if options.dspark_strict else drafter
