@@ -146,8 +146,8 @@ def demo(out_dir: Optional[Path] = typer.Option(None, "--dir", help="where the e
 
 
 def _model_or_embedded(model: Path | None, progress: bool) -> Path:
-    """MODEL, or (none given) the embedded code model's artifact, compiled with its DSpark drafter on
-    first use: --dspark or a bare --mtp then speculate with that drafter."""
+    """MODEL, or (none given) the embedded code model's artifact, compiled with its DSpark support
+    file on first use, so that --dspark speculates with that drafter."""
     if model is not None:
         return model
     from .demo import TARGET_FILE, embedded_artifact

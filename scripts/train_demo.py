@@ -169,7 +169,7 @@ def train_target(out: Path, args, log: Log) -> None:
                 log(f"target: stopping at step {step + 1}: the {args.minutes}-minute budget is spent")
                 break
     seconds = time.time() - t0
-    ppl = heldout_perplexity(model, held)
+    ppl = heldout_perplexity(model, held, 32 if args.max_files is None else 2)
     log(f"target: {seconds / 60:.1f} min, held-out perplexity {ppl:.2f} (per token)")
     model.save_pretrained(out / "hf")
     from ds4tvm.gguf.convert import convert_hf

@@ -1,5 +1,6 @@
 """A PyTorch reference of ds4's DSpark drafter (dspark-crosscheck.md §2), for tests and training,
-written from the spec's text and gguf's dequantizer; no code of the TVM graph is used. float64.
+written from the spec's text and gguf's dequantizer; no code of the TVM graph is used. float64 (float32
+for training).
 
 Given the target's captured rows h (per position: the mean over the HC streams of each target
 layer's output, concatenated in layer order):

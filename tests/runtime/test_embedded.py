@@ -1,5 +1,7 @@
 """The embedded default (ds4tvm/data/demo, trained by scripts/train_demo.py): `ds4 demo` from an
-empty cache, then `ds4 run` and `ds4 serve` with no model, which reuse the artifact it compiled."""
+empty cache, then `ds4 run` and `ds4 serve` with no model, which reuse the artifact it compiled.
+The three that compile are under -m slow for the default run's time; .ci/run runs `ds4 demo` and a
+`ds4 run` with no model after the tests."""
 
 import hashlib
 import json
@@ -10,7 +12,6 @@ import pytest
 
 from conftest import run_ds4
 
-pytestmark = pytest.mark.compile
 
 
 def test_shipped_files_are_the_ones_their_sums_name():
@@ -33,6 +34,8 @@ def cache(tmp_path_factory):
     return env, run_ds4("demo", timeout=900, env=env)
 
 
+@pytest.mark.slow
+@pytest.mark.compile
 def test_demo_completes_python_and_its_dspark_output_is_target_only(cache):
     from ds4tvm.demo import PROMPT
 
@@ -48,6 +51,8 @@ def test_demo_completes_python_and_its_dspark_output_is_target_only(cache):
     assert 0 < rate < 100 and per_cycle > 1.0, r.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.compile
 def test_run_without_a_model_uses_the_embedded_pair(cache):
     env, first = cache
     assert first.returncode == 0, first.stderr
@@ -61,6 +66,8 @@ def test_run_without_a_model_uses_the_embedded_pair(cache):
     assert json.loads(spec.stdout)["tokens"] == out["tokens"]
 
 
+@pytest.mark.slow
+@pytest.mark.compile
 def test_serve_without_a_model_answers_the_openai_client(cache):
     from openai import OpenAI
 

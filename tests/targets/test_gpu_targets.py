@@ -90,6 +90,7 @@ def test_rocm_artifact_holds_an_amd_code_object_for_the_gfx(demo_pair, tmp_path,
     assert machs and set(machs) == {AMDGPU_MACH[gfx]}, [hex(x) for x in machs]
 
 
+@pytest.mark.slow   # for the default run's time: CUDA and ROCm stay in it
 def test_metal_artifact_is_a_tar_with_msl_source(demo_pair, tmp_path):
     art, m = _compile(demo_pair, tmp_path, "metal")
     assert m.device == "metal" and m.library.endswith(".tar")
