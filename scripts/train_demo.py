@@ -289,12 +289,11 @@ def drafter_losses(ref, captured, tokens, anchors, direct=None):
     labels = tokens_t[P[:, None] + 1 + offsets]
     prev = tokens_t[P[:, None] + offsets]
     r = ref.blocks(captured, tokens, anchors, direct)
-    m = ref.w(ref.last + "markov_head.markov_w1.weight")[prev]
-    scores = ref.logits(r) + m @ ref.w(ref.last + "markov_head.markov_w2.weight").T
+    m, bias = ref.markov(prev)
+    scores = ref.logits(r) + bias
     ce = torch.nn.functional.cross_entropy(scores.reshape(-1, scores.shape[-1]), labels.reshape(-1))
     right = (scores.argmax(-1) == labels).to(r.dtype)
-    conf = ref.w(ref.last + "confidence_head.proj.weight").reshape(-1)
-    c = torch.cat([r, m], -1) @ conf
+    c = ref.confidence(r, m)
     bce = torch.nn.functional.binary_cross_entropy_with_logits(c, right)
     return ce, bce, right
 
@@ -342,9 +341,6 @@ def acceptance(ref, data, thetas=THETAS) -> dict:
     import torch
 
     B = ref.cfg.block_size
-    w1 = ref.w(ref.last + "markov_head.markov_w1.weight")
-    w2 = ref.w(ref.last + "markov_head.markov_w2.weight")
-    conf = ref.w(ref.last + "confidence_head.proj.weight").reshape(-1)
     matched, sig = [], []
     rng = np.random.default_rng(0)
     with torch.no_grad():
@@ -356,9 +352,9 @@ def acceptance(ref, data, thetas=THETAS) -> dict:
             run = torch.ones(len(anchors), dtype=torch.bool)
             m_len, s_rows = torch.zeros(len(anchors)), []
             for i in range(B):
-                m = w1[prev]
-                s_rows.append(torch.sigmoid(torch.cat([r[:, i], m], -1) @ conf))
-                prev = (logits[:, i] + m @ w2.T).argmax(-1)
+                m, bias = ref.markov(prev)
+                s_rows.append(torch.sigmoid(ref.confidence(r[:, i], m)))
+                prev = (logits[:, i] + bias).argmax(-1)
                 run &= prev == torch.as_tensor(tokens)[anchors + 1 + i]
                 m_len += run
             matched.append(m_len)

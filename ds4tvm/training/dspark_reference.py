@@ -261,14 +261,15 @@ class DSparkReference:
     def logits(self, r) -> torch.Tensor:
         return r @ self.t("output.weight").T
 
-    def markov(self, prev: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(m = w1[prev], its vocabulary bias w2 · m)."""
+    def markov(self, prev) -> tuple[torch.Tensor, torch.Tensor]:
+        """(m = w1[prev], its vocabulary bias w2 · m); prev an id, or ids of any shape."""
         m = self.w(self.last + "markov_head.markov_w1.weight")[prev]
-        return m, self.w(self.last + "markov_head.markov_w2.weight") @ m
+        return m, m @ self.w(self.last + "markov_head.markov_w2.weight").T
 
     def confidence(self, r_i, m) -> torch.Tensor:
+        """c = conf · [r_i; m], over the last axis (one row, or any batch of rows)."""
         conf = self.w(self.last + "confidence_head.proj.weight").reshape(-1)
-        return conf @ torch.cat([r_i, m])
+        return torch.cat([r_i, m], -1) @ conf
 
     @torch.no_grad()
     def propose(self, anchor_captured, anchor: int, P: int, theta: float):
