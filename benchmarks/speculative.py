@@ -9,7 +9,8 @@ a verify of k tokens relative to one decode step. Two modes:
         default on the embedded demo pair: for each θ, at temperature 0 and at temperature 1
         (opportunistic and exact), the acceptance per position in the block, the accepted tokens
         per cycle and DSpark vs target-only tok/s (target-only and DSpark alternate per prompt, so
-        the machine's drift hits both alike)."""
+        the machine's drift hits both alike); one cost gate per row (DS4_DSPARK_COST_GATE=0: ds4's
+        count-based back-off alone)."""
 
 import argparse
 import statistics
@@ -50,8 +51,9 @@ MODES = (("T=0 greedy", SamplingParams(temperature=0.0), False),
 
 def heldout_row(engine, prompts, n, theta, params, exact, stop_ids):
     """Target-only and DSpark over every prompt (alternated); the summed counters."""
-    from ds4tvm.runtime.drafters.dspark import DSparkDrafter
+    from ds4tvm.runtime.drafters.dspark import CostGate, DSparkDrafter
 
+    gate = CostGate.from_env()   # one per row, kept over its prompts as an engine keeps its own
     plain_t = spec_t = generated_plain = generated_spec = 0.0
     depth, cycles, accepted, proposed, identical = {}, 0, 0, 0, 0
     for i, prompt in enumerate(prompts):
@@ -59,7 +61,7 @@ def heldout_row(engine, prompts, n, theta, params, exact, stop_ids):
         out_plain, s = generate(engine, prompt, n, params, np.random.default_rng(i), stop_ids=stop_ids)
         plain_t, generated_plain = plain_t + s.seconds, generated_plain + s.generated
         engine.reset()
-        out, s = generate(engine, prompt, n, params, np.random.default_rng(i), drafter=DSparkDrafter(engine, theta),
+        out, s = generate(engine, prompt, n, params, np.random.default_rng(i), drafter=DSparkDrafter(engine, theta, gate=gate),
                           exact=exact, stop_ids=stop_ids)
         spec_t, generated_spec = spec_t + s.seconds, generated_spec + s.generated
         identical += out == out_plain

@@ -161,7 +161,7 @@ def _model_or_embedded(model: Path | None, progress: bool) -> Path:
 # ---------------------------------------------------------------------------- run / logits
 def _threads(n: int | None) -> None:
     """The CPU thread pool's size, set before TVM starts it (TVM reads TVM_NUM_THREADS once; the
-    engine defaults it to every core)."""
+    engine defaults it to every core, or one for a model under 64 MB)."""
     if n is None:
         return
     if n < 1:
@@ -252,7 +252,7 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
         as_json: bool = typer.Option(False, "--json", help="print tokens, text and speeds as JSON"),
         session: Optional[Path] = typer.Option(None, "--session", help="continue the conversation saved in this "
                                                "file (if any) without re-reading it, and save it back"),
-        threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core)")):
+        threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core; one for a model under 64 MB)")):
     """Generate text from a prompt, optionally with speculative decoding (DSpark, MTP)."""
     _threads(threads)
     import numpy as np
@@ -341,7 +341,7 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
           api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DS4_API_KEY",
                                                 help="require this key (Authorization: Bearer KEY or x-api-key)"),
           target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use"),
-          threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core)")):
+          threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core; one for a model under 64 MB)")):
     """OpenAI- and Anthropic-compatible HTTP server (chat/completions, completions, messages)."""
     _threads(threads)
     from .runtime.sampler import SamplingParams
@@ -565,7 +565,7 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
           target: str = typer.Option("cpu", "--target"),
           as_json: bool = typer.Option(False, "--json"),
           plot_file: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of verify cost vs k"),
-          threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core)")):
+          threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core; one for a model under 64 MB)")):
     """Prefill / decode speed, verify cost per k, and speculative speed with acceptance (with a
     drafter's flags: --dspark, --mtp-draft N, --draft-onnx)."""
     _threads(threads)

@@ -7,6 +7,7 @@ with DSpark; `ds4 run` and `ds4 serve` use them when no model is given."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -67,8 +68,10 @@ def embedded_artifact(out_dir: Path | None = None, progress: bool = True) -> Pat
                        "(about a minute)", err=True)
         tmp = art.with_name(art.name + f".tmp{os.getpid()}")
         compile_gguf(model, "cpu", tmp, Bounds(**BOUNDS), progress=progress, support=support)
-        if not _current(art):
+        if not _current(art):   # else another process finished first
+            shutil.rmtree(art, ignore_errors=True)   # one an older ds4tvm or TVM compiled
             tmp.replace(art)
+        shutil.rmtree(tmp, ignore_errors=True)
     return art
 
 
@@ -105,5 +108,8 @@ def run_demo(out_dir: Path | None = None) -> None:
     typer.echo(f"target-only: {plain_stats.tok_s:.1f} tok/s; with DSpark (θ={drafter.theta:g}): {stats.tok_s:.1f} tok/s, "
                f"{c['avg_accept']:.2f} tokens accepted per cycle ({100 * c['accept_rate']:.0f}% of proposed); "
                f"the DSpark output is {same} target-only decoding at temperature 0")
+    if c["cost_skips"]:
+        typer.echo(f"the cost gate decoded {c['cost_skips']} of the {len(spec)} tokens without proposing: on this CPU "
+                   f"a proposal and its verify took longer than the plain steps they would save")
     print(stats.line(), file=sys.stderr)
     typer.echo(f"ds4 demo: done in {time.perf_counter() - t_start:.1f} s")

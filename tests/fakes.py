@@ -144,6 +144,9 @@ class ScriptedDrafter:
     def observe(self, engine, step, tokens):
         self.observed += list(tokens)
 
+    def finish(self, engine):
+        pass
+
     def counters(self):
         return {**self.stats.as_dict(), "no_draft": self.no_draft}
 

@@ -26,6 +26,8 @@ from ..errors import Cancelled, Ds4Error
 from ..gguf import open_gguf
 from ..gguf.quant import ALIGN, to_planes
 
+SMALL_MODEL_BYTES = 64 << 20   # weight files below this run on one CPU thread unless told otherwise
+
 
 @dataclass
 class Sequence:
@@ -73,14 +75,19 @@ class Engine:
         self.dir = Path(artifact_dir)
         self.manifest = m = Manifest.read(self.dir)
         m.check_runtime(self.dir)
-        self.files = {role: open_gguf(p) for role, p in m.weight_paths(self.dir, weights).items()}
+        paths = m.weight_paths(self.dir, weights)
+        self.files = {role: open_gguf(p) for role, p in paths.items()}
         self.gguf = self.files[MODEL]
         self.drafters = m.drafters
         self.functions = m.function_specs()
         self.dev = device_for(m, self.dir)
         # TVM's CPU pool reads TVM_NUM_THREADS when it starts (at the first parallel kernel); left
-        # unset it used one thread on this 2-core machine. Default: every core this process may use.
-        os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+        # unset it used one thread on this 2-core machine. Default: every core this process may use,
+        # except for a small model, whose kernels are too short to pay for waking a second thread:
+        # the 17 MB demo model decoded in 0.9-1.2 ms on one thread against 2.1-2.4 ms on two (and
+        # prefilled no slower); the 160 MB benchmark model decodes alike on both, prefills faster on two.
+        small = sum(os.path.getsize(p) for p in paths.values()) < SMALL_MODEL_BYTES
+        os.environ.setdefault("TVM_NUM_THREADS", "1" if small else str(len(os.sched_getaffinity(0))))
         # Workers that spin between kernels lose their core to any other busy process and every
         # parallel kernel then waits a scheduler slice for them: 2-thread decode fell from 84 to
         # 2.3 tok/s beside one busy core with any spin count, 71 -> 45 with none (BENCHMARKS.md,

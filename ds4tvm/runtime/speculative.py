@@ -51,6 +51,10 @@ class Drafter(Protocol):
     def observe(self, engine, step, tokens: list[int]) -> None:
         """The target committed `tokens`: the first len(tokens) rows of `step`."""
 
+    def finish(self, engine) -> None:
+        """The generation ended: whatever the drafter deferred is written into its states, which
+        then hold every committed position (prefix reuse and checkpoints keep them)."""
+
     def result(self, accepted: int) -> None:
         """How many of this cycle's proposed tokens (guess included) the target accepted."""
 
@@ -218,6 +222,7 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
         logits = step.logits[kept] if step.logits.ndim == 2 else step.logits
     stats = SpecStats(len(out), time.perf_counter() - t0)
     if drafter is not None:
+        drafter.finish(engine)
         stats.counters, stats.drafter = drafter.counters(), drafter
     return out, stats
 

@@ -65,6 +65,7 @@ def test_tvm_drafter_matches_the_pytorch_reference(pair):
     ref.observe(step.outputs["captured"], 0)
     step = e.decode(int(np.argmax(step.logits)))            # a plain decode step: the direct ring path
     drafter.observe(e, step, [e.history[-1]])
+    drafter.finish(e)                                        # the deferred direct-path row is written
     ref.observe(step.outputs["captured"], e.pos - 1, direct=True)
 
     anchor, P, B = e.history[-1], e.pos - 1, cfg.block_size
@@ -80,12 +81,19 @@ def test_tvm_drafter_matches_the_pytorch_reference(pair):
         m, bias = (x.detach() for x in ref.markov(prev))
         assert np.abs(markov["m"][0] - m.numpy()).max() <= TOL
         assert np.abs(markov["bias"][0] - bias.numpy()).max() <= TOL * max(1.0, bias.abs().max().item())
-        for i in range(B):   # the drafter's confidence (host dot product over TVM's r and m)
-            c = float(np.dot(drafter.conf, np.concatenate([got_r[i], markov["m"][0]])))
-            assert abs(c - ref.confidence(want_r[i], m).item()) <= TOL * max(1.0, abs(c))
-    drafts, _ = ref.propose(drafter.anchor_row, anchor, P, theta=0.0)
+    # the fused proposal: the Markov chain over the block's argmaxes and each row's confidence
+    drafts, confidences = ref.propose(drafter.anchor_row, anchor, P, theta=0.0)
+    out = e.call("dspark_propose", captured=drafter.anchor_row[None],
+                 tokens=[anchor] + [cfg.noise_token_id] * (B - 1), start=P)
+    assert out["drafts"].tolist() == drafts
+    assert np.abs(out["confidence"] - confidences).max() <= TOL * max(1.0, np.abs(confidences).max())
     tvm_drafts, _ = drafter._propose(e, anchor, B)
     assert tvm_drafts == drafts
+    # the θ cut: between the two middle confidences, away from either
+    sig = sorted(1 / (1 + np.exp(-np.array(confidences))))
+    drafter.theta = (sig[B // 2 - 1] + sig[B // 2]) / 2
+    cut, _ = ref.propose(drafter.anchor_row, anchor, P, theta=drafter.theta)
+    assert len(cut) < B and drafter._propose(e, anchor, B)[0] == cut
 
 
 def test_reference_parameters_train_and_save_back(pair, tmp_path):

@@ -156,6 +156,38 @@ def test_scheduler_backoff_rules():
     assert off.should_propose(100)
 
 
+def test_cost_gate_pauses_proposals_while_they_are_slower_than_plain_steps():
+    from ds4tvm.runtime.drafters.dspark import CostGate
+
+    def closed_for(g):
+        n = 0
+        while not g.open():
+            n += 1
+        return n
+
+    g = CostGate()
+    for _ in range(4):                      # 4 cycles of 3 tokens in 9 ms; no plain step measured yet
+        assert g.open()
+        g.record(True, 0.009, 3)
+    assert closed_for(g) == 4               # a probe of plain steps first
+    for _ in range(4):
+        g.record(False, 0.002, 1)           # plain: 2 ms per token, faster than 3 ms
+    for pause in (4, 8, 16):                # slower every window: the pause doubles
+        for _ in range(4):
+            g.record(True, 0.009, 3)
+        assert closed_for(g) == pause
+    for _ in range(4):                      # 1.5 ms per token: faster than plain, no pause
+        g.record(True, 0.0045, 3)
+    assert closed_for(g) == 0 and g.last_pause == 0
+    for _ in range(4):
+        g.record(True, 0.009, 3)
+    assert closed_for(g) == 4
+    off = CostGate(enabled=False, plain_s=0.001)
+    for _ in range(8):
+        off.record(True, 1.0, 1)
+    assert closed_for(off) == 0
+
+
 def test_drafter_owns_its_stats():
     eng = TableEngine(vocab=6, seed=3)
     out, stats = generate(eng, [1, 2], 40, GREEDY, np.random.default_rng(0),

@@ -9,12 +9,19 @@ dspark-crosscheck.md §2).
   [P, P, P+1, ...]; each stage is a V4 block whose queries are the token rows, attending without a
   causal mask over the 127 ring rows before P and every block row, with sinks; row 0 is rebuilt
   from main_x in every stage; then hc_head and norm give r_i, and the target's output head the
-  base logits. The Markov and confidence heads run per step from the runtime.
+  base logits;
+- `dspark_propose` runs the whole proposal in one call: the block, the LM head, then per row the
+  Markov head (w1 row of the previous token, rank -> vocab bias through w2, argmax with ties to the
+  lower id) and the confidence c_i = conf . [r_i; m_i]. It returns every row's draft and c_i; the
+  runtime cuts at the first sigma(c_i) < theta. The chain is unrolled in the graph: one call per
+  proposal, not one per draft (each host call costs about a small GEMV on the demo model).
+  `dspark_block`, `dspark_logits` and `dspark_markov` are its pieces, compiled for the checks
+  against the PyTorch reference.
 """
 
 from __future__ import annotations
 
-from tvm import te, tirx
+from tvm import te, tirx, topi
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
@@ -49,6 +56,14 @@ def _rows(x: nn.Tensor, lo: int, hi: int, name: str) -> nn.Tensor:
     return op.tensor_expr_op(f, name, [x])
 
 
+def _argmax_sum(a: nn.Tensor, b: nn.Tensor, name: str) -> nn.Tensor:
+    """argmax over the vocabulary of a + b ([1, V] each) as [1] int32, the first maximum on ties."""
+    def f(x, y):
+        s = te.compute(x.shape, lambda t, v: x[t, v] + y[t, v], name=f"{name}_sum")
+        return topi.cast(topi.argmax(s, axis=1), "int32")
+    return op.tensor_expr_op(f, name, [a, b])
+
+
 class DSparkDrafter(nn.Module):
     def __init__(self, cfg: Config, types: dict, kv_rounding: bool):
         self.cfg, self.kv_rounding = cfg, kv_rounding
@@ -65,6 +80,7 @@ class DSparkDrafter(nn.Module):
         self.hc_head_scale = top(last + "hc_head_scale.weight")
         self.markov_w1 = top(last + "markov_head.markov_w1.weight")
         self.markov_w2 = top(last + "markov_head.markov_w2.weight")
+        self.confidence_proj = top(last + "confidence_head.proj.weight")
         self.rope = rope_inv_freq(b.n_rot, 10000.0, None)  # drafter RoPE: plain base 1e4, no YaRN
 
     def main_x(self, captured: nn.Tensor) -> nn.Tensor:
@@ -126,6 +142,18 @@ class DSparkDrafter(nn.Module):
         m = self.markov_w1.rows(prev, name="markov_w1")
         return m, self.markov_w2.linear(m, name="markov_w2")
 
+    def propose(self, r: nn.Tensor, logits: nn.Tensor, anchor: nn.Tensor):
+        """(drafts [B] int32, confidence logits [B]) of the block rows r [B, D] with base logits
+        [B, V] after the anchor token ([1] int32): row i's Markov head reads draft i-1."""
+        prev, drafts, confidences = anchor, [], []
+        for i in range(int(r.shape[0])):
+            m, bias = self.markov(prev)
+            rm = op.concat([_rows(r, i, i + 1, "r_row"), m], dim=1)
+            confidences.append(op.reshape(self.confidence_proj.linear(rm, name="confidence_head"), (1,)))
+            prev = _argmax_sum(_rows(logits, i, i + 1, "logits_row"), bias, name="markov_argmax")
+            drafts.append(prev)
+        return op.concat(drafts, dim=0), op.concat(confidences, dim=0)
+
 
 def extend(target_cls):
     """The target module class extended with the drafter's functions (one artifact, shared
@@ -152,6 +180,11 @@ def extend(target_cls):
         def dspark_markov(self, prev):
             return self.drafter.markov(prev)
 
+        def dspark_propose(self, captured, tokens, start, rings):
+            r = self.dspark_block(captured, tokens, start, rings)
+            anchor = op.tensor_expr_op(lambda t: te.compute((1,), lambda i: t[0], name="anchor"), "anchor", [tokens])
+            return self.drafter.propose(r, self.dspark_logits(r), anchor)
+
         def state_specs(self):
             # a block reads the WINDOW - 1 rows before its anchor: one position can be rewound
             rings = [StateSpec(n, s, group="dspark", ring=WINDOW, rewind=1) for n, s in ring_shapes(self.draft_cfg)]
@@ -165,6 +198,8 @@ def extend(target_cls):
                 FunctionSpec("dspark_block", (cap, ("tokens", "tokens"), pos), ("r",), states="dspark"),
                 FunctionSpec("dspark_logits", (("r", "float32"),), ("logits",)),
                 FunctionSpec("dspark_markov", (("prev", "tokens"),), ("m", "bias")),
+                FunctionSpec("dspark_propose", (cap, ("tokens", "tokens"), pos), ("drafts", "confidence"),
+                             states="dspark"),
             ]
 
         def drafter_settings(self) -> dict:
@@ -180,12 +215,13 @@ def extend(target_cls):
             L = len(d.target_layer_ids)
             mode = {"param_mode": "plain", "effect_mode": "none"}
             cap = nn.spec.Tensor(["n", L, b.n_embd], "float32")
+            block = {"captured": nn.spec.Tensor([1, L, b.n_embd], "float32"),
+                     "tokens": nn.spec.Tensor([d.block_size], "int32"), "start": int, "rings": rings, "$": mode}
             spec.update({
                 "dspark_observe": {"captured": cap, "start": int, "rings": rings, "$": mode},
                 "dspark_observe_direct": {"captured": cap, "start": int, "rings": rings, "$": mode},
-                "dspark_block": {"captured": nn.spec.Tensor([1, L, b.n_embd], "float32"),
-                                 "tokens": nn.spec.Tensor([d.block_size], "int32"), "start": int, "rings": rings,
-                                 "$": mode},
+                "dspark_block": block,
+                "dspark_propose": dict(block),
                 "dspark_logits": {"r": nn.spec.Tensor(["m", b.n_embd], "float32"), "$": mode},
                 "dspark_markov": {"prev": nn.spec.Tensor([1], "int32"), "$": mode},
             })

@@ -81,6 +81,9 @@ class MTPDrafter:
         self._write_rows(engine, step.outputs["hc_state"][:len(tokens)], tokens, engine.pos - len(tokens),
                          self.streams)
 
+    def finish(self, engine):
+        pass
+
     def counters(self):
         return {**self.stats.as_dict(), "margin_skips": self.margin_skips}
 

@@ -49,6 +49,9 @@ class ONNXDrafter:
         self.hidden = step.outputs["hidden"][len(tokens) - 1]
         self._drafted = 0
 
+    def finish(self, engine):
+        pass
+
     def counters(self):
         rates = [a / n if n else 0.0 for a, n in zip(self.by_head, self.asked)]
         return {**self.stats.as_dict(), "heads": self.k, "head_accept_rate": rates}
