@@ -9,8 +9,8 @@ a verify of k tokens relative to one decode step. Two modes:
         default on the embedded demo pair: for each θ, at temperature 0 and at temperature 1
         (opportunistic and exact), the acceptance per position in the block, the accepted tokens
         per cycle and DSpark vs target-only tok/s (target-only and DSpark alternate per prompt, so
-        the machine's drift hits both alike); one cost gate per row (DS4_DSPARK_COST_GATE=0: ds4's
-        count-based back-off alone)."""
+        the machine's drift hits both alike); one cost gate per row (DS4_SPEC_COST_GATE=0: the drafter's
+        own back-off alone); the gate acts at temperature 0 only."""
 
 import argparse
 import statistics
@@ -21,7 +21,7 @@ import numpy as np
 from ds4tvm.runtime.drafters import SpecOptions, choose_drafter
 from ds4tvm.runtime.engine import Engine
 from ds4tvm.runtime.sampler import SamplingParams
-from ds4tvm.runtime.speculative import generate, verify_cost
+from ds4tvm.runtime.speculative import CostGate, generate, verify_cost
 
 
 def one_prompt(a, engine):
@@ -51,7 +51,7 @@ MODES = (("T=0 greedy", SamplingParams(temperature=0.0), False),
 
 def heldout_row(engine, prompts, n, theta, params, exact, stop_ids):
     """Target-only and DSpark over every prompt (alternated); the summed counters."""
-    from ds4tvm.runtime.drafters.dspark import CostGate, DSparkDrafter
+    from ds4tvm.runtime.drafters.dspark import DSparkDrafter
 
     gate = CostGate.from_env()   # one per row, kept over its prompts as an engine keeps its own
     plain_t = spec_t = generated_plain = generated_spec = 0.0
@@ -61,7 +61,7 @@ def heldout_row(engine, prompts, n, theta, params, exact, stop_ids):
         out_plain, s = generate(engine, prompt, n, params, np.random.default_rng(i), stop_ids=stop_ids)
         plain_t, generated_plain = plain_t + s.seconds, generated_plain + s.generated
         engine.reset()
-        out, s = generate(engine, prompt, n, params, np.random.default_rng(i), drafter=DSparkDrafter(engine, theta, gate=gate),
+        out, s = generate(engine, prompt, n, params, np.random.default_rng(i), drafter=DSparkDrafter(engine, theta), gate=gate,
                           exact=exact, stop_ids=stop_ids)
         spec_t, generated_spec = spec_t + s.seconds, generated_spec + s.generated
         identical += out == out_plain

@@ -258,7 +258,7 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
     import numpy as np
 
     from .runtime.sampler import SamplingParams
-    from .runtime.speculative import generate
+    from .runtime.speculative import CostGate, generate
 
     params = SamplingParams(temp, top_p, top_k, min_p).check()
     if (prompt is None) == (tokens is None):
@@ -289,7 +289,7 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
         at_prompt = []
         out, stats = generate(engine, ids, n_predict, params, np.random.default_rng(seed), drafter=drafter,
                               exact=exact_sampling, stop_ids=tok.stop_ids, on_token=on_token,
-                              on_prefill=on_prefill,
+                              on_prefill=on_prefill, gate=CostGate.for_engine(engine),
                               on_prompt=None if conversation is None else lambda: at_prompt.append(engine.snapshot()))
     elapsed = time.perf_counter() - t0
     tps = len(out) / stats.seconds if stats.seconds > 0 else 0.0

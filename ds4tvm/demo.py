@@ -81,7 +81,7 @@ def run_demo(out_dir: Path | None = None) -> None:
     from .runtime.drafters.dspark import DSparkDrafter, default_theta
     from .runtime.engine import Engine
     from .runtime.sampler import SamplingParams
-    from .runtime.speculative import generate
+    from .runtime.speculative import CostGate, generate
     from .runtime.tokenizer import Tokenizer
 
     t_start = time.perf_counter()
@@ -99,7 +99,7 @@ def run_demo(out_dir: Path | None = None) -> None:
     engine.reset()
     drafter = DSparkDrafter(engine, default_theta(engine, exact=False))
     spec, stats = generate(engine, ids, N_TOKENS, greedy, np.random.default_rng(0), drafter=drafter,
-                           stop_ids=tok.stop_ids)
+                           stop_ids=tok.stop_ids, gate=CostGate.for_engine(engine))
     rule = "-" * 72
     typer.echo(f"prompt ({len(ids)} tokens) and its greedy completion ({len(spec)} tokens):\n{rule}\n"
                f"{PROMPT}{tok.decode(spec, skip_special=True)}\n{rule}")
@@ -109,7 +109,7 @@ def run_demo(out_dir: Path | None = None) -> None:
                f"{c['avg_accept']:.2f} tokens accepted per cycle ({100 * c['accept_rate']:.0f}% of proposed); "
                f"the DSpark output is {same} target-only decoding at temperature 0")
     if c["cost_skips"]:
-        typer.echo(f"the cost gate decoded {c['cost_skips']} of the {len(spec)} tokens without proposing: on this CPU "
-                   f"a proposal and its verify took longer than the plain steps they would save")
+        typer.echo(f"the cost gate decoded {c['cost_skips']} of the {len(spec)} tokens without asking the drafter: on "
+                   f"this CPU a proposal and its verify took longer than the plain steps they would save")
     print(stats.line(), file=sys.stderr)
     typer.echo(f"ds4 demo: done in {time.perf_counter() - t_start:.1f} s")

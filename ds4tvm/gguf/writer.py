@@ -47,6 +47,18 @@ def _value_type(value: Any) -> tuple[GGUFValueType, GGUFValueType | None]:
     raise TypeError(f"cannot store {type(value).__name__} in GGUF metadata")
 
 
+def with_overrides(meta: dict, overrides: dict | None) -> dict:
+    """meta with each key of overrides set to its value, or removed where the value is None (the
+    random-model writers build malformed files for the tests this way)."""
+    out = dict(meta)
+    for key, value in (overrides or {}).items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
 def write_gguf(path: str | os.PathLike, architecture: str, metadata: dict[str, Any],
                tensors: Iterable[TensorOut], progress: bool = False, description: str = "writing") -> Path:
     """Writes a GGUF v3 file. `metadata` maps full key names to values; a value may be given as

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from .sampler import SamplingParams, argmax
-from .speculative import generate, verify_cost
+from .speculative import CostGate, generate, verify_cost
 
 
 def _median_rate(n: int, seconds: list[float]) -> float:
@@ -49,7 +49,7 @@ def bench(engine, prompt_len: int = 128, gen: int = 64, verify_k: int = 6, repea
             plain_tps.append(s.generated / s.seconds)
             engine.reset()
             _, s = generate(engine, prompt, gen, greedy, np.random.default_rng(0), drafter=drafter_factory(engine),
-                            stop_ids=stop_ids)
+                            stop_ids=stop_ids, gate=CostGate.for_engine(engine))
             spec_tps.append(s.generated / s.seconds)
             rates.append(s.as_dict()["accept_rate"])
         out["speculative"] = {"plain_tok_s": round(statistics.median(plain_tps), 2),

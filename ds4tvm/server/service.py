@@ -26,7 +26,7 @@ from ..runtime.checkpoint import CheckpointStore
 from ..runtime.drafters import drafter_tag
 from ..runtime.prefix import resume, reusable
 from ..runtime.sampler import SamplingParams
-from ..runtime.speculative import generate
+from ..runtime.speculative import CostGate, generate
 from ..runtime.textstream import TextStream
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -127,6 +127,7 @@ class Service:
                                   stop_ids=self.tok.stop_ids, on_token=on_token,
                                   mode=mode if tools is not None else None,
                                   on_prefill=lambda done, total: job.cancelled.is_set(),
+                                  gate=CostGate.for_engine(self.engine),
                                   on_prompt=lambda: after_prompt.append(self.engine.snapshot()))
         finally:  # stored after the answer: writing a file must not delay its first token
             for cp in after_prompt + [self.engine.snapshot()]:

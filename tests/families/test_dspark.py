@@ -78,15 +78,14 @@ def test_identity_every_draft_accepted(pair, agreeing, block):
 
 
 def test_disagreeing_drafter_rolls_back_to_target_only(pair, disagreeing):
-    from ds4tvm.runtime.drafters.dspark import CostGate, DSparkDrafter, Scheduler
+    from ds4tvm.runtime.drafters.dspark import DSparkDrafter, Scheduler
     from ds4tvm.runtime.sampler import SamplingParams
     from ds4tvm.runtime.speculative import generate
 
     prompt, plain, want = pair[4], pair[5], pair[6]
     disagreeing.reset()
     got, stats = generate(disagreeing, prompt, 80, SamplingParams(0.0), np.random.default_rng(0),
-                          drafter=DSparkDrafter(disagreeing, scheduler=Scheduler(enabled=False),
-                                                 gate=CostGate(enabled=False)))
+                          drafter=DSparkDrafter(disagreeing, scheduler=Scheduler(enabled=False)))
     c = stats.counters
     assert got == want[:80]
     assert c["partial"] + c["miss_first"] > 0 and c["accepted_draft"] < c["proposed"]
@@ -100,20 +99,20 @@ def test_disagreeing_drafter_rolls_back_to_target_only(pair, disagreeing):
 
 
 def test_theta_zero_proposes_full_blocks_and_theta_one_none(pair, disagreeing):
-    from ds4tvm.runtime.drafters.dspark import CostGate, DSparkDrafter, Scheduler
+    from ds4tvm.runtime.drafters.dspark import DSparkDrafter, Scheduler
     from ds4tvm.runtime.sampler import SamplingParams
     from ds4tvm.runtime.speculative import generate
 
     prompt, engine = pair[4], disagreeing
     engine.reset()
-    drafter = DSparkDrafter(engine, theta=0.0, scheduler=Scheduler(enabled=False), gate=CostGate(enabled=False))
+    drafter = DSparkDrafter(engine, theta=0.0, scheduler=Scheduler(enabled=False))
     _, stats = generate(engine, prompt, 40, SamplingParams(0.0), np.random.default_rng(0), drafter=drafter)
     c = stats.counters
     assert c["cycles"] > 0 and c["no_draft"] == 0 and c["proposed"] == 5 * c["cycles"]
     # sigma(c_0) < 1 for every row: at theta = 1 every proposal is empty, and the back-off skips
     engine.reset()
     _, stats = generate(engine, prompt, 40, SamplingParams(0.0), np.random.default_rng(0),
-                        drafter=DSparkDrafter(engine, theta=1.0, gate=CostGate()))
+                        drafter=DSparkDrafter(engine, theta=1.0))
     c = stats.counters
     assert c["no_draft"] > 0 and c["scheduler_skips"] > 0 and c["proposed"] == 0
     assert c["cycles"] + c["scheduler_skips"] == 40 - 9   # asked while 40..10 tokens remain
@@ -157,23 +156,20 @@ def test_a_continued_sequence_drafts_as_a_cold_one(pair, agreeing):
     start's."""
     from ds4tvm.families.dspark.model import WINDOW
     from ds4tvm.runtime.checkpoint import CheckpointStore
-    from ds4tvm.runtime.drafters.dspark import CostGate, DSparkDrafter
+    from ds4tvm.runtime.drafters.dspark import DSparkDrafter
     from ds4tvm.runtime.prefix import resume
     from ds4tvm.runtime.sampler import SamplingParams
     from ds4tvm.runtime.speculative import generate
 
     prompt, e, greedy = pair[4], agreeing, SamplingParams(0.0)
 
-    def drafter():   # counters compared: without the wall-clock gate
-        return DSparkDrafter(e, gate=CostGate(enabled=False))
-
     store, at_prompt = CheckpointStore(e, "dspark"), []
     e.reset()
-    first, _ = generate(e, prompt, 30, greedy, np.random.default_rng(0), drafter=drafter(),
+    first, _ = generate(e, prompt, 30, greedy, np.random.default_rng(0), drafter=DSparkDrafter(e),
                         on_prompt=lambda: store.add(e.snapshot()))
     turn, kept = prompt + first + [5, 6, 7], e.snapshot()
     e.reset()
-    want, cold = generate(e, turn, 50, greedy, np.random.default_rng(0), drafter=drafter(),
+    want, cold = generate(e, turn, 50, greedy, np.random.default_rng(0), drafter=DSparkDrafter(e),
                           on_prompt=lambda: at_prompt.append(e.snapshot()))
     for how in ("kept", "checkpoint"):
         e.restore(kept)
@@ -181,7 +177,7 @@ def test_a_continued_sequence_drafts_as_a_cold_one(pair, agreeing):
             e.prefill([1] * 20)
         held = resume(e, turn, store)
         assert held == (len(prompt) - 1 if how == "checkpoint" else len(kept.history) - 1)
-        got, stats = generate(e, turn, 50, greedy, np.random.default_rng(0), drafter=drafter(),
+        got, stats = generate(e, turn, 50, greedy, np.random.default_rng(0), drafter=DSparkDrafter(e),
                               on_prompt=lambda: at_prompt.append(e.snapshot()))
         fresh = [q % WINDOW for q in range(held, len(turn))]
         for spec, a, b in zip(e.state_specs, at_prompt[0].arrays, at_prompt[-1].arrays):

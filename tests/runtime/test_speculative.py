@@ -157,7 +157,7 @@ def test_scheduler_backoff_rules():
 
 
 def test_cost_gate_pauses_proposals_while_they_are_slower_than_plain_steps():
-    from ds4tvm.runtime.drafters.dspark import CostGate
+    from ds4tvm.runtime.speculative import CostGate
 
     def closed_for(g):
         n = 0
@@ -165,7 +165,7 @@ def test_cost_gate_pauses_proposals_while_they_are_slower_than_plain_steps():
             n += 1
         return n
 
-    g = CostGate()
+    g = CostGate(window=4)
     for _ in range(4):                      # 4 cycles of 3 tokens in 9 ms; no plain step measured yet
         assert g.open()
         g.record(True, 0.009, 3)
@@ -186,6 +186,35 @@ def test_cost_gate_pauses_proposals_while_they_are_slower_than_plain_steps():
     for _ in range(8):
         off.record(True, 1.0, 1)
     assert closed_for(off) == 0
+
+
+def test_loop_leaves_a_slow_drafter_out_at_temperature_zero_only():
+    """A drafter that agrees but takes 20 ms per proposal is slower per token than this table
+    engine's plain steps: at T=0 the gate stops asking it (output unchanged); at T=1 it never acts,
+    so seeded sampling does not depend on the machine's timing."""
+    import time
+
+    from ds4tvm.runtime.speculative import CostGate
+
+    class Slow(ScriptedDrafter):
+        def guess(self, engine, remaining):
+            time.sleep(0.02)
+            return super().guess(engine, remaining)
+
+    eng = TableEngine(vocab=6, seed=3, max_context=128)
+    eng.reset()
+    want, _ = generate(eng, [1, 2], 80, GREEDY, np.random.default_rng(0))
+    eng.reset()
+    got, stats = generate(eng, [1, 2], 80, GREEDY, np.random.default_rng(0), drafter=Slow(want), gate=CostGate())
+    assert got == want and stats.counters["cost_skips"] > 20 and "cost_skips=" in stats.line()
+    hot = SamplingParams(temperature=1.0)
+    runs = []
+    for _ in range(2):
+        eng.reset()
+        out, stats = generate(eng, [1, 2], 40, hot, np.random.default_rng(5), drafter=Slow(want), gate=CostGate())
+        runs.append(out)
+        assert stats.counters["cost_skips"] == 0
+    assert runs[0] == runs[1]
 
 
 def test_drafter_owns_its_stats():

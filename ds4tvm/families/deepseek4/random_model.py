@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QT
 from ...gguf.quant import quantize, random_blocks
 from ...gguf.validate import DENSE, INDEX, NORM, TensorSpec
 from ...gguf.vocab import synthetic_vocab
-from ...gguf.writer import TensorOut, write_gguf
+from ...gguf.writer import TensorOut, with_overrides, write_gguf
 from .config import ARCH, Config
 from .tensors import tensor_specs
 
@@ -112,10 +112,6 @@ def write_random_deepseek4(path: str | Path, cfg: Config, seed: int = 0,
     meta = {"general.architecture": ARCH, "general.name": "ds4tvm random deepseek4"}
     meta.update(cfg.to_metadata())
     meta.update(synthetic_vocab(cfg.n_vocab))
-    for key, value in (metadata or {}).items():
-        if value is None:
-            meta.pop(key, None)
-        else:
-            meta[key] = value
+    meta = with_overrides(meta, metadata)
     return write_gguf(path, meta.get("general.architecture", ARCH), meta, tensors, progress=progress,
                       description="writing")

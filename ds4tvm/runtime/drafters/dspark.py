@@ -7,8 +7,7 @@ one call (families/dspark/model.py); the cut is made here.
 In the loop's terms the block's first token is a guess for the token the target chooses next
 (checked for free against the target's logits); when it is right the rest of the block is the
 drafts after it. The count-based back-off of ds4 (`Scheduler`, DS4_DSPARK_*) decides when to
-propose at all, and `CostGate` (ds4tvm's own) stops proposing while proposals cost more time per
-committed token than plain decode steps on this machine.
+propose at all (and at temperature 0 the loop's cost gate, runtime/speculative.py).
 
 Plain decode steps feed the rings through ds4's direct path in batches: their rows are kept on the
 host and written in one call before the next proposal (or every FLUSH_ROWS rows, or when the
@@ -18,8 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +27,6 @@ from ..speculative import DraftCounters
 DEFAULT_THETA = 0.7
 EXACT_DEFAULT_THETA = 0.8
 FLUSH_ROWS = 64   # direct-path rows kept before a write (fewer than the ring's 128)
-_GATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # engine -> its CostGate
 
 
 def _env_int(name: str, default: int) -> int:
@@ -103,66 +99,9 @@ class Scheduler:
             self.pending_skip = max(self.pending_skip, n)
 
 
-@dataclass
-class CostGate:
-    """Proposes only while it pays here: over every `window` cycles that proposed, the seconds per
-    committed token (the proposal, the verify or the decode after a wrong guess, the ring writes)
-    against a running mean of plain decode steps; when proposing was slower it is paused for
-    `min_pause` plain steps, doubling while it stays slower (at most `max_pause`), and a paused
-    or unmeasured plain side is probed with `min_pause` plain steps. One gate serves every
-    generation of an engine (`for_engine`): what it measured carries over. Wall-clock times make it
-    follow the machine: at temperature 0 the output is target-only's whatever it decides, but the
-    counters (and sampled output in opportunistic mode) vary from run to run; DS4_DSPARK_COST_GATE=0
-    turns it off (ds4's count-based back-off alone)."""
-
-    enabled: bool = True
-    window: int = 2
-    min_pause: int = 4
-    max_pause: int = 256
-    pause: int = 0            # plain steps still to take
-    last_pause: int = 0
-    plain_s: float | None = None     # running mean: seconds per plain step
-    spent: float = 0.0               # this window's proposing cycles: seconds and tokens
-    tokens: int = 0
-    cycles: int = 0
-
-    @classmethod
-    def from_env(cls) -> "CostGate":
-        return cls(enabled=os.environ.get("DS4_DSPARK_COST_GATE", "1") not in ("0", "off", "false"))
-
-    @classmethod
-    def for_engine(cls, engine) -> "CostGate":
-        gate = _GATES.get(engine)
-        if gate is None:
-            gate = _GATES[engine] = cls.from_env()
-        return gate
-
-    def open(self) -> bool:
-        if not self.enabled or self.pause <= 0:
-            return True
-        self.pause -= 1
-        return False
-
-    def record(self, proposed: bool, seconds: float, tokens: int) -> None:
-        if not proposed:
-            self.plain_s = seconds / tokens if self.plain_s is None else 0.8 * self.plain_s + 0.2 * seconds / tokens
-            return
-        self.spent, self.tokens, self.cycles = self.spent + seconds, self.tokens + tokens, self.cycles + 1
-        if self.cycles < self.window:
-            return
-        if self.plain_s is None:
-            self.pause = self.min_pause   # measure the other side first
-        elif self.spent / self.tokens > self.plain_s:
-            self.last_pause = min(self.max_pause, max(self.min_pause, 2 * self.last_pause))
-            self.pause = self.last_pause
-        else:
-            self.last_pause = 0
-        self.spent, self.tokens, self.cycles = 0.0, 0, 0
-
-
 class DSparkDrafter:
     def __init__(self, engine, theta: float = DEFAULT_THETA, max_block: int | None = None,
-                 scheduler: Scheduler | None = None, gate: CostGate | None = None):
+                 scheduler: Scheduler | None = None):
         d = engine.drafters.get("dspark")
         if d is None:
             raise Ds4Error(f"{engine.dir}: this artifact has no DSpark drafter; compile it with --mtp SUPPORT.gguf")
@@ -171,11 +110,9 @@ class DSparkDrafter:
         self.block_size, self.noise, self.theta = d["block_size"], d["noise_token_id"], theta
         self.proposals = min(self.block_size, max_block or self.block_size)  # a verify cap
         self.scheduler = scheduler or Scheduler.from_env()
-        self.gate = gate or CostGate.for_engine(engine)
         self.direct_rows, self.direct_start = [], 0      # plain steps' rows not yet in the rings
-        self.cycle_start, self.proposing = time.perf_counter(), False
         self.anchor_row, self.block, self.stop_ids = None, [], frozenset()
-        self.stats, self.no_draft, self.scheduler_skips, self.cost_skips = DraftCounters(), 0, 0, 0
+        self.stats, self.no_draft, self.scheduler_skips = DraftCounters(), 0, 0
 
     # ------------------------------------------------------------------ the loop's calls
     def begin(self, engine, step, stop_ids):
@@ -183,17 +120,12 @@ class DSparkDrafter:
         captured = step.outputs["captured"]
         self.direct_rows = []
         self._write_rings(engine, captured, engine.pos - len(captured), direct=False)
-        self.cycle_start = time.perf_counter()
 
     def guess(self, engine, remaining):
         self.block = []
         if not self.scheduler.should_propose(remaining):
             self.scheduler_skips += remaining >= self.scheduler.tail_min_tokens
             return None
-        if not self.gate.open():
-            self.scheduler_skips, self.cost_skips = self.scheduler_skips + 1, self.cost_skips + 1
-            return None
-        self.proposing = True
         self._flush(engine)
         room = min(self.block_size, engine.max_verify, remaining, engine.max_context - engine.pos)
         block, first = self._propose(engine, engine.history[-1], room)
@@ -228,9 +160,6 @@ class DSparkDrafter:
         else:
             self._flush(engine)
             self._write_rings(engine, captured, start, direct=False)
-        now = time.perf_counter()
-        self.gate.record(self.proposing, now - self.cycle_start, len(tokens))
-        self.cycle_start, self.proposing = now, False
 
     def finish(self, engine):
         self._flush(engine)
@@ -239,8 +168,7 @@ class DSparkDrafter:
         d = self.stats.as_dict()
         d["cycles"] += self.no_draft
         d["avg_accept"] = self.stats.accepted_draft / d["cycles"] if d["cycles"] else 0.0
-        return {**d, "first_tokens": d["cycles"], "no_draft": self.no_draft, "scheduler_skips": self.scheduler_skips,
-                "cost_skips": self.cost_skips}
+        return {**d, "first_tokens": d["cycles"], "no_draft": self.no_draft, "scheduler_skips": self.scheduler_skips}
 
     def stats_line(self, tok_s):
         d = self.counters()
@@ -248,7 +176,6 @@ class DSparkDrafter:
                 f"accepted_draft={d['accepted_draft']} accept_rate={100 * d['accept_rate']:.2f}% "
                 f"avg_accept={d['avg_accept']:.3f} full={d['full']} partial={d['partial']} "
                 f"miss_first={d['miss_first']} no_draft={d['no_draft']} scheduler_skips={d['scheduler_skips']} "
-                f"cost_skips={d['cost_skips']} "
                 f"t/s={tok_s:.2f}")
 
     # ------------------------------------------------------------------ the drafter itself
