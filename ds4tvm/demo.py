@@ -95,11 +95,13 @@ def run_demo(out_dir: Path | None = None) -> None:
                f"+ DSpark drafter {SUPPORT_FILE}")
     ids = tok.encode(PROMPT)
     greedy = SamplingParams(temperature=0.0)
-    plain, plain_stats = generate(engine, ids, N_TOKENS, greedy, np.random.default_rng(0), stop_ids=tok.stop_ids)
+    gate = CostGate.for_engine(engine)   # measures the plain steps first, so the DSpark run starts informed
+    plain, plain_stats = generate(engine, ids, N_TOKENS, greedy, np.random.default_rng(0), stop_ids=tok.stop_ids,
+                                  gate=gate)
     engine.reset()
     drafter = DSparkDrafter(engine, default_theta(engine, exact=False))
     spec, stats = generate(engine, ids, N_TOKENS, greedy, np.random.default_rng(0), drafter=drafter,
-                           stop_ids=tok.stop_ids, gate=CostGate.for_engine(engine))
+                           stop_ids=tok.stop_ids, gate=gate)
     rule = "-" * 72
     typer.echo(f"prompt ({len(ids)} tokens) and its greedy completion ({len(spec)} tokens):\n{rule}\n"
                f"{PROMPT}{tok.decode(spec, skip_special=True)}\n{rule}")

@@ -28,19 +28,10 @@ def write_tiny_deepseek_v4(out_dir: Path, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     cfg = DeepseekV4Config(**{**TINY_V4, **overrides})
     model = DeepseekV4ForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
+    g = _randomise(model, seed + 1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1 and "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif p.ndim == 1:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.5 * torch.randn(b.shape, generator=g))
-            elif name.endswith("tid2eid"):
+            if name.endswith("tid2eid"):
                 n_tok, k = b.shape
                 ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:k] for _ in range(n_tok)])
                 b.copy_(ids)
@@ -151,3 +142,51 @@ def hf_model_from_gguf(path):
             up = values[f"blk.{il}.ffn_up_exps.weight"]
             state[f"model.layers.{il}.mlp.experts.gate_up_proj"].copy_(torch.from_numpy(np.concatenate([gate, up], 1)))
     return model
+
+
+TINY_GLM5 = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+    kv_lora_rank=64, q_lora_rank=48, qk_rope_head_dim=0, v_head_dim=32, qk_nope_head_dim=32, index_topk=16,
+    index_head_dim=32, index_n_heads=16, index_kpool=4, routed_scaling_factor=2.5,
+    layer_types=["linear_attention", "linear_attention", "indexed_attention"] * 2,
+    mlp_layer_types=["dense"] + ["sparse"] * 5, swiglu_limit=1.5, linear_head_dim=16, linear_num_heads=4,
+    linear_conv_kernel_dim=4, linear_lower_bound=-5.0, pad_token_id=None, max_position_embeddings=4096,
+)
+TINY_GLM5_VISION = dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64, projection_intermediate_size=64,
+                        intermediate_size=64)
+
+
+def tiny_glm5_next(seed: int = 0, **overrides):
+    """A random `Glm5NextForConditionalGeneration` (a one-block vision tower beside the text model),
+    every text parameter and the router bias randomised."""
+    import torch
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = Glm5NextConfig(text_config={**TINY_GLM5, **overrides}, vision_config=TINY_GLM5_VISION)
+    model = Glm5NextForConditionalGeneration(cfg).eval()
+    _randomise(model, seed + 1, skip="visual")
+    return model
+
+
+def _randomise(model, seed: int, skip: str | None = None):
+    """Norm weights 1 + 0.1 N, other 1-D parameters and the router bias 0.5 N, matrices N / sqrt(in);
+    parameters whose name holds `skip` keep their values. Returns the generator, for more."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if skip is not None and skip in name:
+                continue
+            if p.ndim == 1 and "norm" in name and not name.endswith("bias"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.ndim == 1:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=g))
+    return g

@@ -231,7 +231,7 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
     on_prefill(done, total) after every prefill chunk (True cancels); on_prompt() once the prompt is
     in the state (and the drafter's), before the first token (the server checkpoints there); gate:
     at temperature 0, the drafter is asked only while it pays (CostGate; `ds4 run`, `serve`, `bench`
-    and `demo` pass the engine's)."""
+    and `demo` pass the engine's); given without a drafter, it measures the plain steps."""
     out: list[int] = []
     budget = min(n_tokens, engine.max_context - len(prompt))
     held = engine.pos
@@ -258,7 +258,7 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
     while not done:
         exact_now, chosen_under = exact and current.temperature > 0, current
         started, emitted = time.perf_counter(), len(out)
-        gated = gate is not None and drafter is not None and current.temperature == 0
+        gated = gate is not None and current.temperature == 0   # without a drafter: plain steps measured
         ask = drafter is not None and (not gated or gate.open())
         skipped += drafter is not None and not ask
         # 1. choose t

@@ -15,8 +15,8 @@ from ...gguf.quant import quantize
 from ...gguf.validate import NORM, TensorSpec
 from ...gguf.vocab import synthetic_vocab
 from ...gguf.writer import TensorOut, with_overrides, write_gguf
-from .config import ARCH, DS4, DSA, KDA, LLAMA, Config
-from .tensors import A_LOG, CONVS, tensor_specs
+from .config import ARCH, DS4, DSA, KDA, Config
+from .tensors import A_LOG, CONVS, in_layout, tensor_specs
 
 
 def tiny_config(layout: str = DS4, **overrides) -> Config:
@@ -46,17 +46,6 @@ def _values(suffix: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
     if suffix.endswith(("norm.weight",)) or suffix == "output_norm.weight":
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
-
-
-def in_layout(cfg: Config, suffix: str, values: np.ndarray) -> np.ndarray:
-    """Canonical values as cfg's layout stores them."""
-    if cfg.layout != LLAMA:
-        return values
-    if suffix == A_LOG:
-        return -np.exp(values)
-    if suffix in CONVS:   # [I, K] -> [1, I, 1, K]
-        return values.reshape(1, values.shape[0], 1, values.shape[1])
-    return values
 
 
 def default_type(spec: TensorSpec) -> QT:

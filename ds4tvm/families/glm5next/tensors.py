@@ -6,6 +6,8 @@ Two llama.cpp tensors hold other values than ds4's: `ssm_a` is -exp(A_log) where
 
 from __future__ import annotations
 
+import numpy as np
+
 from ...gguf.validate import DENSE, EMBED, NORM, PLAIN, ROUTED, TensorSpec
 from .config import LLAMA, Config
 
@@ -38,6 +40,17 @@ def file_name(cfg: Config, canonical: str) -> str:
         return canonical
     _, layer, suffix = canonical.split(".", 2)
     return f"blk.{layer}.{LLAMA_NAMES.get(suffix, suffix)}"
+
+
+def in_layout(cfg: Config, suffix: str, values: np.ndarray) -> np.ndarray:
+    """Canonical values as cfg's layout stores them."""
+    if cfg.layout != LLAMA:
+        return values
+    if suffix == A_LOG:
+        return -np.exp(values)
+    if suffix in CONVS:   # [I, K] -> [1, I, 1, K]
+        return values.reshape(1, values.shape[0], 1, values.shape[1])
+    return values
 
 
 def _kda(c: Config) -> list[tuple]:
