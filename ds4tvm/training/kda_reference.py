@@ -58,7 +58,7 @@ def kda_layer(w: dict, cfg, x: np.ndarray, state: KDAState | None = None, states
     last row; `states`, when a list, receives a copy of the state after every row."""
     w = {k: np.asarray(v, np.float64) for k, v in w.items()}
     x = np.asarray(x, np.float64)
-    H, D, K = cfg.kda_n_head, cfg.kda_head_dim, cfg.conv_kernel
+    H, D = cfg.kda_n_head, cfg.kda_head_dim
     inner = H * D
     st = (state or KDAState.zeros(cfg)).copy()
     proj = np.concatenate([x @ w[f"kda_{n}.weight"].T for n in "qkv"], axis=1)          # [T, 3I]
