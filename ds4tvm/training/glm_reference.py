@@ -1,0 +1,146 @@
+"""GLM-5.3's attention layers (ds4-spec §4 and its Errata) in float64 numpy, written from the spec and
+llama.cpp's `glm5-next` graph: the references the compiled layers will be checked against row by
+row. Weights are the canonical tensors of one layer in numpy order (families/glm5next/tensors.py
+names without blk.L.); x are the rows after attn_norm.
+
+KDA (`kda_layer`), per token, with H heads of D channels and I = H * D:
+  q, k, v = causal depthwise conv (width K, history of the K - 1 previous rows) of W{q,k,v} x, SiLU;
+  q, k L2-normalised per head (x / sqrt(sum x^2 + 1e-6)), q scaled by 1 / sqrt(D);
+  g = f_b(f_a(x)) + dt_bias per channel; decay log: lb * sigmoid(exp(A_log) * g) with the lower
+  bound lb, else -exp(A_log) * softplus(g);
+  beta = sigmoid(W_beta x) per head;
+  per head S <- S * exp(g) (row-wise over the key channels); S += k (beta (v - S^T k))^T; o = S^T q;
+  out = W_o (RMSNorm(o per head; o_norm, rms_eps) * sigmoid(g_b(g_a(x)))).
+Its state after any row is what a snapshot ring must hold there.
+
+DSA (`dsa_layer`): MLA without RoPE over the kv_lora latent, with the pooled sparse indexer:
+  latent c = RMSNorm(W_kv_a x); q = W_q_b RMSNorm(W_q_a x) per head; the query of token t attends,
+  with scale 1 / sqrt(key_length), to keys k_b c and values v_b c of the tokens its indexer selects;
+  indexer: keys LayerNorm(W_k x) (weight, bias, eps 1e-6); pools of P consecutive tokens from
+  position 0, each pooled key sum_i softmax_i(W_gate x_i + ape_i) * key_i (per channel over the pool);
+  score of a complete pool ending at or before t: sum_h w_h relu(q_idx_h . pooled / sqrt(ID)), with
+  w = W_proj x / sqrt(IH); the top_k / P best pools (ties to the lower pool) plus the unfinished tail
+  (the (t + 1) % P newest tokens); with no more than top_k / P complete pools, all of them (dense).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class KDAState:
+    conv: np.ndarray    # [K - 1, 3 I]: the last K - 1 rows of [Wq x; Wk x; Wv x], oldest first
+    S: np.ndarray       # [H, D, D]: key channel x value channel
+
+    @classmethod
+    def zeros(cls, cfg) -> "KDAState":
+        inner = cfg.kda_n_head * cfg.kda_head_dim
+        return cls(np.zeros((cfg.conv_kernel - 1, 3 * inner)), np.zeros((cfg.kda_n_head, cfg.kda_head_dim,
+                                                                          cfg.kda_head_dim)))
+
+    def copy(self) -> "KDAState":
+        return KDAState(self.conv.copy(), self.S.copy())
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def decay_log(w: dict, cfg, x: np.ndarray) -> np.ndarray:
+    """The per-channel log-decay g [T, H, D] of rows x [T, E]."""
+    H, D = cfg.kda_n_head, cfg.kda_head_dim
+    g = (x @ w["kda_f_a.weight"].T @ w["kda_f_b.weight"].T + w["kda_dt_bias.weight"]).reshape(-1, H, D)
+    rate = np.exp(w["kda_a_log.weight"].reshape(1, H, 1))
+    if cfg.gate_lower_bound is not None:
+        return cfg.gate_lower_bound * _sigmoid(rate * g)
+    return -rate * np.where(g > 20.0, g, np.log1p(np.exp(np.minimum(g, 20.0))))
+
+
+def kda_layer(w: dict, cfg, x: np.ndarray, state: KDAState | None = None, states: list | None = None):
+    """out [T, E] for rows x [T, E] after `state` (zeros: a new sequence), and the state after the
+    last row; `states`, when a list, receives a copy of the state after every row."""
+    w = {k: np.asarray(v, np.float64) for k, v in w.items()}
+    x = np.asarray(x, np.float64)
+    H, D = cfg.kda_n_head, cfg.kda_head_dim
+    inner = H * D
+    st = (state or KDAState.zeros(cfg)).copy()
+    proj = np.concatenate([x @ w[f"kda_{n}.weight"].T for n in "qkv"], axis=1)          # [T, 3I]
+    conv_w = np.concatenate([w[f"kda_{n}_conv.weight"] for n in "qkv"])                   # [3I, K]
+    g, beta = decay_log(w, cfg, x), _sigmoid(x @ w["kda_beta.weight"].T)                  # [T,H,D], [T,H]
+    gate = _sigmoid(x @ w["kda_g_a.weight"].T @ w["kda_g_b.weight"].T).reshape(-1, H, D)
+    out = np.zeros((len(x), H, D))
+    for t in range(len(x)):
+        window = np.concatenate([st.conv, proj[t:t + 1]])                                 # [K, 3I]
+        st.conv = window[1:]
+        qkv = _silu((window * conv_w.T).sum(axis=0))
+        q, k, v = (qkv[i * inner:(i + 1) * inner].reshape(H, D) for i in range(3))
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / np.sqrt(D)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+        st.S = st.S * np.exp(g[t])[:, :, None]
+        delta = (v - np.einsum("hkv,hk->hv", st.S, k)) * beta[t][:, None]
+        st.S = st.S + k[:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hkv,hk->hv", st.S, q)
+        if states is not None:
+            states.append(st.copy())
+    normed = out / np.sqrt((out * out).mean(-1, keepdims=True) + cfg.rms_eps) * w["kda_o_norm.weight"]
+    return (normed * gate).reshape(len(x), inner) @ w["kda_output.weight"].T, st
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def indexer_selection(w: dict, cfg, x: np.ndarray, q_low: np.ndarray) -> list[np.ndarray]:
+    """For each row t of x [T, E] (positions 0..T-1) the token positions it attends, ascending."""
+    P, IH, ID = cfg.idx_pool, cfg.idx_n_head, cfg.idx_head_dim
+    k = x @ w["indexer.attn_k.weight"].T
+    k = (k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + cfg.idx_norm_eps)
+    k = k * w["indexer.k_norm.weight"] + w["indexer.k_norm.bias"]
+    gate = x @ w["indexer.pool_gate.weight"].T
+    n_pools = len(x) // P
+    pooled = np.zeros((n_pools, ID))
+    for j in range(n_pools):
+        logits = gate[j * P:(j + 1) * P] + w["indexer.pool_ape.weight"]          # [P, ID]
+        e = np.exp(logits - logits.max(0))
+        pooled[j] = (e / e.sum(0) * k[j * P:(j + 1) * P]).sum(0)
+    q = (q_low @ w["indexer.attn_q_b.weight"].T).reshape(len(x), IH, ID)
+    weights = x @ w["indexer.proj.weight"].T / np.sqrt(IH)                        # [T, IH]
+    keep = cfg.idx_top_k // P
+    out = []
+    for t in range(len(x)):
+        complete = (t + 1) // P
+        if complete <= keep:
+            pools = np.arange(complete)
+        else:
+            score = (weights[t][:, None] * np.maximum(q[t] @ pooled[:complete].T / np.sqrt(ID), 0)).sum(0)
+            pools = np.sort(np.argsort(-score, kind="stable")[:keep])
+        tokens = (pools[:, None] * P + np.arange(P)).reshape(-1)
+        tail = np.arange(complete * P, t + 1) if cfg.idx_select_tail else np.arange(0)
+        out.append(np.concatenate([tokens, tail]).astype(np.int64))
+    return out
+
+
+def dsa_layer(w: dict, cfg, x: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """out [T, E] for the rows x [T, E] of positions 0..T-1, and each row's selected positions."""
+    w = {k: np.asarray(v, np.float64) for k, v in w.items()}
+    x = np.asarray(x, np.float64)
+    H, Dk, Dv = cfg.n_head, cfg.key_length, cfg.value_length
+    q_low = _rms(x @ w["attn_q_a.weight"].T, w["attn_q_a_norm.weight"], cfg.rms_eps)
+    q = (q_low @ w["attn_q_b.weight"].T).reshape(len(x), H, Dk)
+    c = _rms(x @ w["attn_kv_a_mqa.weight"].T, w["attn_kv_a_norm.weight"], cfg.rms_eps)   # [T, Rkv]
+    keys = np.einsum("hrk,tr->thk", w["attn_k_b.weight"], c)          # k_b [H, Rkv, Dk] (numpy order)
+    values = np.einsum("hvr,tr->thv", w["attn_v_b.weight"], c)        # v_b [H, Dv, Rkv]
+    selection = indexer_selection(w, cfg, x, q_low)
+    out = np.zeros((len(x), H, Dv))
+    for t, sel in enumerate(selection):
+        s = np.einsum("hk,shk->hs", q[t], keys[sel]) / np.sqrt(Dk)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[t] = np.einsum("hs,shv->hv", p / p.sum(-1, keepdims=True), values[sel])
+    return out.reshape(len(x), H * Dv) @ w["attn_output.weight"].T, selection
