@@ -177,9 +177,9 @@ def _choose_type(spec, dense: QT, experts: QT) -> QT:
     return want
 
 
-def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: str | None = None,
-               progress: bool = True) -> Path:
-    hf_dir = Path(hf_dir)
+def read_hf_checkpoint(hf_dir: Path, out: Path, dense_type: str, experts_type: str | None) -> tuple[dict, QT, QT]:
+    """What every `ds4 convert` checks first: the checkpoint directory, its config.json (returned
+    as a dict), the --type / --experts-type names (returned as GGML types) and the output path."""
     if not hf_dir.is_dir():
         raise Ds4Error(f"{hf_dir}: not a directory (expected a transformers checkpoint directory)")
     if dense_type not in TYPES:
@@ -187,6 +187,8 @@ def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: s
     experts_type = experts_type or dense_type
     if experts_type not in EXPERT_TYPES:
         raise Ds4Error(f"--experts-type {experts_type!r}: expected one of {', '.join(EXPERT_TYPES)}")
+    if Path(out).is_dir():
+        raise Ds4Error(f"{out}: is a directory, expected an output file path")
     cfg_path = hf_dir / "config.json"
     try:
         hf = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -194,10 +196,16 @@ def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: s
         raise Ds4Error(f"{cfg_path}: no such file") from None
     except (OSError, json.JSONDecodeError) as e:
         raise Ds4Error(f"{cfg_path}: not readable JSON ({e})") from None
-    cfg = config_from_hf(hf, str(cfg_path))
+    return hf, TYPES[dense_type], EXPERT_TYPES[experts_type]
+
+
+def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: str | None = None,
+               progress: bool = True) -> Path:
+    hf_dir = Path(hf_dir)
+    hf, dense, experts = read_hf_checkpoint(hf_dir, out, dense_type, experts_type)
+    cfg = config_from_hf(hf, str(hf_dir / "config.json"))
     cfg.validate()
     ckpt = Checkpoint(SafetensorsDir(hf_dir), cfg.n_expert, bool(hf.get("tie_word_embeddings")))
-    dense, experts = TYPES[dense_type], EXPERT_TYPES[experts_type]
 
     tensors = []
     for spec in tensor_specs(cfg):
@@ -226,7 +234,4 @@ def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: s
     meta.update(cfg.to_metadata())
     vocab = hf_vocab(hf_dir, cfg.n_vocab, pre="deepseek-v3") or synthetic_vocab(cfg.n_vocab)
     meta.update(vocab)
-    out = Path(out)
-    if out.exists() and out.is_dir():
-        raise Ds4Error(f"{out}: is a directory, expected an output file path")
-    return write_gguf(out, "deepseek4", meta, tensors, progress=progress, description="converting")
+    return write_gguf(Path(out), "deepseek4", meta, tensors, progress=progress, description="converting")

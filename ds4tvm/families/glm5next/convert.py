@@ -9,20 +9,19 @@ their singleton axis, and llama.cpp's layout stores -exp(A_log) (tensors.in_layo
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from ...errors import Ds4Error
-from ...gguf.convert import EXPERT_TYPES, TYPES, _choose_type
+from ...gguf.convert import _choose_type, read_hf_checkpoint
 from ...gguf.quant import quantize
 from ...gguf.safetensors_io import SafetensorsDir
 from ...gguf.vocab import hf_vocab, synthetic_vocab
 from ...gguf.writer import TensorOut, write_gguf
 from .config import ARCH, DS4, DSA, KDA, LAYOUTS, Config
-from .tensors import in_layout, tensor_specs
+from .tensors import canonical_pairs, in_layout
 
 _ATTN = {"linear_attention": KDA, "indexed_attention": DSA, "full_attention": DSA}
 _RENAMES = {   # canonical suffix -> checkpoint suffix (after layers.N.)
@@ -133,25 +132,18 @@ class Checkpoint:
 
 def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: str | None = None,
                progress: bool = True, layout: str = DS4) -> Path:
-    hf_dir = Path(hf_dir)
-    cfg_path = hf_dir / "config.json"
-    if dense_type not in TYPES or (experts_type or dense_type) not in EXPERT_TYPES or layout not in LAYOUTS:
-        raise Ds4Error(f"convert: --type {dense_type!r} / --experts-type {experts_type!r} / layout {layout!r}: "
-                       f"expected {', '.join(TYPES)} / {', '.join(EXPERT_TYPES)} / {', '.join(LAYOUTS)}")
-    try:
-        hf = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise Ds4Error(f"{cfg_path}: not readable JSON ({e})") from None
+    hf_dir, cfg_path = Path(hf_dir), Path(hf_dir) / "config.json"
+    if layout not in LAYOUTS:
+        raise Ds4Error(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    hf, dense, experts = read_hf_checkpoint(hf_dir, out, dense_type, experts_type)
     st = SafetensorsDir(hf_dir)
     n = (hf.get("text_config") or hf).get("num_hidden_layers", 0)
     has_mtp = any(k.endswith(f"layers.{n}.eh_proj.weight") for k in st.names())
     cfg = config_from_hf(hf, str(cfg_path), layout, n_nextn=int(has_mtp))
     cfg.validate(str(cfg_path))
     ckpt = Checkpoint(st, replace(cfg, layout=DS4), str(hf_dir))
-    dense, experts = TYPES[dense_type], EXPERT_TYPES[experts_type or dense_type]
     tensors = []
-    for canonical, spec in zip(tensor_specs(replace(cfg, layout=DS4)), tensor_specs(cfg)):
-        suffix = canonical.name.split(".", 2)[2] if canonical.name.startswith("blk.") else canonical.name
+    for canonical, spec, suffix in canonical_pairs(cfg):
         qtype = _choose_type(spec, dense, experts)
 
         def produce(name=canonical.name, suffix=suffix, want=tuple(reversed(canonical.shape)), qtype=qtype):

@@ -16,7 +16,7 @@ from ...gguf.validate import NORM, TensorSpec
 from ...gguf.vocab import synthetic_vocab
 from ...gguf.writer import TensorOut, with_overrides, write_gguf
 from .config import ARCH, DS4, DSA, KDA, Config
-from .tensors import A_LOG, CONVS, in_layout, tensor_specs
+from .tensors import A_LOG, CONVS, canonical_pairs, in_layout
 
 
 def tiny_config(layout: str = DS4, **overrides) -> Config:
@@ -59,10 +59,8 @@ def write_random_glm5next(path: str | Path, cfg: Config, seed: int = 0,
     `edit_specs` edits the tensor list: both build malformed files for the tests."""
     rng = np.random.default_rng(seed)
     tensors = []
-    # the two layouts list the same tensors in the same order: values come from the canonical name
-    for canonical, spec in zip(tensor_specs(replace(cfg, layout=DS4)), tensor_specs(cfg)):
+    for canonical, spec, suffix in canonical_pairs(cfg):   # values come from the canonical name
         sub = np.random.default_rng(rng.integers(1 << 62))   # one stream per tensor, whatever the layout
-        suffix = canonical.name.split(".", 2)[2] if canonical.name.startswith("blk.") else canonical.name
         qtype = QT.F32 if suffix in (A_LOG, *CONVS) else type_of(spec)
 
         def produce(suffix=suffix, shape=tuple(reversed(canonical.shape)), sub=sub, qtype=qtype):

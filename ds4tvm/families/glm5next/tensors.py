@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...gguf.validate import DENSE, EMBED, NORM, PLAIN, ROUTED, TensorSpec
-from .config import LLAMA, Config
+from .config import DS4, LLAMA, Config
 
 # canonical suffix (after blk.L.) -> llama.cpp's
 LLAMA_NAMES = {
@@ -32,6 +32,20 @@ LLAMA_NAMES = {
     "indexer.pool_gate.weight": "indexer_compressor_gate.weight",
 }
 A_LOG, CONVS = "kda_a_log.weight", ("kda_q_conv.weight", "kda_k_conv.weight", "kda_v_conv.weight")
+
+
+def suffix_of(name: str) -> str:
+    """`blk.3.kda_q.weight` -> `kda_q.weight`; top-level names stay as they are."""
+    return name.split(".", 2)[2] if name.startswith("blk.") else name
+
+
+def canonical_pairs(cfg: Config):
+    """(canonical spec, spec in cfg's layout, suffix) of every tensor: both layouts list the same
+    tensors in the same order."""
+    from dataclasses import replace
+
+    for canonical, spec in zip(tensor_specs(replace(cfg, layout=DS4)), tensor_specs(cfg)):
+        yield canonical, spec, suffix_of(canonical.name)
 
 
 def file_name(cfg: Config, canonical: str) -> str:
