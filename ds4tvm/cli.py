@@ -46,6 +46,7 @@ def inspect_report(path: Path) -> dict:
         "file_bytes": f.file_bytes,
         "quant_types": f.type_counts(),
         "unused_tensors": m.unused_tensors,
+        "details": m.family.describe(m.config) if m.family.describe else {},
     }
 
 
@@ -61,6 +62,8 @@ def inspect(model: Path = typer.Argument(..., help="GGUF file"),
     typer.echo(f"  family        {r['family']} ({r['architecture']}, {r['role']})")
     typer.echo(f"  layers        {r['n_layers']}")
     typer.echo(f"  width         {r['n_embd']}")
+    for label, text in r["details"].items():
+        typer.echo(f"  {label:<13} {text}")
     vocab = r["n_vocab"] or "the target model's (a support file)"
     typer.echo(f"  vocab         {vocab}")
     typer.echo(f"  tensors       {r['n_tensors']}")

@@ -96,15 +96,17 @@ class Family:
     # from the call's other inputs and the engine (its token history): rows of a table too large to
     # bind, read lazily
     host_inputs: dict = field(default_factory=dict)
+    # `ds4 inspect`'s lines of what this family's config says beyond its size: cfg -> {label: text}
+    describe: Callable[[Any], dict] | None = None
 
     def drafter_for_support(self, support: "Family") -> DraftSpec | None:
         return next((d for d in self.drafters if d.support == support.name), None)
 
 
 def _registry() -> dict[str, Family]:
-    from . import deepseek4, deepseek4_mtp, dspark
+    from . import deepseek4, deepseek4_mtp, dspark, glm5next
 
-    return {f.architecture: f for f in (deepseek4.FAMILY, dspark.FAMILY, deepseek4_mtp.FAMILY)}
+    return {f.architecture: f for f in (deepseek4.FAMILY, dspark.FAMILY, deepseek4_mtp.FAMILY, glm5next.FAMILY)}
 
 
 REGISTRY: dict[str, Family] = _registry()

@@ -34,6 +34,22 @@ def rms(x: nn.Tensor, eps: float, weight: nn.Tensor | None = None) -> nn.Tensor:
     return op.tensor_expr_op(f, "rms", [x] + ([weight] if weight is not None else []))
 
 
+def layer_norm(x: nn.Tensor, eps: float, weight: nn.Tensor, bias: nn.Tensor, name: str = "layer_norm") -> nn.Tensor:
+    """LayerNorm over the last axis of x [T, D] (biased variance), with weight and bias."""
+    def f(x_te, w, b):
+        n, D = x_te.shape
+        inv = tirx.const(1.0, F32) / D.astype(F32)
+        k = te.reduce_axis((0, D), name="k")
+        total = te.compute((n,), lambda t: te.sum(x_te[t, k], axis=k), name=name + "_sum")
+        k2 = te.reduce_axis((0, D), name="k2")
+        dev = te.compute((n,), lambda t: te.sum((x_te[t, k2] - total[t] * inv) * (x_te[t, k2] - total[t] * inv),
+                                                axis=k2), name=name + "_dev")
+        return te.compute((n, D), lambda t, d: (x_te[t, d] - total[t] * inv)
+                          / te.sqrt(dev[t] * inv + tirx.const(eps, F32)) * w[d] + b[d], name=name)
+
+    return op.tensor_expr_op(f, name, [x, weight, bias])
+
+
 # ---------------------------------------------------------------------------- RoPE
 def rope_inv_freq(n_rot: int, base: float, yarn: tuple[float, int, float, float] | None) -> np.ndarray:
     """Per-pair angular frequencies of interleaved RoPE; with YaRN (factor, original context,
@@ -188,24 +204,31 @@ def hc_head(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, eps: float, hc_
     return op.sum(op.reshape(w, (n, hc, 1)) * X, axis=1)
 
 
-def attend_with_sinks(q_te, key, valid, A, sinks, name: str):
+def attend_with_sinks(q_te, key, valid, A, sinks, name: str, scale: float | None = None):
     """TE softmax attention of q [T, H, D] over A key slots, key(t, a, d) giving slot a's row for
-    token t and valid(t, a) whether it is visible; values are the keys (K = V); one learned sink
-    logit per head joins the denominator. Scale 1/sqrt(D)."""
+    token t and valid(t, a) whether it is visible; values are the keys (K = V, as in DeepSeek-V4 and
+    in absorbed MLA, whose keys and values are the latent rows). One learned sink logit per head
+    joins the denominator (sinks None: no sink). Scale 1/sqrt(D) unless given."""
     n, H, D = q_te.shape
-    scale = tirx.const(1.0 / math.sqrt(int(D)), F32)
+    scale = tirx.const(scale if scale is not None else 1.0 / math.sqrt(int(D)), F32)
     k = te.reduce_axis((0, D), name="k")
     qk = te.compute((n, H, A), lambda t, h, a: te.sum(q_te[t, h, k] * key(t, a, k), axis=k), name=name + "_qk")
     masked = te.compute((n, H, A), lambda t, h, a: tirx.if_then_else(
         valid(t, a), qk[t, h, a] * scale, tirx.const(NEG_INF, F32)), name=name + "_masked")
     a1 = te.reduce_axis((0, A), name="a1")
     mx_rows = te.compute((n, H), lambda t, h: te.max(masked[t, h, a1], axis=a1), name=name + "_rowmax")
-    mx = te.compute((n, H), lambda t, h: tirx.max(mx_rows[t, h], sinks[h]), name=name + "_max")
+    if sinks is not None:
+        mx = te.compute((n, H), lambda t, h: tirx.max(mx_rows[t, h], sinks[h]), name=name + "_max")
+    else:
+        mx = mx_rows
     e = te.compute((n, H, A), lambda t, h, a: tirx.if_then_else(
         valid(t, a), te.exp(masked[t, h, a] - mx[t, h]), tirx.const(0, F32)), name=name + "_exp")
     a2 = te.reduce_axis((0, A), name="a2")
     den_rows = te.compute((n, H), lambda t, h: te.sum(e[t, h, a2], axis=a2), name=name + "_rowsum")
-    den = te.compute((n, H), lambda t, h: den_rows[t, h] + te.exp(sinks[h] - mx[t, h]), name=name + "_den")
+    if sinks is not None:
+        den = te.compute((n, H), lambda t, h: den_rows[t, h] + te.exp(sinks[h] - mx[t, h]), name=name + "_den")
+    else:
+        den = den_rows
     a3 = te.reduce_axis((0, A), name="a3")
     num = te.compute((n, H, D), lambda t, h, d: te.sum(e[t, h, a3] * key(t, a3, d), axis=a3), name=name + "_pv")
     return te.compute((n, H, D), lambda t, h, d: num[t, h, d] / den[t, h], name=name)

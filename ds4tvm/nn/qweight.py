@@ -50,7 +50,7 @@ LANES = 16  # partial sums per output, a 512-bit vector of float32
 def _row_matmul(x_te, w, rows: tuple, K: int, x_at):
     """y[t, rows...] = sum_k x_at(t, rows, k) * w[rows..., k] in two stages: LANES partial sums over
     strided k (a vectorisable inner loop), then their sum."""
-    lanes = LANES if K % LANES == 0 else 1
+    lanes = LANES if K % LANES == 0 and K > LANES else 1   # one lane block: its loop folds away
     ko = te.reduce_axis((0, K // lanes), name="ko")
 
     def partial(t, *r):
@@ -143,7 +143,7 @@ class QWeight(nn.Module):
 
         def f(x_te, ids, *ps):
             P = dict(zip(names, ps))
-            lanes = LANES if K % LANES == 0 else 1
+            lanes = LANES if K % LANES == 0 and K > LANES else 1   # one lane block: its loop folds away
             ko = te.reduce_axis((0, K // lanes), name="ko")
 
             def partial(t, j, n, lane):
@@ -186,3 +186,43 @@ class QWeight(nn.Module):
             return te.compute(self.shape, lambda *idx: deq(P, tuple(idx[:-1]), idx[-1]), name="qvalues")
 
         return op.tensor_expr_op(f, name, args)
+
+
+class Weights:
+    """QWeights of one prefix, created on demand from a family's tensor table (name -> TensorSpec)
+    and the file's types, each set as an attribute of `owner` so that it is one of its parameters."""
+
+    def __init__(self, owner: nn.Module, specs: dict, types: dict, prefix: str):
+        self.owner, self.specs, self.types, self.prefix = owner, specs, types, prefix
+
+    def __call__(self, short: str) -> QWeight:
+        name = self.prefix + short
+        spec = self.specs[name]
+        w = QWeight(name, self.types[name], tuple(reversed(spec.shape)))
+        setattr(self.owner, short.replace(".", "_"), w)
+        return w
+
+
+def parameter_sources(model: nn.Module, drafter_role: str = "support") -> dict[int, tuple[str, str | None, str]]:
+    """id(Parameter) -> (GGUF tensor, plane field or None for a tensor passed as is, weight file
+    role): the planes of every QWeight, the tensors a module lists in `raw_tensors` (GGUF name ->
+    Parameter), and the weights of a `drafter` submodule from the support file."""
+    from ..artifact import MODEL
+
+    out = {}
+    stack = [(model, MODEL)]
+    while stack:
+        m, role = stack.pop()
+        if isinstance(m, QWeight):
+            for f in m.fields:
+                out[id(getattr(m, f"plane_{f}"))] = (m.gguf_name, f, role)
+            continue
+        for name, param in getattr(m, "raw_tensors", {}).items():
+            out[id(param)] = (name, None, role)
+        for name, v in vars(m).items():
+            sub = drafter_role if name == "drafter" else role
+            if isinstance(v, nn.ModuleList):
+                stack.extend((x, sub) for x in v)
+            elif isinstance(v, nn.Module):
+                stack.append((v, sub))
+    return out

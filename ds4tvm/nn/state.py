@@ -7,7 +7,9 @@ rows followed by commit(j) is a counter change and rollback a no-op, for every k
   as a ring of R >= max_verify + 1 slots, slot p % R holding the state *before* position p; a call
   starting at position s reads slot s (zeros at s = 0) and writes the state after each of its rows
   into the slots of the positions that follow, so the state before any committed length is there
-  to pick. R > max_verify keeps a verify from overwriting the slot it started from.
+  to pick. R > max_verify keeps a verify from overwriting the slot it started from;
+- row tables by number (`emit_rows`): one row per `ratio` positions (compressed or pooled rows),
+  written when the last position of its window is run.
 """
 
 from __future__ import annotations
@@ -80,3 +82,39 @@ def recurrent_write(slots: nn.Tensor, states: nn.Tensor, start, name: str = "rec
     """Writes the state after each row i [n, W] (row i is position start + i) into the slot of
     position start + i + 1, in place; emit it after the recurrent_read of the same call."""
     return ring_write(slots, states, start + 1, name=name)
+
+
+@functools.lru_cache(maxsize=None)
+def _emit_rows_func(rows: int, width: int, ratio: int, compact: bool):
+    def end(start, i):   # the position where candidate i's window ends
+        return (start // ratio + i + 1) * ratio - 1 if compact else start + i
+
+    @T.prim_func(s_tir=True)
+    def emit_rows(table: T.handle, cand: T.handle, start: T.int64):
+        n = T.int64()
+        R = T.match_buffer(table, (rows, width), "float32")
+        X = T.match_buffer(cand, (n, width), "float32")
+        for i, j in T.grid(n, width):
+            with T.sblock("emit"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                if T.floormod(end(start, vi) + 1, ratio) == 0 and T.floordiv(end(start, vi) + 1, ratio) <= rows:
+                    R[T.floordiv(end(start, vi) + 1, ratio) - 1, vj] = X[vi, vj]
+    return emit_rows.with_attr("global_symbol", f"emit_rows_{rows}x{width}_r{ratio}{'_c' if compact else ''}")
+
+
+def compacts(x: nn.Tensor) -> bool:
+    """Whether pooled_window pools only the windows that end among x's tokens. A call of a dynamic
+    number of tokens (prefill, verify) does; a decode step (one static token) pools its one window
+    whether it ends there or not, as a row count that depends on the position would make its
+    static-shape kernels allocate a dynamic size, which CUDA code generation refuses."""
+    return not isinstance(x.shape[0], int)
+
+
+def emit_rows(table: nn.Tensor, candidates: nn.Tensor, start, ratio: int, compact: bool, name: str) -> nn.Tensor:
+    """Writes into the row table the candidates (pooled_window's output) whose window ends a
+    compressed row: with compact, every candidate, in order from row start // ratio; else candidate
+    t, for position start + t, when (start + t + 1) % ratio == 0."""
+    rows, width = table.shape
+    func = _emit_rows_func(int(rows), int(width), ratio, compact)
+    return op.tensor_ir_inplace_op(func, func.attrs["global_symbol"], args=[table, candidates, start],
+                                   inplace_indices=[0], out=nn.Tensor.placeholder(table.shape, table.dtype))

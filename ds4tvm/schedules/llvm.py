@@ -36,6 +36,12 @@ def _extent(sch, loop) -> int | None:
     return int(e.value) if hasattr(e, "value") else None
 
 
+def _lanes(sch, part) -> int:
+    """The number of partial sums a ROW_PARTIAL / EXPERT_PARTIAL block keeps per output."""
+    spatial = [v for v in sch.get(part).iter_vars if v.iter_type == tirx.IterVar.DataPar]
+    return int(spatial[-1].dom.extent)
+
+
 def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | None:
     """Quantized linears written as (dequantize W) -> (x @ W^T): put the token loop inside the
     output-row loop and compute each dequantized row there, so W is read and dequantized once per
@@ -54,9 +60,10 @@ def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | 
     sch.reorder(row, t, lane)
     sch.compute_at(part, row)           # per output row: the partial sums of every token ...
     sch.compute_at(deq, row)            # ... from that row, dequantized once
-    pl = sch.get_loops(part)            # row, t, lane, ko
-    sch.reorder(pl[-1], pl[-2])         # lanes innermost: one vector of partial sums
-    sch.vectorize(sch.get_loops(part)[-1])
+    if _lanes(sch, part) > 1:           # (a row of fewer than 32 weights sums in one lane)
+        pl = sch.get_loops(part)        # row, t, lane, ko
+        sch.reorder(pl[-1], pl[-2])     # lanes innermost: one vector of partial sums
+        sch.vectorize(sch.get_loops(part)[-1])
     dl = sch.get_loops(deq)[-1]
     k = _extent(sch, dl) or 0
     if k % 16 == 0:
@@ -81,8 +88,9 @@ def _schedule_expert_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule
     sch.compute_at(part, outer)
     pl = sch.get_loops(part)                     # (t, j, n), lane, ko
     k = (_extent(sch, pl[-1]) or 0) * (_extent(sch, pl[-2]) or 0)
-    sch.reorder(pl[-1], pl[-2])
-    sch.vectorize(sch.get_loops(part)[-1])
+    if _lanes(sch, part) > 1:
+        sch.reorder(pl[-1], pl[-2])
+        sch.vectorize(sch.get_loops(part)[-1])
     if threads > 1 and rows * k >= PARALLEL_MIN_WEIGHTS:
         sch.parallel(outer)
     return sch

@@ -66,7 +66,8 @@ def test_inspect_converted_model(tiny_hf_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert set(info) == {"architecture", "family", "role", "n_layers", "n_embd", "n_vocab", "n_tensors",
-                         "n_params", "file_bytes", "quant_types", "unused_tensors"}
+                         "n_params", "file_bytes", "quant_types", "unused_tensors", "details"}
+    assert info["details"] == {}   # deepseek4 says nothing beyond its size
     # 6 top-level tensors; per layer 24 block tensors (tid2eid in the hash layer, the selection
     # bias elsewhere), 4 compressor tensors in the 3 compressed layers, 6 indexer tensors in the 2
     # ratio-4 layers.

@@ -14,7 +14,8 @@ def check_bounds(cfg, bounds) -> None:
 
 
 def build(req: BuildRequest) -> Build:
-    from .model import DeepSeekV4, parameter_sources
+    from ...nn.qweight import parameter_sources
+    from .model import DeepSeekV4
 
     if req.support is None:
         module = DeepSeekV4(req.config, req.types, req.bounds, kv_rounding=req.kv_rounding)

@@ -1,52 +1,14 @@
 """DeepSeek-V4's compressor windows (ds4-spec §2): the softmax-pooled row of each window of `ratio`
-tokens (two overlapping lanes at ratio 4), and the table of compressed rows they are written to."""
+tokens (two overlapping lanes at ratio 4); nn/state.emit_rows writes them into the table of
+compressed rows."""
 
 from __future__ import annotations
-
-import functools
 
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
-from tvm.script import tirx as T
 
 from ...nn.blocks import F32, NEG_INF
-
-
-@functools.lru_cache(maxsize=None)
-def _emit_rows_func(rows: int, width: int, ratio: int, compact: bool):
-    def end(start, i):   # the position where candidate i's window ends
-        return (start // ratio + i + 1) * ratio - 1 if compact else start + i
-
-    @T.prim_func(s_tir=True)
-    def emit_rows(table: T.handle, cand: T.handle, start: T.int64):
-        n = T.int64()
-        R = T.match_buffer(table, (rows, width), "float32")
-        X = T.match_buffer(cand, (n, width), "float32")
-        for i, j in T.grid(n, width):
-            with T.sblock("emit"):
-                vi, vj = T.axis.remap("SS", [i, j])
-                if T.floormod(end(start, vi) + 1, ratio) == 0 and T.floordiv(end(start, vi) + 1, ratio) <= rows:
-                    R[T.floordiv(end(start, vi) + 1, ratio) - 1, vj] = X[vi, vj]
-    return emit_rows.with_attr("global_symbol", f"emit_rows_{rows}x{width}_r{ratio}{'_c' if compact else ''}")
-
-
-def compacts(x: nn.Tensor) -> bool:
-    """Whether pooled_window pools only the windows that end among x's tokens. A call of a dynamic
-    number of tokens (prefill, verify) does; a decode step (one static token) pools its one window
-    whether it ends there or not, as a row count that depends on the position would make its
-    static-shape kernels allocate a dynamic size, which CUDA code generation refuses."""
-    return not isinstance(x.shape[0], int)
-
-
-def emit_rows(table: nn.Tensor, candidates: nn.Tensor, start, ratio: int, compact: bool, name: str) -> nn.Tensor:
-    """Writes into the row table the candidates (pooled_window's output) whose window ends a
-    compressed row: with compact, every candidate, in order from row start // ratio; else candidate
-    t, for position start + t, when (start + t + 1) % ratio == 0."""
-    rows, width = table.shape
-    func = _emit_rows_func(int(rows), int(width), ratio, compact)
-    return op.tensor_ir_inplace_op(func, func.attrs["global_symbol"], args=[table, candidates, start],
-                                   inplace_indices=[0], out=nn.Tensor.placeholder(table.shape, table.dtype))
 
 
 def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width: int, compact: bool,

@@ -15,12 +15,13 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...artifact import MODEL, Bounds, FunctionSpec, StateSpec
+from ...artifact import Bounds, FunctionSpec, StateSpec
 from ...nn.blocks import hc_head, hc_post, hc_pre, indexer_select, rms, rope, rope_inv_freq, sparse_window_attention
-from ...nn.qweight import QWeight
+from ...nn.moe import chosen_scores, dense_ffn, routed_experts
+from ...nn.qweight import Weights
 from ...nn.rounding import fp8_round_rows, hadamard_fp4
-from ...nn.state import gather_context, ring_write
-from .compressor import compacts, emit_rows, pooled_window
+from ...nn.state import compacts, emit_rows, gather_context, ring_write
+from .compressor import pooled_window
 from .config import Config
 from .tensors import tensor_specs
 
@@ -56,20 +57,6 @@ def _ape_rows(ape: nn.Tensor, start, n_like: nn.Tensor, ratio: int, name: str) -
     return op.tensor_expr_op(f, name, [ape, n_like, start])
 
 
-class Weights:
-    """QWeights of one prefix, created on demand from the family's tensor table."""
-
-    def __init__(self, owner: nn.Module, specs: dict, types: dict, prefix: str):
-        self.owner, self.specs, self.types, self.prefix = owner, specs, types, prefix
-
-    def __call__(self, short: str) -> QWeight:
-        name = self.prefix + short
-        spec = self.specs[name]
-        w = QWeight(name, self.types[name], tuple(reversed(spec.shape)))
-        setattr(self.owner, short.replace(".", "_"), w)
-        return w
-
-
 class Block(nn.Module):
     def __init__(self, cfg: Config, il: int, specs: dict, types: dict, prefix: str | None = None):
         self.cfg, self.il, self.ratio = cfg, il, cfg.ratio(il)
@@ -79,8 +66,8 @@ class Block(nn.Module):
         self.w = {}
         for short in names:
             if short == "ffn_gate_tid2eid.weight":
-                self.tid2eid_name = prefix + short
                 self.tid2eid = nn.Parameter((cfg.n_vocab, cfg.n_expert_used), "int32")
+                self.raw_tensors = {prefix + short: self.tid2eid}
             else:
                 self.w[short] = W(short)
         self.has_bias = "exp_probs_b.bias" in self.w
@@ -141,7 +128,7 @@ class Block(nn.Module):
     def _compress(self, N, start, states, wname, sname, width, rope_comp, round_rows=None):
         """Projections of the new tokens, the pooled row of every window that ends among them
         (normalised, RoPE'd at the window start), written into the row table; a call of several
-        tokens pools only those windows (nn/blocks.compacts)."""
+        tokens pools only those windows (nn/state.compacts)."""
         c, r, w = self.cfg, self.ratio, self.w
         kv = w[f"{wname}_kv.weight"].linear(N)
         score = w[f"{wname}_gate.weight"].linear(N) + _ape_rows(self.v(f"{wname}_ape"), start, N, r, "ape")
@@ -163,7 +150,6 @@ class Block(nn.Module):
 
     def moe(self, X, ids):
         c, w = self.cfg, self.w
-        n = X.shape[0]
         x, post, comb = hc_pre(X, w["hc_ffn_fn.weight"], self.v("hc_ffn_scale"), self.v("hc_ffn_base"),
                                c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters)
         h = rms(x, c.rms_eps, self.v("ffn_norm"))
@@ -174,27 +160,12 @@ class Block(nn.Module):
             biased = p + w["exp_probs_b.bias"].values(name="probs_bias") if self.has_bias else p
             experts = op.topk(biased, k=c.n_expert_used, axis=-1, ret_type="indices", dtype="int32")
 
-        def gather(p_te, e_te):
-            return te.compute(e_te.shape, lambda t, j: p_te[t, e_te[t, j]], name="route_weight")
-
-        ps = op.tensor_expr_op(gather, "route_weight", [p, experts])
+        ps = chosen_scores(p, experts)
         if c.expert_weights_norm:
             ps = ps / op.maximum(op.sum(ps, axis=-1, keepdims=True), nn.Tensor.from_scalar(6.1e-5, "float32"))
         ps = ps * c.expert_weights_scale
         limit = c.swiglu_clamp[self.il]
-
-        def swiglu(g, u):
-            g = op.minimum(g, nn.Tensor.from_scalar(limit, "float32"))
-            u = op.minimum(op.maximum(u, nn.Tensor.from_scalar(-limit, "float32")),
-                           nn.Tensor.from_scalar(limit, "float32"))
-            return op.silu(g) * u
-
-        act = swiglu(w["ffn_gate_exps.weight"].expert_linear(h, experts),
-                     w["ffn_up_exps.weight"].expert_linear(h, experts))
-        routed = w["ffn_down_exps.weight"].expert_linear(act, experts)            # [T, k, D]
-        y = op.sum(op.reshape(ps, (n, c.n_expert_used, 1)) * routed, axis=1)
-        shared = swiglu(w["ffn_gate_shexp.weight"].linear(h), w["ffn_up_shexp.weight"].linear(h))
-        y = y + w["ffn_down_shexp.weight"].linear(shared)
+        y = routed_experts(w, h, experts, ps, limit) + dense_ffn(w, h, limit, "_shexp")
         return hc_post(y, X, post, comb)
 
 
@@ -295,25 +266,3 @@ class DeepSeekV4(nn.Module):
         rows = {"prefill": "n", "prefill_all": "n", "decode": 1, "verify": "k"}
         return {f: {"ids": nn.spec.Tensor([rows[f]], "int32"), "start": int, "states": st, "$": mode}
                 for f in self.TARGET_FUNCTIONS}
-
-
-def parameter_sources(model: nn.Module, drafter_role: str = "support") -> dict[int, tuple[str, str | None, str]]:
-    """id(Parameter) -> (GGUF tensor, plane field or None for a tensor passed as is, weight file
-    role): the weights of the `drafter` submodule come from the support file."""
-    out = {}
-    stack = [(model, MODEL)]
-    while stack:
-        m, role = stack.pop()
-        if isinstance(m, QWeight):
-            for f in m.fields:
-                out[id(getattr(m, f"plane_{f}"))] = (m.gguf_name, f, role)
-            continue
-        if isinstance(m, Block) and hasattr(m, "tid2eid"):
-            out[id(m.tid2eid)] = (m.tid2eid_name, None, role)
-        for name, v in vars(m).items():
-            sub = drafter_role if name == "drafter" else role
-            if isinstance(v, nn.ModuleList):
-                stack.extend((x, sub) for x in v)
-            elif isinstance(v, nn.Module):
-                stack.append((v, sub))
-    return out

@@ -28,7 +28,8 @@ from tvm.relax.frontend.nn import op
 from ...artifact import FunctionSpec, StateSpec
 from ...nn.blocks import attend_with_sinks, hc_head, hc_post, rms, rope, rope_inv_freq
 from ...nn.state import gather_context, ring_write
-from ..deepseek4.model import Block, Weights
+from ...nn.qweight import Weights
+from ..deepseek4.model import Block
 from .config import Config
 from .tensors import tensor_specs
 

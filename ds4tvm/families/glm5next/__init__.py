@@ -1,4 +1,17 @@
-"""GLM-5.3-Flash (`glm5-next`, ds4-spec §1.4 and §4): so far its config and tensor table in both
-GGUF layouts (ds4's and llama.cpp's), a random-model writer and the published shapes. It has no
-`FAMILY` entry in the registry yet: the graph (KDA, DSA, mHC, MoE) and the MTP drafter come next,
-and a GLM file is refused as an unsupported architecture until they do."""
+"""GLM-5.3-Flash (`glm5-next`, ds4-spec §1.4 and §4): KDA linear attention and DSA (MLA without RoPE
+with the pooled sparse indexer) under mHC, MoE with a sigmoid router; GGUFs in ds4's layout or
+llama.cpp's both load (config.py, tensors.py)."""
+
+from .. import Family
+from .build import DEFAULT_BOUNDS, check_bounds
+from .config import ARCH, Config
+from .tensors import tensor_specs
+
+_HERE = "ds4tvm.families.glm5next"
+
+FAMILY = Family(
+    name="glm5next", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs,
+    build=f"{_HERE}.build:build", check_bounds=check_bounds, default_bounds=DEFAULT_BOUNDS,
+    describe=Config.describe, hf_model_types=("glm5_next",), convert=f"{_HERE}.convert:convert_hf",
+    published=f"{_HERE}.build:published",
+)

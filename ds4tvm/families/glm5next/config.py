@@ -132,6 +132,13 @@ class Config:
         if self.n_nextn not in (0, 1):
             bad("nextn_predict_layers", f"is {self.n_nextn}; expected 0 or 1")
 
+    def describe(self) -> dict:
+        """What `ds4 inspect` prints of this config: layout, layer schedule, MTP layer."""
+        kinds = "".join("D" if self.is_dsa(i) else "K" for i in range(self.n_layers))
+        return {"layout": f"{self.layout} GGUF layout",
+                "schedule": f"{kinds} (K = KDA, D = DSA; {self.n_dense_lead} dense leading layers)",
+                "mtp layer": f"{self.n_layers} (nextn, DSA + MoE)" if self.n_nextn else "none"}
+
     def to_metadata(self, layout: str | None = None) -> dict:
         """GGUF metadata (full key names) in `layout` (default: the config's own), the inverse of
         `from_gguf`."""
