@@ -98,9 +98,19 @@ class Family:
     host_inputs: dict = field(default_factory=dict)
     # `ds4 inspect`'s lines of what this family's config says beyond its size: cfg -> {label: text}
     describe: Callable[[Any], dict] | None = None
+    # The family's own check of the speculation flags (runtime/drafters.SpecOptions), before a drafter
+    # is chosen: flags that mean nothing for its drafters are a Ds4Error, not silently ignored
+    check_speculation: Callable[[Any], None] | None = None
 
     def drafter_for_support(self, support: "Family") -> DraftSpec | None:
         return next((d for d in self.drafters if d.support == support.name), None)
+
+    def check_support_file(self, support) -> None:
+        """--mtp FILE is an error for a family whose drafters read no support file."""
+        if support is not None and not any(d.support for d in self.drafters):
+            inside = ", ".join(f"{d.label} ({d.flags})" for d in self.drafters) or "none"
+            raise Ds4Error(f"--mtp {support}: {self.name} models read no support file; their drafters: {inside}, "
+                           f"from the model GGUF itself")
 
 
 def _registry() -> dict[str, Family]:

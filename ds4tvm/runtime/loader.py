@@ -43,6 +43,7 @@ def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding
     lean: when nothing needs compiling, load TVM's runtime alone (the CLI's choice; see
     runtime_only_tvm)."""
     from ..artifact import Bounds
+    from ..families import family_named
     from ..package import is_package, resolve_package
     from .engine import Engine
 
@@ -59,6 +60,7 @@ def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding
         if lean:
             runtime_only_tvm()
         engine = Engine(path)
+        family_named(engine.manifest.family).check_support_file(support)
         compiled = engine.manifest.weights.get("support", {}).get("gguf_path")
         if support is not None and (compiled is None or Path(compiled).resolve() != Path(support).resolve()):
             raise Ds4Error(f"{path}: the artifact was not compiled with the support file {support}")

@@ -144,3 +144,45 @@ def dsa_layer(w: dict, cfg, x: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]
         p = np.exp(s - s.max(-1, keepdims=True))
         out[t] = np.einsum("hs,shv->hv", p / p.sum(-1, keepdims=True), values[sel])
     return out.reshape(len(x), H * Dv) @ w["attn_output.weight"].T, selection
+
+
+def _swiglu(gate, up, limit):
+    if limit > 0:
+        gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+    return _silu(gate) * up
+
+
+def moe_ffn(w: dict, cfg, layer: int, x: np.ndarray) -> np.ndarray:
+    """The FFN of an MoE layer for the rows x [T, E] (after ffn_norm): sigmoid scores, the top
+    n_expert_used by score + bias, their scores normalised (sum + 1e-20) and scaled, clamped SwiGLU
+    experts, plus the shared expert."""
+    w = {k: np.asarray(v, np.float64) for k, v in w.items()}
+    scores = _sigmoid(x @ w["ffn_gate_inp.weight"].T)                                  # [T, X]
+    chosen = np.argsort(-(scores + w["exp_probs_b.bias"]), axis=-1, kind="stable")[:, :cfg.n_expert_used]
+    out = np.zeros_like(x)
+    for t in range(len(x)):
+        ws = scores[t, chosen[t]]
+        if cfg.expert_weights_norm:
+            ws = ws / (ws.sum() + 1e-20)
+        for j, e in enumerate(chosen[t]):
+            act = _swiglu(w["ffn_gate_exps.weight"][e] @ x[t], w["ffn_up_exps.weight"][e] @ x[t], cfg.swiglu_exp[layer])
+            out[t] += cfg.expert_weights_scale * ws[j] * (w["ffn_down_exps.weight"][e] @ act)
+    shared = _swiglu(x @ w["ffn_gate_shexp.weight"].T, x @ w["ffn_up_shexp.weight"].T, cfg.swiglu_shexp[layer])
+    return out + shared @ w["ffn_down_shexp.weight"].T
+
+
+def nextn_logits(w: dict, top: dict, cfg, tokens: list[int], hidden_before: np.ndarray) -> np.ndarray:
+    """The MTP (nextn) layer's logits [T, V] for tokens at positions 0..T-1, each with the target's
+    hidden state of the position before it (hidden_before [T, E]; a zero row at position 0), from
+    the spec (§4 and its Errata): eh_proj [enorm(embed); hnorm(hidden)], one pre-norm DSA + MoE
+    block without hyper-connections, shared_head_norm, the target's output head. w: the layer's
+    canonical tensors (numpy order); top: token_embd, output_norm, output."""
+    w = {k: np.asarray(v, np.float64) for k, v in w.items()}
+    emb = np.asarray(top["token_embd.weight"], np.float64)[tokens]
+    e = _rms(emb, w["nextn.enorm.weight"], cfg.rms_eps)
+    h = _rms(np.asarray(hidden_before, np.float64), w["nextn.hnorm.weight"], cfg.rms_eps)
+    x = np.concatenate([e, h], axis=1) @ w["nextn.eh_proj.weight"].T
+    x = x + dsa_layer(w, cfg, _rms(x, w["attn_norm.weight"], cfg.rms_eps))[0]
+    x = x + moe_ffn(w, cfg, cfg.n_layers, _rms(x, w["ffn_norm.weight"], cfg.rms_eps))
+    norm = w.get("nextn.shared_head_norm.weight", top["output_norm.weight"])
+    return _rms(x, norm, cfg.rms_eps) @ np.asarray(top["output.weight"], np.float64).T

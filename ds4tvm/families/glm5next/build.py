@@ -1,4 +1,5 @@
-"""GLM-5.3-Flash's entry points for the pipeline: the module, its bounds, the published shapes."""
+"""GLM-5.3-Flash's entry points for the pipeline: the module (with its MTP layer's functions when the
+GGUF has one), its bounds, the published shapes."""
 
 from __future__ import annotations
 
@@ -20,9 +21,14 @@ def check_bounds(cfg, bounds) -> None:
 def build(req: BuildRequest) -> Build:
     from ...nn.qweight import parameter_sources
     from .model import GLM5Next
+    from .mtp import GLM5NextWithMTP
 
-    module = GLM5Next(req.config, req.types, req.bounds)
-    return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module))
+    if not req.config.n_nextn:
+        module = GLM5Next(req.config, req.types, req.bounds)
+        return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module))
+    module = GLM5NextWithMTP(req.config, req.types, req.bounds)   # the nextn layer is in the same GGUF
+    return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module),
+                 module.drafter_settings())
 
 
 def published() -> BuildRequest:

@@ -90,12 +90,12 @@ class Layer(nn.Module):
         return hc_post(out, X, post, comb), new, sel
 
     def ffn(self, X):
-        c, w, il = self.cfg, self.w, self.il
         x, post, comb = self._hc_pre(X, "ffn")
-        h = rms(x, c.rms_eps, self.v("ffn_norm"))
-        if not c.is_moe(il):
-            return hc_post(dense_ffn(w, h, c.swiglu_shexp[il]), X, post, comb)
-        return hc_post(self.moe(h), X, post, comb)
+        return hc_post(self.ffn_out(rms(x, self.cfg.rms_eps, self.v("ffn_norm"))), X, post, comb)
+
+    def ffn_out(self, h):
+        c = self.cfg
+        return self.moe(h) if c.is_moe(self.il) else dense_ffn(self.w, h, c.swiglu_shexp[self.il])
 
     def moe(self, h):
         """Sigmoid router; the bias only selects; chosen scores normalised and scaled."""
@@ -156,8 +156,7 @@ class Layer(nn.Module):
         n, H = x.shape[0], c.n_head
         q_low = rms(w["attn_q_a.weight"].linear(x), c.rms_eps, self.v("attn_q_a_norm"))
         q = op.reshape(w["attn_q_b.weight"].linear(q_low), (n, H, c.key_length))
-        latent = rms(w["attn_kv_a_mqa.weight"].linear(x), c.rms_eps, self.v("attn_kv_a_norm"))
-        table = ring_write(states["mla_latent"], latent, start, name="mla_latent_write")
+        table = self._latent_write(x, start, states)
         heads = _head_ids(x, H)
         q_abs = w["attn_k_b.weight"].expert_linear(q, heads, name="mla_q_absorb")        # [n, H, Rkv]
         new = {"mla_latent": table}
@@ -170,12 +169,21 @@ class Layer(nn.Module):
         o = w["attn_v_b.weight"].expert_linear(o_lat, heads, name="mla_v_expand")        # [n, H, Dv]
         return w["attn_output.weight"].linear(op.reshape(o, (n, H * c.value_length))), new, sel
 
-    def indexer(self, x, q_low, start, states):
-        """The pools each token attends: index keys (LayerNorm'd) pooled over every `pool` tokens
-        from position 0 by a softmax of gate + ape per channel; the top_k / pool best complete pools
-        by sum_h w_h relu(q_h . key / sqrt(ID)) (all of them while there are no more)."""
-        c, w = self.cfg, self.w
-        n, P, IH, ID = x.shape[0], c.idx_pool, c.idx_n_head, c.idx_head_dim
+    def _latent_write(self, x, start, states):
+        c = self.cfg
+        latent = rms(self.w["attn_kv_a_mqa.weight"].linear(x), c.rms_eps, self.v("attn_kv_a_norm"))
+        return ring_write(states["mla_latent"], latent, start, name="mla_latent_write")
+
+    def dsa_writes(self, x, start, states) -> dict:
+        """The state a DSA layer with its own indexer writes for the rows x (after attn_norm),
+        without attending: latent rows, index key and gate rings, pooled keys."""
+        return {"mla_latent": self._latent_write(x, start, states), **self._index_keys(x, start, states)}
+
+    def _index_keys(self, x, start, states) -> dict:
+        """Index keys (LayerNorm'd) and pool gates into their rings, and the keys of the pools the
+        rows complete: pools of `pool` tokens from position 0, pooled by a softmax of gate + ape
+        per channel."""
+        c, w, P = self.cfg, self.w, self.cfg.idx_pool
         keys = layer_norm(w["indexer.attn_k.weight"].linear(x), c.idx_norm_eps, self.v("indexer.k_norm"),
                           w["indexer.k_norm.bias"].values(name="idx_k_norm_bias"), name="idx_k_norm")
         gates = w["indexer.pool_gate.weight"].linear(x, name="idx_pool_gate")
@@ -183,13 +191,19 @@ class Layer(nn.Module):
         kctx = gather_context(key_ring, keys, start, P - 1, name="idx_key_context")
         gctx = gather_context(gate_ring, gates, start, P - 1, name="idx_gate_context")
         cand = _pooled_keys(kctx, gctx, self.v("indexer.pool_ape"), P)
-        pooled = emit_rows(states["idx_pooled"], cand, start, P, compact=False, name="idx_pool_emit")
+        return {"idx_key_front": ring_write(key_ring, keys, start, name="idx_key_write"),
+                "idx_gate_front": ring_write(gate_ring, gates, start, name="idx_gate_write"),
+                "idx_pooled": emit_rows(states["idx_pooled"], cand, start, P, compact=False, name="idx_pool_emit")}
+
+    def indexer(self, x, q_low, start, states):
+        """The pools each token attends (_index_keys): the top_k / pool best complete pools by
+        sum_h w_h relu(q_h . key / sqrt(ID)) (all of them while there are no more)."""
+        c, w = self.cfg, self.w
+        n, P, IH, ID = x.shape[0], c.idx_pool, c.idx_n_head, c.idx_head_dim
+        new = self._index_keys(x, start, states)
         iq = op.reshape(w["indexer.attn_q_b.weight"].linear(q_low), (n, IH, ID))
         iw = w["indexer.proj.weight"].linear(x) * (1.0 / math.sqrt(IH * ID))
-        sel = indexer_select(iq, iw, pooled, start, P, c.idx_top_k // P, name="indexer")
-        return sel, {"idx_key_front": ring_write(key_ring, keys, start, name="idx_key_write"),
-                     "idx_gate_front": ring_write(gate_ring, gates, start, name="idx_gate_write"),
-                     "idx_pooled": pooled}
+        return indexer_select(iq, iw, new["idx_pooled"], start, P, c.idx_top_k // P, name="indexer"), new
 
     def _latent_attention(self, q_abs, table, sel, start):
         """Softmax attention of the absorbed queries [n, H, Rkv] over the latent rows of the
@@ -245,8 +259,8 @@ def _pooled_keys(kctx: nn.Tensor, gctx: nn.Tensor, ape: nn.Tensor, P: int) -> nn
 
 
 class GLM5Next(nn.Module):
-    """The target. Every call returns the logits, then `hidden` [rows of logits, D] (the output
-    head's input)."""
+    """The target. Every call returns the logits, then `hidden` [rows, D]: the output head's input
+    of every row (prefill's logits are its last row's; the MTP layer reads every row's hidden)."""
 
     TARGET_FUNCTIONS = ("prefill", "prefill_all", "decode", "verify")
 
@@ -271,11 +285,12 @@ class GLM5Next(nn.Module):
             X, new, sel = layer.attention(X, start, mine, sel)
             X = layer.ffn(X)
             out_states.update({p + k: v for k, v in new.items()})
-        if last_only:
-            X = op.tensor_expr_op(lambda x: te.compute((1, c.hc, c.n_embd), lambda _, i, d: x[x.shape[0] - 1, i, d],
-                                                       name="last_row"), "last_row", [X])
         hidden = rms(op.sum(X, axis=1) * (1.0 / c.hc), c.rms_eps, self.output_norm.values(name="output_norm"))
-        logits = self.output.linear(hidden, name="output_lm_head")
+        head_in = hidden
+        if last_only:
+            head_in = op.tensor_expr_op(lambda h: te.compute((1, c.n_embd), lambda _, d: h[h.shape[0] - 1, d],
+                                                             name="last_row"), "last_row", [hidden])
+        logits = self.output.linear(head_in, name="output_lm_head")
         return (logits, hidden, tuple(out_states[k] for k in self.state_names))
 
     def prefill(self, ids: nn.Tensor, start, states):
@@ -299,7 +314,7 @@ class GLM5Next(nn.Module):
         return [FunctionSpec(f, inputs, ("logits", "hidden"), states="model") for f in self.TARGET_FUNCTIONS]
 
     def spec(self) -> dict:
-        st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in self.state_specs()]
+        st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in state_specs(self.cfg, self.bounds)]
         mode = {"param_mode": "plain", "effect_mode": "none"}
         rows = {"prefill": "n", "prefill_all": "n", "decode": 1, "verify": "k"}
         return {f: {"ids": nn.spec.Tensor([rows[f]], "int32"), "start": int, "states": st, "$": mode}

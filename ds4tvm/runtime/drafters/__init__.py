@@ -55,6 +55,8 @@ def drafter_tag(drafter) -> str:
 
 def wanted(family, options: SpecOptions) -> list:
     """The family's drafters (DraftSpec) and the generic ones that the flags ask for."""
+    if family.check_speculation is not None:
+        family.check_speculation(options)
     return [d for d in (*family.drafters, *_generic()) if d.enabled(options)]
 
 
@@ -64,6 +66,7 @@ def check_support_given(family, options: SpecOptions, model: Path) -> None:
     from ...families import family_for
     from ...gguf import open_gguf
 
+    family.check_support_file(options.support)
     for d in wanted(family, options):
         if d.support is None:
             continue

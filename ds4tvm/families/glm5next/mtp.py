@@ -1,0 +1,104 @@
+"""GLM-5.3's MTP (nextn) layer beside its target, one artifact (ds4-spec §4 and its Errata; the layer
+is the last of the main GGUF, `blk.{n_layers}`).
+
+For the token t at position p and the target's hidden state h of position p - 1 (the output head's
+input there, post output_norm: what chose t), with no hyper-connections:
+  x  = eh_proj [enorm * RMSNorm(embed(t)); hnorm * RMSNorm(h)];
+  x += DSA(attn_norm * RMSNorm(x))   (its own latent rows and pooled indexer, at the target's positions);
+  x += FFN(ffn_norm * RMSNorm(x))    (the sigmoid-router MoE with its shared expert);
+  draft = argmax of the target's `output` over shared_head_norm * RMSNorm(x) (output_norm when a
+          llama.cpp file has no shared_head_norm).
+Position 0 pairs its token with a zero hidden state (nothing precedes it). Rows of committed
+positions are written from (token, the target's hidden before it) by `mtp_observe`, which only
+projects and stores (no attention, no FFN), so the layer's state is a function of the committed
+text; `mtp_step` writes the row of the token it drafts after, which is that token's committed row
+once the token is committed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from ...artifact import FunctionSpec, StateSpec
+from ...nn.blocks import rms
+from .model import GLM5Next, Layer, layer_states
+
+GROUP = "mtp"
+
+
+class NextN(nn.Module):
+    def __init__(self, cfg, types: dict):
+        self.cfg = cfg
+        self.layer = Layer(cfg, cfg.n_layers, types)
+
+    def inputs(self, hidden_prev: nn.Tensor, embedded: nn.Tensor) -> nn.Tensor:
+        L, eps = self.layer, self.cfg.rms_eps
+        e = rms(embedded, eps, L.v("nextn.enorm"))
+        h = rms(hidden_prev, eps, L.v("nextn.hnorm"))
+        return L.w["nextn.eh_proj.weight"].linear(op.concat([e, h], dim=1), name="nextn_eh_proj")
+
+    def observe(self, x: nn.Tensor, start, states: dict) -> dict:
+        L = self.layer
+        return L.dsa_writes(rms(x, self.cfg.rms_eps, L.v("attn_norm")), start, states)
+
+    def step(self, x: nn.Tensor, start, states: dict):
+        L, eps = self.layer, self.cfg.rms_eps
+        out, new, _ = L.dsa(rms(x, eps, L.v("attn_norm")), start, states, None)
+        x = x + out
+        return x + L.ffn_out(rms(x, eps, L.v("ffn_norm"))), new
+
+
+def mtp_states(cfg, bounds) -> list[StateSpec]:
+    return [replace(s, group=GROUP) for s in layer_states(cfg, bounds, cfg.n_layers)]
+
+
+class GLM5NextWithMTP(GLM5Next):
+    """The target with `mtp_observe` and `mtp_step` over the nextn layer's state (group "mtp")."""
+
+    def __init__(self, cfg, types: dict, bounds):
+        super().__init__(cfg, types, bounds)
+        self.nextn = NextN(cfg, types)
+        prefix = f"blk.{cfg.n_layers}."
+        self.mtp_state_keys = [s.name[len(prefix):] for s in mtp_states(cfg, bounds)]
+
+    def _embedded_inputs(self, hidden_prev, tokens):
+        return self.nextn.inputs(hidden_prev, self.token_embd.rows(tokens, name="mtp_embedding"))
+
+    def mtp_observe(self, hidden_prev, tokens, start, states):
+        """Rows of committed positions start..: token i with the target's hidden before it."""
+        named = dict(zip(self.mtp_state_keys, states))
+        new = self.nextn.observe(self._embedded_inputs(hidden_prev, tokens), start, named)
+        return tuple(new[k] for k in self.mtp_state_keys)
+
+    def mtp_step(self, hidden_prev, tokens, start, states):
+        """The target's logits of the token after tokens[0] (at position start)."""
+        named = dict(zip(self.mtp_state_keys, states))
+        x, new = self.nextn.step(self._embedded_inputs(hidden_prev, tokens), start, named)
+        L = self.nextn.layer
+        norm = L.v("nextn.shared_head_norm") if "nextn.shared_head_norm.weight" in L.w else \
+            self.output_norm.values(name="mtp_head_norm")
+        logits = self.output.linear(rms(x, self.cfg.rms_eps, norm), name="mtp_lm_head")
+        return logits, tuple({**named, **new}[k] for k in self.mtp_state_keys)
+
+    def state_specs(self) -> list[StateSpec]:
+        return super().state_specs() + mtp_states(self.cfg, self.bounds)
+
+    def function_specs(self) -> list[FunctionSpec]:
+        inputs = (("hidden_prev", "float32"), ("tokens", "tokens"), ("start", "position"))
+        return super().function_specs() + [FunctionSpec("mtp_observe", inputs, (), states=GROUP),
+                                           FunctionSpec("mtp_step", inputs, ("logits",), states=GROUP)]
+
+    def drafter_settings(self) -> dict:
+        return {"glm_mtp": {"layer": self.cfg.n_layers}}
+
+    def spec(self) -> dict:
+        spec = super().spec()
+        st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in mtp_states(self.cfg, self.bounds)]
+        mode = {"param_mode": "plain", "effect_mode": "none"}
+        for fn, n in (("mtp_observe", "n"), ("mtp_step", 1)):
+            spec[fn] = {"hidden_prev": nn.spec.Tensor([n, self.cfg.n_embd], "float32"),
+                        "tokens": nn.spec.Tensor([n], "int32"), "start": int, "states": st, "$": mode}
+        return spec

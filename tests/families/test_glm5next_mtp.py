@@ -1,0 +1,189 @@
+"""GLM-5.3's MTP (nextn) layer and its drafter (ds4-spec §4). No oracle runs GLM's MTP layer: the
+compiled step is checked against the numpy reference written from the spec
+(ds4tvm/training/glm_reference.nextn_logits), and the drafter in the speculative loop against
+target-only decoding, with test doubles that always and never agree with the target."""
+
+import re
+
+import numpy as np
+import pytest
+
+from conftest import run_ds4, run_ds4_compile
+
+pytestmark = pytest.mark.compile
+PROMPT = [int(t) for t in np.random.default_rng(1).integers(0, 512, 41)]   # > 16 positions: the indexer selects
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny random GLM-5.3 with its nextn layer (families/glm5next/random_model.py), compiled."""
+    from ds4tvm.families.glm5next.random_model import tiny_config, write_random_glm5next
+
+    d = tmp_path_factory.mktemp("glm_mtp")
+    cfg = tiny_config()
+    gguf = write_random_glm5next(d / "glm.gguf", cfg, seed=3, type_of=lambda spec: _f32())
+    r = run_ds4_compile(gguf, "--target", "llvm", "-o", d / "art", "--max-context", "256", "--quiet")
+    assert r.returncode == 0, r.stderr
+    return d / "art", gguf, cfg
+
+
+def _f32():
+    from gguf import GGMLQuantizationType as QT
+
+    return QT.F32
+
+
+def _engine(model):
+    from ds4tvm.runtime.engine import Engine
+
+    return Engine(model[0])
+
+
+def _reference_logits(model, history: list[int], hidden: np.ndarray) -> np.ndarray:
+    """The reference's logits of the last token of history, each position paired with the
+    target's hidden state before it."""
+    from ds4tvm.gguf import open_gguf
+    from ds4tvm.training.glm_reference import nextn_logits
+
+    _, gguf, cfg = model
+    f = open_gguf(gguf)
+    prefix = f"blk.{cfg.n_layers}."
+    w = {n[len(prefix):]: np.asarray(t.data) for n, t in f.tensors.items() if n.startswith(prefix)}
+    top = {n: np.asarray(f.tensors[n].data) for n in ("token_embd.weight", "output_norm.weight", "output.weight")}
+    before = np.concatenate([np.zeros((1, cfg.n_embd)), hidden[:len(history) - 1]])
+    return nextn_logits(w, top, cfg, history, before)[-1]
+
+
+def test_nextn_step_matches_the_numpy_reference(model):
+    """After the prompt (rows written by observe), and again after 24 speculative tokens (rows
+    written while drafting and observing), the step's logits equal the reference's over the
+    whole history, with hidden states from a separate target-only prefill of it."""
+    from ds4tvm.runtime.drafters.glm_mtp import GLMMTPDrafter
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+
+    e, plain = _engine(model), _engine(model)
+    for n_new in (0, 24):
+        e.reset()
+        drafter = GLMMTPDrafter(e)
+        if n_new:
+            generate(e, PROMPT, n_new, SamplingParams(0.0), np.random.default_rng(0), drafter=drafter)
+        else:
+            drafter.begin(e, e.prefill(PROMPT), frozenset())
+        plain.reset()
+        step = plain.prefill(e.history)
+        t = int(np.argmax(step.logits))
+        got = e.call("mtp_step", hidden_prev=drafter.hidden[None], tokens=[t], start=e.pos)["logits"][0]
+        want = _reference_logits(model, e.history + [t], step.outputs["hidden"].astype(np.float64))
+        assert np.abs(want).max() > 0.5
+        assert np.abs(got - want).max() <= 1e-4, (n_new, np.abs(got - want).max())
+
+
+class _Double:
+    """The real drafter (its state writes, timing and counters) with the draft replaced: the token
+    target-only decoding emits there (`agree`) or another one."""
+
+    def __init__(self, inner, want: list[int], agree: bool, vocab: int):
+        self.inner, self.want, self.agree, self.vocab = inner, want, agree, vocab
+
+    def draft(self, engine, token, max_tokens):
+        out = self.inner.draft(engine, token, max_tokens)
+        i = engine.pos - len(PROMPT) + 1
+        if out and i < len(self.want):
+            out = [self.want[i] if self.agree else (self.want[i] + 1) % self.vocab]
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_doubles_agreeing_and_not_leave_target_only_state(model, agree):
+    """Greedy: the agreeing double is accepted on every cycle (2 tokens per verify), the other
+    commits one token per cycle; both emit target-only's tokens and leave the target's state and
+    the nextn layer's rows as target-only decoding with the drafter observing leaves them."""
+    from ds4tvm.runtime.drafters.glm_mtp import GLMMTPDrafter
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+
+    greedy, n = SamplingParams(0.0), 40
+    spec, plain, other = _engine(model), _engine(model), _engine(model)
+    want, _ = generate(plain, PROMPT, n, greedy, np.random.default_rng(0))
+    drafter = _Double(GLMMTPDrafter(spec), want, agree, model[2].n_vocab)
+    got, stats = generate(spec, PROMPT, n, greedy, np.random.default_rng(0), drafter=drafter)
+    assert got == want
+    c = stats.counters
+    assert c["cost_skips"] == 0 and c["cycles"] == c["proposed"]
+    if agree:
+        assert c["accepted_draft"] == c["proposed"] == n // 2, c
+    else:
+        assert c["accepted_draft"] == 0 and c["proposed"] == n - 1, c
+    observer = GLMMTPDrafter(other)      # the nextn rows of the same text, written by observe alone
+    observer.begin(other, other.prefill(spec.history), frozenset())
+    ours = spec.call("mtp_step", hidden_prev=drafter.hidden[None], tokens=[5], start=spec.pos)["logits"]
+    theirs = other.call("mtp_step", hidden_prev=observer.hidden[None], tokens=[5], start=other.pos)["logits"]
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+    if spec.pos == plain.pos + 1:   # the last token was a verified draft: committed, where plain decoding stops
+        plain.decode(want[-1])
+    assert spec.history == plain.history
+    np.testing.assert_array_equal(spec.decode(3).logits, plain.decode(3).logits)
+
+
+def test_exact_sampling_keeps_the_law_of_plain_sampling(model):
+    """T = 1 with top-k 3: the law of the two tokens after a fixed prompt under --mtp-exact-sampling,
+    with drafts that the target accepts about half of the time, against plain sampling (a
+    chi-square test of homogeneity over the 9 outcomes)."""
+    from scipy.stats import chi2_contingency
+
+    from ds4tvm.runtime.drafters.glm_mtp import GLMMTPDrafter
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+
+    e = _engine(model)
+    params = SamplingParams(1.0, top_k=3, min_p=0.0)
+    prompt = PROMPT[:8]
+    e.reset()
+    first = np.argsort(-e.prefill(prompt).logits)[:3]
+    second = {}   # the target's second choice after each likely first token: a draft it sometimes takes
+    for a in first:
+        e.reset()
+        e.prefill(prompt)
+        second[int(a)] = int(np.argsort(-e.decode(int(a)).logits)[1])
+
+    class Drafts(GLMMTPDrafter):
+        def draft(self, engine, token, max_tokens):
+            super().draft(engine, token, max_tokens)
+            return [second.get(token, 0)] if max_tokens else []
+
+    counts = {}
+    for run in range(1600):
+        spec = run % 2 == 0
+        e.reset()
+        out, _ = generate(e, prompt, 2, params, np.random.default_rng(run),
+                          drafter=Drafts(e, exact=True) if spec else None, exact=spec)
+        counts.setdefault(tuple(out), [0, 0])[spec] += 1
+    table = np.array(list(counts.values())).T
+    assert table.shape[1] >= 4 and table.sum() == 1600
+    assert chi2_contingency(table).pvalue > 0.01, counts
+
+
+def test_cli_mtp_identity_timing_and_flag_errors(model):
+    art, gguf, _ = model
+    base = ("run", "-m", art, "-p", "The quick brown fox", "-n", "30", "--temp", "0")
+    plain = run_ds4(*base)
+    assert plain.returncode == 0, plain.stderr
+    silent = run_ds4(*base, "--mtp")
+    assert silent.returncode == 0 and silent.stdout == plain.stdout, silent.stderr
+    assert "glm mtp cycle" not in silent.stderr
+    timed = run_ds4(*base, "--mtp-timing")
+    assert timed.returncode == 0 and timed.stdout == plain.stdout, timed.stderr
+    lines = [ln for ln in timed.stderr.splitlines() if ln.startswith("ds4: glm mtp cycle:")]
+    assert lines and all(re.fullmatch(r"ds4: glm mtp cycle: verify2 [\d.]+ ms, head\+draft [\d.]+ ms, "
+                                      r"(ACCEPT|reject) \(draft \d+ .+ vs true (\d+ .+|none \(generation ended\))\)",
+                                      ln) for ln in lines), lines[:3]
+    assert re.search(r"ds4: glm mtp stats cycles=\d+ proposed=\d+ accepted_draft=\d+ accept_rate=[\d.]+%",
+                     timed.stderr)
+    for flags, says in ((("--mtp", gguf), "read no support file"), (("--dspark",), "has no DSpark drafter"),
+                        (("--mtp", "--mtp-draft", "3"), "drafts one token")):
+        r = run_ds4(*base, *flags)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
