@@ -1,15 +1,17 @@
 """Tool calls through the server with the real clients. The target is scripted (tests/fakes.py):
-its greedy continuation of any prompt is a DeepSeek-V4 DSML tool call, which no random tiny model
-would write; everything between HTTP and the engine is the production code."""
+its greedy continuation of any prompt is a tool call in DeepSeek-V4's DSML or GLM's syntax, which no
+random tiny model would write; everything between HTTP and the engine is the production code."""
 
 import json
 import time
 
 import pytest
+from conftest import fixtures_dir
 from fakes import ScriptEngine
 from serving import InProcessServer
 
 from ds4tvm.families.deepseek4.tools import DSMLToolSyntax
+from ds4tvm.families.glm5next.tools import GLMToolSyntax
 from ds4tvm.gguf.vocab import synthetic_vocab
 from ds4tvm.runtime.tokenizer import Tokenizer
 from ds4tvm.server.service import Service
@@ -27,15 +29,24 @@ TOOLS = [{"type": "function", "function": {
 ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
+# GLM's syntax (families/glm5next/tools.py), with GLM's chat template rendering the turns
+GLM_BLOCK = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+             "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>")
+
+
+@pytest.fixture(scope="module", params=["dsml", "glm"])
+def server(request):
     meta = dict(synthetic_vocab(512))
     meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"][0]
+    block, syntax = BLOCK, DSMLToolSyntax
+    if request.param == "glm":
+        block, syntax = GLM_BLOCK, GLMToolSyntax
+        meta["tokenizer.chat_template"] = (fixtures_dir("templates") / "GLM-4.7-Flash.jinja").read_text()
     tok = Tokenizer.from_metadata(meta)
-    script = tok.encode("Let me check.\n\n" + BLOCK, add_bos=False)
+    script = tok.encode("Let me check.\n\n" + block, add_bos=False)
     # margin 10 over 511 others: the scripted token has p ~ 0.98 at temperature 1
-    s = InProcessServer(Service(ScriptEngine(script, tok.n_vocab, tok.eos_id, margin=10.0), tok,
-                                    tool_syntax=DSMLToolSyntax), "scripted")
+    s = InProcessServer(Service(ScriptEngine(script, tok.n_vocab, tok.eos_id, max_context=2048, margin=10.0), tok,
+                                    tool_syntax=syntax), "scripted")
     yield s
     s.stop()
 
@@ -141,3 +152,17 @@ def test_keep_alives_while_the_prompt_is_prefilled():
             assert lines[:first_text].count(ping) >= 3, lines[:first_text]
     finally:
         server.stop()
+
+
+def test_glm_syntax_reads_several_calls_and_ends_after_the_last():
+    s = GLMToolSyntax()
+    two = ('Checking both.\n' + GLM_BLOCK + '\n<tool_call>get_time<arg_key>zone</arg_key>'
+           '<arg_value>{"name": "CET", "dst": true}</arg_value></tool_call>')
+    assert s.content(two) == "Checking both." and not s.open_block(two)
+    assert s.parse(two) == [{"name": "get_weather", "arguments": ARGS},
+                            {"name": "get_time", "arguments": {"zone": {"name": "CET", "dst": True}}}]
+    # a finished call may be followed by another one: only other text ends the turn
+    assert not s.closed_block(GLM_BLOCK) and not s.closed_block(GLM_BLOCK + "\n<tool_")
+    assert s.open_block(GLM_BLOCK + "<tool_call>get_time<arg_key>zo") and not s.closed_block(GLM_BLOCK + "<tool_call>x")
+    assert s.closed_block(GLM_BLOCK + "\nDone.")
+    assert s.parse("no calls here") == [] and s.content_end("Answer  ") == len("Answer")

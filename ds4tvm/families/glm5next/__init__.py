@@ -23,7 +23,7 @@ FAMILY = Family(
     name="glm5next", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs,
     build=f"{_HERE}.build:build", check_bounds=check_bounds, default_bounds=DEFAULT_BOUNDS,
     describe=Config.describe, hf_model_types=("glm5_next",), convert=f"{_HERE}.convert:convert_hf",
-    published=f"{_HERE}.build:published", check_speculation=check_speculation,
+    published=f"{_HERE}.build:published", check_speculation=check_speculation, tool_syntax=f"{_HERE}.tools:GLMToolSyntax",
     drafters=(DraftSpec("glm_mtp", "GLM MTP", "--mtp", support=None, enabled=lambda o: o.mtp is not None or o.mtp_timing,
                         drafter="ds4tvm.runtime.drafters.glm_mtp:from_options",
                         compile_with="a GLM-5.3 GGUF that holds its nextn (MTP) layer"),),
