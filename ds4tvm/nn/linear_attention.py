@@ -98,6 +98,49 @@ def _delta_rule_func(heads: int, dk: int, dv: int, slots: int):
     return delta_rule.with_attr("global_symbol", f"delta_rule_{heads}x{dk}x{dv}_r{slots}")
 
 
+@functools.lru_cache(maxsize=None)
+def _delta_rule_gpu_func(heads: int, dk: int, dv: int, slots: int, bind: bool = True):
+    """The same recurrence for GPUs, scheduled here: one thread block per head and one thread per
+    value channel. Column vv of S (dk entries) depends only on itself, k, q and v[vv], so a thread
+    carries its column through every row with no synchronisation; the threads of a block read and
+    write consecutive floats of each state row. bind=False: the same loops serial, which runs on a
+    CPU (the unit test of this form)."""
+    width = heads * dk * dv
+    blocks = (lambda n: T.thread_binding(n, thread="blockIdx.x")) if bind else T.serial
+    threads = (lambda n: T.thread_binding(n, thread="threadIdx.x")) if bind else T.serial
+
+    @T.prim_func(private=True)
+    def delta_rule(q: T.handle, k: T.handle, v: T.handle, g: T.handle, beta: T.handle, state: T.handle,
+                   start: T.int64, out: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tir.noalias": True})
+        n = T.int64()
+        Q = T.match_buffer(q, (n, heads, dk), "float32")
+        Kx = T.match_buffer(k, (n, heads, dk), "float32")
+        V = T.match_buffer(v, (n, heads, dv), "float32")
+        G = T.match_buffer(g, (n, heads, dk), "float32")
+        B = T.match_buffer(beta, (n, heads), "float32")
+        S = T.match_buffer(state, (slots, width), "float32")
+        O = T.match_buffer(out, (n, heads, dv), "float32")
+        acc = T.alloc_buffer((2,), "float32", scope="local")
+        for h in blocks(heads):
+            for c in threads(dv):
+                for i in range(n):
+                    acc[0] = T.float32(0)
+                    for kk in range(dk):
+                        S[T.floormod(start + i + 1, slots), (h * dk + kk) * dv + c] = T.if_then_else(
+                            start + i > 0, S[T.floormod(start + i, slots), (h * dk + kk) * dv + c]
+                            * T.exp(G[i, h, kk]), T.float32(0))
+                        acc[0] = acc[0] + S[T.floormod(start + i + 1, slots), (h * dk + kk) * dv + c] * Kx[i, h, kk]
+                    acc[0] = B[i, h] * (V[i, h, c] - acc[0])
+                    acc[1] = T.float32(0)
+                    for kk in range(dk):
+                        S[T.floormod(start + i + 1, slots), (h * dk + kk) * dv + c] = (
+                            S[T.floormod(start + i + 1, slots), (h * dk + kk) * dv + c] + Kx[i, h, kk] * acc[0])
+                        acc[1] = acc[1] + S[T.floormod(start + i + 1, slots), (h * dk + kk) * dv + c] * Q[i, h, kk]
+                    O[i, h, c] = acc[1]
+    return delta_rule.with_attr("global_symbol", f"delta_rule_gpu_{heads}x{dk}x{dv}_r{slots}")
+
+
 def delta_rule(q: nn.Tensor, k: nn.Tensor, v: nn.Tensor, g: nn.Tensor, beta: nn.Tensor, slots: nn.Tensor, start,
                name: str = "delta_rule"):
     """The gated delta rule per head over rows q, k [n, H, Dk], v [n, H, Dv] with log-decays g
@@ -109,7 +152,10 @@ def delta_rule(q: nn.Tensor, k: nn.Tensor, v: nn.Tensor, g: nn.Tensor, beta: nn.
     _, H, Dk = q.shape
     Dv = v.shape[2]
     R = slots.shape[0]
-    func = _delta_rule_func(int(H), int(Dk), int(Dv), int(R))
+    from .qweight import exporting_for_cpu
+
+    make = _delta_rule_func if exporting_for_cpu() else _delta_rule_gpu_func
+    func = make(int(H), int(Dk), int(Dv), int(R))
     slots_out, o = op.tensor_ir_inplace_op(
         func, func.attrs["global_symbol"], args=[q, k, v, g, beta, slots, start], inplace_indices=[5, -1],
         out=[nn.Tensor.placeholder(slots.shape, F32), nn.Tensor.placeholder((q.shape[0], H, Dv), F32)])

@@ -35,6 +35,11 @@ def for_cpu(threads: int, int8_activations: bool = False):
         _CPU.reset(token)
 
 
+def exporting_for_cpu() -> bool:
+    """Whether the module is being exported for a CPU target (hand-written kernels pick their form)."""
+    return _CPU.get() is not None
+
+
 def _cpu_mode(qtype: QT, K: int) -> tuple[int | None, bool]:
     """(threads, int8) of the CPU kernels while exporting for a CPU target; threads None otherwise."""
     threads, int8 = _CPU.get() or (None, False)

@@ -19,7 +19,10 @@ TOLERANCE = 1e-4
 CAPTURED = (1, 2, 3)
 
 
-@pytest.fixture(scope="module", params=[8, 512], ids=["topk8-selecting", "topk512-all-rows"])
+# the dense configuration (top-k 512 over a 300-token sequence) runs with -m slow, for the default
+# run's time; the selecting one covers the same code with the indexer active
+@pytest.fixture(scope="module", params=[8, pytest.param(512, marks=pytest.mark.slow)],
+                ids=["topk8-selecting", "topk512-all-rows"])
 def case(request, tmp_path_factory):
     pytest.importorskip("transformers")
     import torch
@@ -133,6 +136,7 @@ def test_artifact_from_another_gguf(tiny_artifact, tmp_path):
         Engine(tiny_artifact, weights={"model": other})
 
 
+@pytest.mark.slow   # a second compile of the model; the rounding kernels have their own unit tests
 def test_fp8_fp4_rounding_stays_close_to_the_unrounded_model(case, tmp_path):
     """With ds4's round trips on (the default), logits move but stay close to the unrounded run.
     Documented tolerance, from this random tiny model (measured: correlation 0.979, RMS 0.20 of a

@@ -92,7 +92,8 @@ def _exact_law(params):
 
 
 @pytest.mark.parametrize("mode", ["guess", "after"])
-@pytest.mark.parametrize("params", [SamplingParams(0.7, top_p=0.9, min_p=0.0), SamplingParams(0.7, min_p=0.1)],
+@pytest.mark.parametrize("params", [SamplingParams(0.7, top_p=0.9, min_p=0.0),
+                                    pytest.param(SamplingParams(0.7, min_p=0.1), marks=pytest.mark.slow)],
                          ids=["temp0.7-top_p0.9", "temp0.7-min_p0.1"])
 def test_exact_sampling_keeps_the_law_of_plain_sampling(params, mode):
     from scipy.stats import chisquare

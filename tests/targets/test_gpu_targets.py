@@ -1,5 +1,5 @@
 """`ds4-compile` for every GPU target on this GPU-less machine: the tiny DeepSeek-V4 + DSpark pair
-compiles, with ONNX draft heads beside them; the CUDA library holds SASS for exactly the named architectures (NVIDIA's cuobjdump
+compiles, with ONNX draft heads beside them, and a tiny GLM-5.3 with its MTP layer; the CUDA library holds SASS for exactly the named architectures (NVIDIA's cuobjdump
 reads the fatbin), the ROCm one an AMD code object for the named gfx (the ELF machine flags, as
 LLVM's ELF.h numbers them), the Metal one MSL source; every artifact's manifest reloads, and
 `ds4 run` refuses it here with one line. One target of each kind runs by default; all of them
@@ -100,6 +100,31 @@ def test_metal_artifact_is_a_tar_with_msl_source(demo_pair, tmp_path):
         sources = [tar.extractfile(x).read() for x in tar.getmembers() if x.isfile()]
     msl = [s for s in sources if b"#include <metal_stdlib>" in s]
     assert msl and sum(s.count(b"kernel void") for s in msl) > 50
+
+
+@pytest.mark.parametrize("target", ["cuda:sm_90", pytest.param("rocm:gfx942", marks=pytest.mark.slow),
+                                    pytest.param("metal", marks=pytest.mark.slow)])
+def test_glm5next_with_its_mtp_layer_compiles(tmp_path, target):
+    """GLM-5.3's kernels on GPUs: the delta rule's GPU form (one block per head, a thread per value
+    channel), the DSA latent attention and the pooled indexer, and the nextn layer's functions."""
+    from ds4tvm.families.glm5next.random_model import tiny_config, write_random_glm5next
+
+    gguf = write_random_glm5next(tmp_path / "glm.gguf", tiny_config(), seed=1)
+    out = tmp_path / "art"
+    r = run_ds4_compile(gguf, "--target", target, "-o", out, "--max-context", "256", "--quiet")
+    if r.returncode == 2 and " need " in r.stderr:
+        pytest.skip(f"toolchain for {target} absent: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    m = Manifest.read(out)
+    assert m.family == "glm5next" and "glm_mtp" in m.drafters
+    assert {"verify", "mtp_observe", "mtp_step"} <= {f["name"] for f in m.functions}
+    lib = out / m.library
+    if m.library.endswith(".tar"):
+        with tarfile.open(lib) as tar:
+            code = b"".join(tar.extractfile(x).read() for x in tar.getmembers() if x.isfile())
+    else:
+        code = lib.read_bytes()
+    assert b"delta_rule_gpu" in code
 
 
 def test_target_list_and_bad_targets():

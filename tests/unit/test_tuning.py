@@ -75,6 +75,7 @@ def test_tune_refuses_gpu_targets_with_one_line(tiny_module):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--tune" in r.stderr, r.stderr
 
 
+@pytest.mark.slow   # compiles the benchmark model; the saved-record test covers applying records
 def test_shipped_tuning_covers_the_benchmark_models_kernels():
     """ds4tvm/schedules/tuned/<target>/report.json records a `ds4-compile --tune` run on the 127M
     benchmark model (benchmarks/model50m.py) on this project's machine. Every tunable kernel of that
