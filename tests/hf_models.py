@@ -190,3 +190,57 @@ def _randomise(model, seed: int, skip: str | None = None):
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.5 * torch.randn(b.shape, generator=g))
     return g
+
+
+def glm5_decision_margins(model, ids) -> tuple[float, float]:
+    """The smallest gaps, over every token of ids, between the last chosen and the first refused
+    candidate of transformers' Glm5Next routers (biased sigmoid scores) and indexers (pool scores,
+    where there are more complete pools than it keeps): a fair oracle needs them above the
+    float32 noise of both implementations."""
+    import torch
+    from transformers.models.glm5_next import modeling_glm5_next as glm
+
+    gaps = {"router": [], "indexer": []}
+
+    def gap(values: torch.Tensor, k: int) -> torch.Tensor:
+        """Exact ties at zero (pools every head's ReLU scores 0, in any implementation) are decided
+        by the tie rule, not by rounding: they do not count."""
+        top = torch.topk(values.double(), k + 1, dim=-1).values
+        g = top[..., k - 1] - top[..., k]
+        return torch.where((g == 0) & (top[..., k] == 0), torch.inf, g)
+
+    def router_hook(mod, args):
+        x = args[0].reshape(-1, mod.hidden_dim).double()
+        scores = torch.sigmoid(x @ mod.weight.double().T) + mod.e_score_correction_bias.double()
+        gaps["router"].append(gap(scores, mod.top_k).min().item())
+
+    real_topk = torch.Tensor.topk
+
+    def recording_topk(self, k, *a, **kw):
+        live = self > torch.finfo(self.dtype).min / 2
+        rows = live.sum(-1) > k
+        if rows.any():
+            gaps["indexer"].append(gap(self[rows], k).min().item())
+        return real_topk(self, k, *a, **kw)
+
+    def indexer_pre(mod, args, kwargs):
+        torch.Tensor.topk = recording_topk
+
+    def indexer_post(mod, args, kwargs, out):
+        torch.Tensor.topk = real_topk
+
+    handles = []
+    for m in model.modules():
+        if isinstance(m, glm.Glm5NextTextTopkRouter):
+            handles.append(m.register_forward_pre_hook(router_hook))
+        elif isinstance(m, glm.Glm5NextTextIndexer):
+            handles.append(m.register_forward_pre_hook(indexer_pre, with_kwargs=True))
+            handles.append(m.register_forward_hook(indexer_post, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(torch.tensor(ids[None]))
+    finally:
+        torch.Tensor.topk = real_topk
+        for h in handles:
+            h.remove()
+    return min(gaps["router"]), min(gaps["indexer"], default=float("inf"))
