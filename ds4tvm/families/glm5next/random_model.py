@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ...gguf.quant import quantize
+from ...gguf.quant import quantize, random_blocks
 from ...gguf.validate import NORM, TensorSpec
 from ...gguf.vocab import synthetic_vocab
 from ...gguf.writer import TensorOut, with_overrides, write_gguf
@@ -31,6 +31,9 @@ def tiny_config(layout: str = DS4, **overrides) -> Config:
                  swiglu_exp=(1.5,) * len(types), swiglu_shexp=(1.5,) * len(types), hc=4, hc_sinkhorn_iters=20,
                  hc_eps=1e-6, idx_full=(True,) * n, context_length=4096)
     return replace(cfg, **overrides)
+
+
+NO_QUANTIZER = (QT.Q2_K, QT.Q6_K, QT.IQ2_XXS)   # gguf-py has no numpy quantizer for them
 
 
 def _values(suffix: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
@@ -64,6 +67,8 @@ def write_random_glm5next(path: str | Path, cfg: Config, seed: int = 0,
         qtype = QT.F32 if suffix in (A_LOG, *CONVS) else type_of(spec)
 
         def produce(suffix=suffix, shape=tuple(reversed(canonical.shape)), sub=sub, qtype=qtype):
+            if qtype in NO_QUANTIZER:   # random valid blocks of about the same spread
+                return random_blocks(qtype, shape, sub, scale=1.0 / (32 * np.sqrt(shape[-1])))
             return quantize(in_layout(cfg, suffix, _values(suffix, shape, sub)), qtype)
 
         tensors.append(TensorOut(spec.name, qtype, tuple(reversed(spec.shape)), produce))
