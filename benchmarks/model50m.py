@@ -1,6 +1,7 @@
 """A DeepSeek-V4-shaped random model of >= 50M parameters (all layer kinds), for compile-time,
-memory and speed measurements, in the formats the real models ship in. Usage:
-    python benchmarks/model50m.py OUT.gguf [q8_0|f16|q4_k|q2|mxfp4]
+memory and speed measurements, in the formats the real models ship in; or a GLM-5.3-shaped one
+(`glm`: 8 trunk layers KKKD KKKD with the MTP layer, width 512, 16 experts top-4, Q2 recipe). Usage:
+    python benchmarks/model50m.py OUT.gguf [q8_0|f16|q4_k|q2|mxfp4|glm]
 
 Expert width 512, so that every variant holds the same matrices (K-quants need rows of 256):
   q8_0, f16  the dense, routed and embedding matrices in that type;
@@ -17,7 +18,7 @@ from ds4tvm.families.deepseek4.published import q2_recipe_type
 from ds4tvm.families.deepseek4.random_model import default_type, tiny_config, write_random_deepseek4
 from ds4tvm.gguf.validate import DENSE, EMBED, ROUTED
 
-KINDS = ("q8_0", "f16", "q4_k", "q2", "mxfp4")
+KINDS = ("q8_0", "f16", "q4_k", "q2", "mxfp4", "glm")
 
 
 def config(**overrides):
@@ -40,11 +41,27 @@ def type_of(spec, kind: str) -> QT:
     return default_type(spec)
 
 
+def glm_config():
+    from ds4tvm.families.glm5next.random_model import tiny_config as glm_tiny
+
+    types = (0, 0, 0, 1) * 2 + (1,)
+    return glm_tiny(n_layers=8, n_embd=512, n_vocab=32768, n_ff=1024, n_ff_exp=512, n_expert=16, n_expert_used=4,
+                    n_head=8, key_length=64, value_length=64, q_lora_rank=256, kv_lora_rank=256, idx_n_head=16,
+                    idx_head_dim=64, idx_top_k=64, kda_n_head=8, kda_head_dim=64, layer_types=types,
+                    swiglu_exp=(10.0,) * 9, swiglu_shexp=(10.0,) * 9, idx_full=(True,) * 8)
+
+
 def main():
     out, kind = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "q8_0")
     if kind not in KINDS:
         sys.exit(f"model50m.py: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
-    path = write_random_deepseek4(out, config(), seed=50, type_of=lambda s: type_of(s, kind), progress=True)
+    if kind == "glm":
+        from ds4tvm.families.glm5next.published import q2_recipe_type as glm_q2
+        from ds4tvm.families.glm5next.random_model import write_random_glm5next
+
+        path = write_random_glm5next(out, glm_config(), seed=50, type_of=glm_q2)
+    else:
+        path = write_random_deepseek4(out, config(), seed=50, type_of=lambda s: type_of(s, kind), progress=True)
     from ds4tvm.gguf import open_gguf
     print(f"{path}: {open_gguf(path).n_params() / 1e6:.1f}M parameters")
 

@@ -1,7 +1,7 @@
 """Side by side, in one run: target-only vs speculative tok/s on the same artifact, and the cost of
 a verify of k tokens relative to one decode step. Two modes:
 
-    python benchmarks/speculative.py ARTIFACT_WITH_DRAFTER [--dspark | --mtp-draft N | --draft-onnx]
+    python benchmarks/speculative.py ARTIFACT_WITH_DRAFTER [--dspark | --mtp-draft N | --mtp | --draft-onnx]
         [--tokens 7,8,9] [-n 160] [--repeats 3]
         one prompt (token ids), the drafter chosen by the ds4 flags;
     python benchmarks/speculative.py --heldout [ARTIFACT] [--prompts 16] [-n 128] [--thetas 0,0.5,0.7,0.9]
@@ -25,8 +25,9 @@ from ds4tvm.runtime.speculative import CostGate, generate, verify_cost
 
 
 def one_prompt(a, engine):
-    options = SpecOptions(dspark=a.dspark or (a.mtp_draft == 1 and not a.draft_onnx), mtp_draft=a.mtp_draft,
-                          mtp_margin=a.mtp_margin, draft_onnx="" if a.draft_onnx else None)
+    options = SpecOptions(dspark=a.dspark or (a.mtp_draft == 1 and not a.draft_onnx and not a.mtp),
+                          mtp_draft=a.mtp_draft, mtp_margin=a.mtp_margin, mtp="" if a.mtp else None,
+                          draft_onnx="" if a.draft_onnx else None)
     prompt = [int(x) for x in a.tokens.split(",")]
     greedy = SamplingParams(temperature=0.0)
     plain, spec, accept = [], [], []
@@ -102,6 +103,7 @@ def main():
     ap.add_argument("--mtp-draft", type=int, default=1)
     ap.add_argument("--mtp-margin", type=float, default=None)
     ap.add_argument("--draft-onnx", action="store_true")
+    ap.add_argument("--mtp", action="store_true", help="the MTP layer inside the model GGUF (GLM-5.3)")
     ap.add_argument("--tokens", default="7,8,9,10,11")
     ap.add_argument("-n", type=int, default=None, help="tokens per generation (160; with --heldout 128)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -123,7 +125,7 @@ def main():
     else:
         a.n = a.n or 160
         one_prompt(a, engine)
-    cost = verify_cost(engine, 6, repeats=7)
+    cost = verify_cost(engine, min(6, engine.max_verify), repeats=7)
     print("verify(k) / decode: " + "  ".join(f"k={k}: {v:.2f}" for k, v in cost.items()))
 
 

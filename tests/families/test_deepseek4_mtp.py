@@ -49,6 +49,7 @@ def random_mtp(target):
     return _compile(d, model, support, "random", "--no-kv-rounding"), support
 
 
+@pytest.mark.slow   # a second compile (the random support file); the agreeing one runs by default
 def test_draft_logits_match_the_numpy_reference(target, random_mtp):
     """A random support file, no FP8 rounding: the rows written for a 24-token prompt (longer than
     the 16-row window), then two recursive draft steps, against tests/mtp_reference.py."""
@@ -166,6 +167,7 @@ def test_cli_mtp_draft_identity_json_and_errors(target, agreeing):
     assert r.returncode == 2 and f"{support}: holds the mtp drafter; --dspark needs a DSpark" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_a_continued_sequence_drafts_as_a_cold_one(random_mtp):
     """Prefix reuse with MTP (runtime/prefix.py): the second turn continued from the kept sequence,
     or from a checkpoint, has bitwise the state of a cold start on the whole prompt once the prompt

@@ -26,8 +26,9 @@ CASES = {
     "q4_k+iq2_xxs/q2_k-experts": None,
 }
 # The default run keeps the two cases that cover every format (Q8_0 dense, MXFP4, Q4_K, IQ2_XXS,
-# Q2_K, F16 HC functions); all-F16 and all-Q8_0 run with `pytest -m slow`.
-SLOW = {"f16", "q8_0"}
+# Q2_K, F16 HC functions); all-F16 and all-Q8_0 run with `pytest -m slow`, and so does the MXFP4
+# experts' case for the default run's time (MXFP4's kernels keep their unit tests, test_kernels.py).
+SLOW = {"f16", "q8_0", "q8_0+mxfp4-experts"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])

@@ -19,7 +19,7 @@ from conftest import run_ds4, run_ds4_compile
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS = 300
-TOLERANCE = 4e-4
+TOLERANCE = 2e-4   # the issue's bound; measured 1.75e-4 on the default case
 # The same model in llama.cpp's layout, which stores -exp(A_log) where ds4's stores A_log: the decay
 # rates differ in their last bit (the converter's exp against the kernel's), and the recurrence
 # carries that into the logits; the first rows are equal, the largest difference was 2.1e-5.

@@ -47,6 +47,7 @@ def heads_art(demo_pair, tmp_path_factory):
     return d / "art", heads, prompt
 
 
+@pytest.mark.slow   # its own compile; the compiled artifact's heads are checked against onnxruntime below
 def test_imported_heads_equal_onnxruntime(tmp_path):
     """Medusa heads (with and without `tokens`; float32 and float16 weights) through the import,
     the x @ W^T rewrite to the CPU linear kernel, the weights file and the compiled function."""
