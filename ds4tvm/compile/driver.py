@@ -75,8 +75,8 @@ def _load_pair(gguf_path: Path, support: Path | None):
         raise Ds4Error(f"{gguf_path}: compiling the {m.family.name} family is not supported yet")
     if support is None:
         return m, None, None
-    dm = load_model(open_gguf(support))
     m.family.check_support_file(support)
+    dm = load_model(open_gguf(support))
     offered = [d.support for d in m.family.drafters if d.support]
     if m.family.drafter_for_support(dm.family) is None:
         raise Ds4Error(f"{support}: --mtp expects a support file of {m.family.name} ({', '.join(offered) or 'none'}), "
