@@ -295,6 +295,20 @@ def to_planes(data: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> Planes:
     return Planes(fmt.qtype, shape, {k: v.reshape(*shape[:-1], v.shape[-1]) for k, v in out.items()})
 
 
+# Values a weight plane may be derived by on the host when bound (manifest field "w:KIND"): two GGUF
+# layouts of one model then bind the same bits (glm5next's ds4 layout stores A_log, llama.cpp's the
+# -exp(A_log) its converter computed with numpy's float32 exp). Only for small F32 tensors: the
+# result is a host copy.
+HOST_DERIVED = {"neg_exp": lambda a: -np.exp(a)}
+
+
+def derived_plane(p: Planes, field: str) -> np.ndarray:
+    """The plane a manifest parameter field names: 'w' as stored, 'w:neg_exp' derived."""
+    name, _, kind = field.partition(":")
+    arr = p.fields[name]
+    return arr if not kind else HOST_DERIVED[kind](np.asarray(arr, dtype=np.float32))
+
+
 def dequantize_planes(p: Planes) -> np.ndarray:
     """float32 values of a tensor from its planes (numpy reference for the TVM kernels)."""
     fmt = plane_format(p.qtype)

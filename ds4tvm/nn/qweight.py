@@ -77,6 +77,7 @@ class QWeight(nn.Module):
             raise ValueError(f"no kernel reads {self.qtype.name} planes")
         *lead, K = self.shape
         self.fields = [f.name for f in fmt.fields]
+        self.derive = None   # gguf.quant.HOST_DERIVED kind the runtime applies to an F32 plane at load
         for f in fmt.fields:
             setattr(self, f"plane_{f.name}", nn.Parameter((*lead, f.per_row(K)), f.dtype))
 
@@ -220,7 +221,7 @@ def parameter_sources(model: nn.Module, drafter_role: str = "support") -> dict[i
         m, role = stack.pop()
         if isinstance(m, QWeight):
             for f in m.fields:
-                out[id(getattr(m, f"plane_{f}"))] = (m.gguf_name, f, role)
+                out[id(getattr(m, f"plane_{f}"))] = (m.gguf_name, f if m.derive is None else f"{f}:{m.derive}", role)
             continue
         for name, param in getattr(m, "raw_tensors", {}).items():
             out[id(param)] = (name, None, role)

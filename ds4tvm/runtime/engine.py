@@ -24,7 +24,7 @@ from ..artifact import MANIFEST, MODEL, FunctionSpec, Manifest
 from ..devices import device_for
 from ..errors import Cancelled, Ds4Error
 from ..gguf import open_gguf
-from ..gguf.quant import ALIGN, to_planes
+from ..gguf.quant import ALIGN, derived_plane, to_planes
 
 SMALL_MODEL_BYTES = 64 << 20   # weight files below this run on one CPU thread unless told otherwise
 
@@ -201,7 +201,7 @@ class Engine:
                 continue
             if (role, tensor) not in planes:
                 planes[role, tensor] = to_planes(t.data, t.ggml_type, tuple(reversed(t.shape)))
-            out.append(self._to_device(planes[role, tensor].fields[field_]))
+            out.append(self._to_device(derived_plane(planes[role, tensor], field_)))
         return out
 
     def _host_inputs(self) -> dict:

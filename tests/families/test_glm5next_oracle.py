@@ -20,10 +20,11 @@ from conftest import run_ds4, run_ds4_compile
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS = 300
 TOLERANCE = 2e-4   # the issue's bound; measured 1.75e-4 on the default case
-# The same model in llama.cpp's layout, which stores -exp(A_log) where ds4's stores A_log: the decay
-# rates differ in their last bit (the converter's exp against the kernel's), and the recurrence
-# carries that into the logits; the first rows are equal, the largest difference was 2.1e-5.
-LAYOUT_TOLERANCE = 5e-5
+# The same model in llama.cpp's layout (the issue's bound). It stores -exp(A_log) where ds4's stores
+# A_log; the runtime derives -exp(A_log) on the host for the ds4 file (gguf.quant.HOST_DERIVED), as
+# the converter does, because the kernel's exp differs from numpy's in the last bit and the
+# recurrence carried that to 2.1e-5 in the logits.
+LAYOUT_TOLERANCE = 1e-6
 
 
 def _compiled(d, layout: str):
@@ -98,6 +99,7 @@ def test_llama_cpp_layout_gives_the_same_logits(case, tmp_path):
     arts, ids, ref = case
     ours = _logits(arts["ds4"], ids, "prefill", tmp_path)
     theirs = _logits(_compiled(arts["dir"], "llama.cpp"), ids, "prefill", tmp_path)
+    print(f"glm5next llama.cpp layout vs ds4 layout: max |delta| = {np.abs(theirs - ours).max():.3g}")
     assert np.abs(theirs - ours).max() <= LAYOUT_TOLERANCE
     assert np.abs(theirs - ref).max() <= TOLERANCE
 

@@ -69,6 +69,8 @@ class Layer(nn.Module):
                 w = QWeight(spec.name, types[spec.name], tuple(reversed(spec.shape)))
                 setattr(self, suffix.replace(".", "_"), w)
                 self.w[suffix] = w
+        if cfg.layout != LLAMA and "kda_a_log.weight" in self.w:
+            self.w["kda_a_log.weight"].derive = "neg_exp"   # -exp(A_log) on the host, as llama.cpp's file holds it
 
     def v(self, suffix: str) -> nn.Tensor:
         return self.w[suffix + ".weight"].values(name=suffix.replace(".", "_"))
@@ -131,15 +133,14 @@ class Layer(nn.Module):
 
     def _decay_log(self, g: nn.Tensor) -> nn.Tensor:
         """Per-channel log-decay [n, H, D] from g = f_b(f_a(x)) + dt_bias: lb * sigmoid(rate * g)
-        with the lower bound lb, else -rate * softplus(g), where rate = exp(A_log) (llama.cpp's
-        layout stores -exp(A_log))."""
+        with the lower bound lb, else -rate * softplus(g), where rate = exp(A_log); the parameter
+        holds -exp(A_log) in both layouts (Layer.__init__)."""
         c = self.cfg
         H, D, lb = c.kda_n_head, c.kda_head_dim, c.gate_lower_bound
-        stored_negative = c.layout == LLAMA
 
         def f(g_te, a_te):
             def body(t, h, d):
-                rate = -a_te[h] if stored_negative else te.exp(a_te[h])
+                rate = -a_te[h]
                 x = g_te[t, h * D + d]
                 if lb is not None:
                     return tirx.const(lb, F32) * te.sigmoid(rate * x)
