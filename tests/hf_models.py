@@ -300,3 +300,62 @@ def glm5_decision_margins(model, ids) -> tuple[float, float]:
         for h in handles:
             h.remove()
     return min(gaps["router"]), min(gaps["indexer"], default=float("inf"))
+
+
+# Qwen3.8 (`Qwen4ExpForCausalLM`) made fair (../shared/reference/oracles.md): sigmoid GDN output gate,
+# ple_embed_dim == hidden_size, PLE on layer 2 (1-based, a GDN layer), key and value head widths equal
+# with twice the value heads, 8 layers (two QSA layers), 8 indexer heads, ratio 4
+TINY_QWEN4 = dict(
+    vocab_size=512, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts_per_tok=2,
+    num_experts=8, hc_count=4, hc_lowrank=16, ple_layer_ids=[2], ple_embed_dim=64, ple_conv_kernel_size=4, ngram_size=3,
+    heads_per_ngram=4, ngram_vocab_size_base=61, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=2,
+    indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=32, indexer_compress_ratio=4,
+    output_gate_type="sigmoid", eos_token_id=7, max_position_embeddings=1024,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                     "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+
+
+def tiny_qwen4exp(seed: int = 0, **overrides):
+    """A random `Qwen4ExpForCausalLM`, every parameter randomised (transformers' init zeroes the
+    (1 + w) gammas and the PLE conv, which would hide those paths)."""
+    import torch
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    torch.manual_seed(seed)
+    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**{**TINY_QWEN4, **overrides})).eval()
+    _randomise(model, seed + 1)
+    return model
+
+
+def topk_margins(model, ids) -> tuple[float, float]:
+    """The smallest gap between the k-th and (k+1)-th value of every top-k transformers takes in a
+    forward over ids: (router choices (torch.topk), QSA block choices (Tensor.topk)); inf where
+    no choice was made. A float32 engine's choices can differ only below such a gap."""
+    import torch
+
+    gaps = {"router": [float("inf")], "indexer": [float("inf")]}
+    real_fn, real_method = torch.topk, torch.Tensor.topk
+
+    def gap(values, k, dim, key):
+        v = values.detach().double().movedim(dim, -1)
+        if v.shape[-1] > k:
+            s = v.sort(dim=-1, descending=True).values
+            gaps[key].append(float((s[..., k - 1] - s[..., k]).min()))
+
+    def fn(values, k, dim=-1, *a, **kw):
+        gap(values, k, dim, "router")
+        return real_fn(values, k, dim, *a, **kw)
+
+    def method(self, k, dim=-1, *a, **kw):
+        gap(self, k, dim, "indexer")
+        return real_method(self, k, dim, *a, **kw)
+
+    torch.topk, torch.Tensor.topk = fn, method
+    try:
+        with torch.no_grad():
+            model(torch.tensor(ids[None]), use_cache=False)
+    finally:
+        torch.topk, torch.Tensor.topk = real_fn, real_method
+    return min(gaps["router"]), min(gaps["indexer"])

@@ -114,9 +114,10 @@ class Family:
 
 
 def _registry() -> dict[str, Family]:
-    from . import deepseek4, deepseek4_mtp, dspark, glm5next
+    from . import deepseek4, deepseek4_mtp, dspark, glm5next, qwen4exp
 
-    return {f.architecture: f for f in (deepseek4.FAMILY, dspark.FAMILY, deepseek4_mtp.FAMILY, glm5next.FAMILY)}
+    return {f.architecture: f for f in (deepseek4.FAMILY, dspark.FAMILY, deepseek4_mtp.FAMILY, glm5next.FAMILY,
+                                        qwen4exp.FAMILY)}
 
 
 REGISTRY: dict[str, Family] = _registry()

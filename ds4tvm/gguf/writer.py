@@ -43,6 +43,8 @@ def _value_type(value: Any) -> tuple[GGUFValueType, GGUFValueType | None]:
         sub, _ = _value_type(items[0])
         if sub in (GGUFValueType.UINT32, GGUFValueType.INT32) and any(int(v) < 0 for v in items):
             sub = GGUFValueType.INT32
+        if sub in (GGUFValueType.UINT32, GGUFValueType.INT32) and any(int(v) >= 2 ** 32 for v in items):
+            sub = GGUFValueType.UINT64   # PLE hash constants (45-bit multipliers)
         return GGUFValueType.ARRAY, sub
     raise TypeError(f"cannot store {type(value).__name__} in GGUF metadata")
 
@@ -63,10 +65,12 @@ def write_gguf(path: str | os.PathLike, architecture: str, metadata: dict[str, A
                tensors: Iterable[TensorOut], progress: bool = False, description: str = "writing") -> Path:
     """Writes a GGUF v3 file. `metadata` maps full key names to values; a value may be given as
     (value, GGUFValueType) to force its type (for a list: its element type). Tensor data are
-    produced lazily, one at a time."""
+    produced lazily, one at a time, into PATH.partial, renamed to PATH once complete: a failed
+    write leaves no truncated file behind (and an older PATH as it was)."""
     path = Path(path)
+    partial = path.with_name(path.name + ".partial")
     tensors = list(tensors)
-    w = GGUFWriter(path, architecture)
+    w = GGUFWriter(partial, architecture)
     for key, value in metadata.items():
         if key == "general.architecture":
             continue
@@ -93,6 +97,7 @@ def write_gguf(path: str | os.PathLike, architecture: str, metadata: dict[str, A
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     bar = _progress(progress, description, len(tensors))
+    done = False
     try:
         for t in tensors:
             data = np.ascontiguousarray(t.produce())
@@ -101,9 +106,14 @@ def write_gguf(path: str | os.PathLike, architecture: str, metadata: dict[str, A
                                f"for {t.qtype.name} {list(t.shape)}")
             w.write_tensor_data(data)
             bar.advance(t.name)
+        done = True
     finally:
         bar.close()
         w.close()
+        if done:
+            os.replace(partial, path)
+        else:
+            partial.unlink(missing_ok=True)
     return path
 
 

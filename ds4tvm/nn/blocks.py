@@ -104,6 +104,30 @@ def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, i
     return op.tensor_expr_op(f, name, [x, freq, positions_start], attrs={"op_pattern": 8})
 
 
+def rope_neox(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, name: str = "rope_neox"
+              ) -> nn.Tensor:
+    """Rotates the first 2*len(inv_freq) channels of x [T, ..., D] in halves (channel i with
+    i + len(inv_freq), transformers' rotate_half) at position start + t + offset."""
+    half = len(inv_freq)
+    freq = nn.Tensor.from_const(inv_freq)
+
+    def f(x_te, fr, start):
+        def body(*idx):
+            t, d = idx[0], idx[-1]
+            rest = idx[1:-1]
+            j = tirx.floormod(d, half)
+            theta = (start + t + offset).astype(F32) * fr[tirx.min(j, half - 1)]
+            c, s = te.cos(theta), te.sin(theta)
+            lo = x_te[(t, *rest, tirx.min(j, d))]
+            hi = x_te[(t, *rest, tirx.min(j + half, x_te.shape[-1] - 1))]
+            rotated = tirx.if_then_else(d < half, lo * c - hi * s, hi * c + lo * s)
+            return tirx.if_then_else(d < 2 * half, rotated, x_te[idx])
+
+        return te.compute(x_te.shape, body, name=name)
+
+    return op.tensor_expr_op(f, name, [x, freq, positions_start], attrs={"op_pattern": 8})
+
+
 # ---------------------------------------------------------------------------- hyper-connections
 def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: float, hc_eps: float,
            iters: int):
@@ -209,10 +233,20 @@ def attend_with_sinks(q_te, key, valid, A, sinks, name: str, scale: float | None
     token t and valid(t, a) whether it is visible; values are the keys (K = V, as in DeepSeek-V4 and
     in absorbed MLA, whose keys and values are the latent rows). One learned sink logit per head
     joins the denominator (sinks None: no sink). Scale 1/sqrt(D) unless given."""
+    def shared(t, h, a, d):
+        return key(t, a, d)
+
+    return softmax_attention(q_te, shared, shared, valid, A, sinks, name, scale)
+
+
+def softmax_attention(q_te, key, value, valid, A, sinks, name: str, scale: float | None = None):
+    """TE softmax attention of q [T, H, D] over A slots: key(t, h, a, d) and value(t, h, a, d) give
+    slot a's rows for head h of token t (grouped-query heads share theirs), valid(t, a) whether it
+    is visible; sinks [H] or None as in attend_with_sinks."""
     n, H, D = q_te.shape
     scale = tirx.const(scale if scale is not None else 1.0 / math.sqrt(int(D)), F32)
     k = te.reduce_axis((0, D), name="k")
-    qk = te.compute((n, H, A), lambda t, h, a: te.sum(q_te[t, h, k] * key(t, a, k), axis=k), name=name + "_qk")
+    qk = te.compute((n, H, A), lambda t, h, a: te.sum(q_te[t, h, k] * key(t, h, a, k), axis=k), name=name + "_qk")
     masked = te.compute((n, H, A), lambda t, h, a: tirx.if_then_else(
         valid(t, a), qk[t, h, a] * scale, tirx.const(NEG_INF, F32)), name=name + "_masked")
     a1 = te.reduce_axis((0, A), name="a1")
@@ -230,8 +264,32 @@ def attend_with_sinks(q_te, key, valid, A, sinks, name: str, scale: float | None
     else:
         den = den_rows
     a3 = te.reduce_axis((0, A), name="a3")
-    num = te.compute((n, H, D), lambda t, h, d: te.sum(e[t, h, a3] * key(t, a3, d), axis=a3), name=name + "_pv")
+    num = te.compute((n, H, D), lambda t, h, d: te.sum(e[t, h, a3] * value(t, h, a3, d), axis=a3), name=name + "_pv")
     return te.compute((n, H, D), lambda t, h, d: num[t, h, d] / den[t, h], name=name)
+
+
+def selected_pool_positions(sel_te, s, P: int, tail: bool):
+    """The slots of a pooled sparse selection, for token t at position s + t: the P tokens of each
+    pool listed in sel [T, M] (pool c holds positions cP..cP+P-1; a listed pool counts once it is
+    complete at t's position, -1 or a pool not yet complete is skipped) and, with tail, the
+    unfinished pool's tokens up to t itself. Returns (A slots, pos(t, a), valid(t, a))."""
+    M = int(sel_te.shape[1])
+    A = M * P + (P - 1 if tail else 0)
+
+    def complete(t):
+        return tirx.floordiv(s + t + 1, P)
+
+    def chosen(t, a):
+        return sel_te[t, tirx.min(tirx.floordiv(a, P), M - 1)].astype("int64")
+
+    def pos(t, a):
+        return tirx.if_then_else(a < M * P, chosen(t, a) * P + tirx.floormod(a, P), complete(t) * P + a - M * P)
+
+    def valid(t, a):
+        in_pool = tirx.And(chosen(t, a) >= 0, chosen(t, a) < complete(t))
+        return tirx.if_then_else(a < M * P, in_pool, pos(t, a) <= s + t)
+
+    return A, pos, valid
 
 
 def sparse_window_attention(q: nn.Tensor, kv_ctx: nn.Tensor, comp: nn.Tensor | None, sel: nn.Tensor | None,

@@ -17,7 +17,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import Bounds, FunctionSpec, StateSpec
-from ...nn.blocks import attend_with_sinks, hc_post, hc_pre, indexer_select, layer_norm, rms
+from ...nn.blocks import attend_with_sinks, hc_post, hc_pre, indexer_select, layer_norm, rms, selected_pool_positions
 from ...nn.linear_attention import causal_conv_silu, delta_rule, l2_normalized_heads
 from ...nn.moe import chosen_scores, dense_ffn, routed_experts
 from ...nn.qweight import QWeight
@@ -211,26 +211,10 @@ class Layer(nn.Module):
         tokens of the selected pools (those complete at the token's position) and of the
         unfinished pool up to the token itself; keys and values are the latent rows."""
         c = self.cfg
-        P, tail = c.idx_pool, c.idx_select_tail
         rows = int(table.shape[0])
 
         def f(q_te, lat, sel_te, s):
-            M = int(sel_te.shape[1])
-            A = M * P + (P - 1 if tail else 0)
-
-            def complete(t):
-                return tirx.floordiv(s + t + 1, P)
-
-            def chosen(t, a):
-                return sel_te[t, tirx.min(tirx.floordiv(a, P), M - 1)].astype("int64")
-
-            def pos(t, a):
-                return tirx.if_then_else(a < M * P, chosen(t, a) * P + tirx.floormod(a, P),
-                                         complete(t) * P + a - M * P)
-
-            def valid(t, a):
-                in_pool = tirx.And(chosen(t, a) >= 0, chosen(t, a) < complete(t))
-                return tirx.if_then_else(a < M * P, in_pool, pos(t, a) <= s + t)
+            A, pos, valid = selected_pool_positions(sel_te, s, c.idx_pool, c.idx_select_tail)
 
             def key(t, a, d):
                 return lat[tirx.max(tirx.min(pos(t, a), rows - 1), 0), d]

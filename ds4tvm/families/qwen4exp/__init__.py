@@ -1,0 +1,17 @@
+"""Qwen3.8 Flash Next (`qwen4exp`, ds4-spec §1.5 and §5): Gated DeltaNet and gated attention with the
+QSA indexer under the low-rank HC mixer, softmax-routed MoE, and PLE n-gram rows read lazily from
+the GGUF on the host (ple.py)."""
+
+from .. import Family
+from .build import DEFAULT_BOUNDS, check_bounds
+from .config import ARCH, Config
+from .tensors import tensor_specs
+
+_HERE = "ds4tvm.families.qwen4exp"
+
+FAMILY = Family(
+    name="qwen4exp", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs,
+    build=f"{_HERE}.build:build", check_bounds=check_bounds, default_bounds=DEFAULT_BOUNDS,
+    describe=Config.describe, hf_model_types=("qwen4_exp", "qwen4_exp_text"), convert=f"{_HERE}.convert:convert_hf",
+    host_inputs={"ple": f"{_HERE}.ple:host_rows"},
+)
