@@ -1,7 +1,10 @@
 """A DeepSeek-V4-shaped random model of >= 50M parameters (all layer kinds), for compile-time,
 memory and speed measurements, in the formats the real models ship in; or a GLM-5.3-shaped one
-(`glm`: 8 trunk layers KKKD KKKD with the MTP layer, width 512, 16 experts top-4, Q2 recipe). Usage:
-    python benchmarks/model50m.py OUT.gguf [q8_0|f16|q4_k|q2|mxfp4|glm]
+(`glm`: 8 trunk layers KKKD KKKD with the MTP layer, width 512, 16 experts top-4, Q2 recipe), or a
+Qwen3.8-shaped one (`qwen`: 8 trunk layers GGGA GGGA, width 512, 16 experts top-4, PLE on layer 1
+with 16 heads of 32 over an 800k-row BF16 n-gram table, the Q4K recipe: Q4_K gate/up, MXFP4 down,
+BF16 embeddings, Q8_0 elsewhere, F16/F32 HC mixers). Usage:
+    python benchmarks/model50m.py OUT.gguf [q8_0|f16|q4_k|q2|mxfp4|glm|qwen]
 
 Expert width 512, so that every variant holds the same matrices (K-quants need rows of 256):
   q8_0, f16  the dense, routed and embedding matrices in that type;
@@ -18,7 +21,7 @@ from ds4tvm.families.deepseek4.published import q2_recipe_type
 from ds4tvm.families.deepseek4.random_model import default_type, tiny_config, write_random_deepseek4
 from ds4tvm.gguf.validate import DENSE, EMBED, ROUTED
 
-KINDS = ("q8_0", "f16", "q4_k", "q2", "mxfp4", "glm")
+KINDS = ("q8_0", "f16", "q4_k", "q2", "mxfp4", "glm", "qwen")
 
 
 def config(**overrides):
@@ -51,6 +54,31 @@ def glm_config():
                     swiglu_exp=(10.0,) * 9, swiglu_shexp=(10.0,) * 9, idx_full=(True,) * 8)
 
 
+def qwen_config():
+    from ds4tvm.families.qwen4exp.random_model import hash_constants
+    from ds4tvm.families.qwen4exp.random_model import tiny_config as qwen_tiny
+
+    return qwen_tiny(n_embd=512, n_vocab=32768, n_head=8, n_head_kv=2, head_dim=64, n_rot=32, n_expert=16,
+                     n_expert_used=4, n_ff_exp=512, n_ff_shexp=512, gdn_head_dim=64, gdn_k_heads=4, gdn_v_heads=8,
+                     hc_rank=64, idx_n_head=8, idx_head_dim=64, idx_top_k=64, heads_per_ngram=8, ple_width=32, eos=2,
+                     ple_table_rows=0, **hash_constants(32768, 3, 16, 50000))
+
+
+def qwen_type(spec) -> QT:
+    """Qwen3.8's published Q4K-imatrix recipe (ds4-spec §1.5)."""
+    from ds4tvm.gguf.validate import NORM, PLAIN
+
+    if spec.types == ROUTED:
+        return QT.MXFP4 if "down" in spec.name else QT.Q4_K
+    if spec.name in ("token_embd.weight", "per_layer_token_embd.weight"):
+        return QT.BF16
+    if spec.types == NORM:
+        return QT.F32
+    if spec.types == PLAIN or spec.shape[0] % 32:
+        return QT.F16
+    return QT.Q8_0
+
+
 def main():
     out, kind = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "q8_0")
     if kind not in KINDS:
@@ -60,6 +88,10 @@ def main():
         from ds4tvm.families.glm5next.random_model import write_random_glm5next
 
         path = write_random_glm5next(out, glm_config(), seed=50, type_of=glm_q2)
+    elif kind == "qwen":
+        from ds4tvm.families.qwen4exp.random_model import write_random_qwen4exp
+
+        path = write_random_qwen4exp(out, qwen_config(), seed=50, type_of=qwen_type)
     else:
         path = write_random_deepseek4(out, config(), seed=50, type_of=lambda s: type_of(s, kind), progress=True)
     from ds4tvm.gguf import open_gguf

@@ -262,7 +262,8 @@ def _sum_rows(k, t, d, P: int):
 
 
 class Qwen4Exp(nn.Module):
-    """The target: logits of every row (prefill: its last) from the token ids and the PLE rows."""
+    """The target: logits of every row (prefill: its last) from the token ids and the PLE rows,
+    then `hidden`, the output head's input of every row."""
 
     TARGET_FUNCTIONS = ("prefill", "prefill_all", "decode", "verify")
 
@@ -291,12 +292,13 @@ class Qwen4Exp(nn.Module):
             p = f"blk.{il}."
             X, new = layer.forward_layer(X, ple, start, {k[len(p):]: v for k, v in named.items() if k.startswith(p)})
             out_states.update({p + k: v for k, v in new.items()})
+        hidden = hc_mix(X, self.head, "output_hc", c.hc, c.rms_eps, inject=False)
+        head_in = hidden
         if last_only:
-            X = op.tensor_expr_op(lambda x: te.compute((1, c.hc, c.n_embd), lambda _, s, d: x[x.shape[0] - 1, s, d],
-                                                       name="last_row"), "last_row", [X])
-        logits = self.output.linear(hc_mix(X, self.head, "output_hc", c.hc, c.rms_eps, inject=False),
-                                    name="output_lm_head")
-        return logits, tuple(out_states[k] for k in self.state_names)
+            head_in = op.tensor_expr_op(lambda h: te.compute((1, c.n_embd), lambda _, d: h[h.shape[0] - 1, d],
+                                                             name="last_row"), "last_row", [hidden])
+        logits = self.output.linear(head_in, name="output_lm_head")
+        return logits, hidden, tuple(out_states[k] for k in self.state_names)
 
     def prefill(self, ids: nn.Tensor, ple: nn.Tensor, start, states):
         return self._forward(ids, ple, start, states, last_only=True)
@@ -315,7 +317,7 @@ class Qwen4Exp(nn.Module):
 
     def function_specs(self) -> list[FunctionSpec]:
         inputs = (("ids", "tokens"), ("ple", "host"), ("start", "position"))
-        return [FunctionSpec(f, inputs, ("logits",), states="model") for f in self.TARGET_FUNCTIONS]
+        return [FunctionSpec(f, inputs, ("logits", "hidden"), states="model") for f in self.TARGET_FUNCTIONS]
 
     def spec(self) -> dict:
         st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in state_specs(self.cfg, self.bounds)]
