@@ -12,6 +12,7 @@ from serving import InProcessServer
 
 from ds4tvm.families.deepseek4.tools import DSMLToolSyntax
 from ds4tvm.families.glm5next.tools import GLMToolSyntax
+from ds4tvm.families.qwen4exp.tools import QwenToolSyntax
 from ds4tvm.gguf.vocab import synthetic_vocab
 from ds4tvm.runtime.tokenizer import Tokenizer
 from ds4tvm.server.service import Service
@@ -34,14 +35,21 @@ GLM_BLOCK = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg
              "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>")
 
 
-@pytest.fixture(scope="module", params=["dsml", "glm"])
+# Qwen's syntax (families/qwen4exp/tools.py), as Qwen's chat template writes a call
+QWEN_BLOCK = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+              "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+SYNTAXES = {"glm": (GLM_BLOCK, GLMToolSyntax, "GLM-4.7-Flash.jinja"),
+            "qwen": (QWEN_BLOCK, QwenToolSyntax, "Qwen3.5-4B.jinja")}
+
+
+@pytest.fixture(scope="module", params=["dsml", "glm", "qwen"])
 def server(request):
     meta = dict(synthetic_vocab(512))
     meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"][0]
     block, syntax = BLOCK, DSMLToolSyntax
-    if request.param == "glm":
-        block, syntax = GLM_BLOCK, GLMToolSyntax
-        meta["tokenizer.chat_template"] = (fixtures_dir("templates") / "GLM-4.7-Flash.jinja").read_text()
+    if request.param in SYNTAXES:
+        block, syntax, template = SYNTAXES[request.param]
+        meta["tokenizer.chat_template"] = (fixtures_dir("templates") / template).read_text()
     tok = Tokenizer.from_metadata(meta)
     script = tok.encode("Let me check.\n\n" + block, add_bos=False)
     # margin 10 over 511 others: the scripted token has p ~ 0.98 at temperature 1
@@ -166,3 +174,21 @@ def test_glm_syntax_reads_several_calls_and_ends_after_the_last():
     assert s.open_block(GLM_BLOCK + "<tool_call>get_time<arg_key>zo") and not s.closed_block(GLM_BLOCK + "<tool_call>x")
     assert s.closed_block(GLM_BLOCK + "\nDone.")
     assert s.parse("no calls here") == [] and s.content_end("Answer  ") == len("Answer")
+
+
+def test_qwen_syntax_reads_what_its_template_writes():
+    """An assistant turn with two calls rendered by Qwen's chat template parses back to the calls
+    (a string, an integer and a mapping argument), after the answer text."""
+    from ds4tvm.runtime.chat import ChatTemplate
+
+    calls = [{"name": "get_weather", "arguments": ARGS},
+             {"name": "get_time", "arguments": {"zone": {"name": "CET", "dst": True}}}]
+    turn = {"role": "assistant", "content": "Checking both.",
+            "tool_calls": [{"type": "function", "function": c} for c in calls]}
+    template = ChatTemplate((fixtures_dir("templates") / "Qwen3.5-4B.jinja").read_text())
+    text = template.render(ASK + [turn], tools=TOOLS)
+    reply = text[text.rindex("Checking both."):]
+    s = QwenToolSyntax()
+    assert s.parse(reply) == calls and s.content(reply) == "Checking both."
+    assert not s.open_block(reply) and s.open_block(QWEN_BLOCK + "\n<tool_call>\n<function=get_t")
+    assert not s.closed_block(QWEN_BLOCK) and s.closed_block(QWEN_BLOCK + "\nDone.")

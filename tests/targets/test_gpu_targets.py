@@ -154,3 +154,22 @@ def test_device_check_says_so_on_a_machine_without_gpu():
 def test_shapes_only_takes_no_model():
     r = run_ds4_compile("model.gguf", "--shapes-only", "--target", "metal")
     assert r.returncode == 2 and "--shapes-only takes no MODEL" in r.stderr
+
+
+@pytest.mark.parametrize("target", [pytest.param("cuda:sm_90", marks=pytest.mark.slow),
+                                    pytest.param("rocm:gfx942", marks=pytest.mark.slow),
+                                    pytest.param("metal", marks=pytest.mark.slow)])
+def test_qwen4exp_compiles(tmp_path, target):
+    """Qwen3.8's kernels on GPUs: the delta rule's GPU form, the grouped-query QSA attention, the
+    NEOX RoPE, the HC mixer and the PLE conv (the PLE rows come in as an input)."""
+    from ds4tvm.families.qwen4exp.random_model import tiny_config, write_random_qwen4exp
+
+    gguf = write_random_qwen4exp(tmp_path / "qwen.gguf", tiny_config(), seed=1)
+    out = tmp_path / "art"
+    r = run_ds4_compile(gguf, "--target", target, "-o", out, "--max-context", "256", "--quiet")
+    if r.returncode == 2 and " need " in r.stderr:
+        pytest.skip(f"toolchain for {target} absent: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    m = Manifest.read(out)
+    assert m.family == "qwen4exp" and {"prefill", "decode", "verify"} <= {f["name"] for f in m.functions}
+    assert all(("ple", "host") in [tuple(i) for i in f["inputs"]] for f in m.functions)
