@@ -64,21 +64,6 @@ def qwen_config():
                      ple_table_rows=0, **hash_constants(32768, 3, 16, 50000))
 
 
-def qwen_type(spec) -> QT:
-    """Qwen3.8's published Q4K-imatrix recipe (ds4-spec §1.5)."""
-    from ds4tvm.gguf.validate import NORM, PLAIN
-
-    if spec.types == ROUTED:
-        return QT.MXFP4 if "down" in spec.name else QT.Q4_K
-    if spec.name in ("token_embd.weight", "per_layer_token_embd.weight"):
-        return QT.BF16
-    if spec.types == NORM:
-        return QT.F32
-    if spec.types == PLAIN or spec.shape[0] % 32:
-        return QT.F16
-    return QT.Q8_0
-
-
 def main():
     out, kind = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "q8_0")
     if kind not in KINDS:
@@ -89,9 +74,10 @@ def main():
 
         path = write_random_glm5next(out, glm_config(), seed=50, type_of=glm_q2)
     elif kind == "qwen":
+        from ds4tvm.families.qwen4exp.published import q4k_recipe_type
         from ds4tvm.families.qwen4exp.random_model import write_random_qwen4exp
 
-        path = write_random_qwen4exp(out, qwen_config(), seed=50, type_of=qwen_type)
+        path = write_random_qwen4exp(out, qwen_config(), seed=50, type_of=q4k_recipe_type)
     else:
         path = write_random_deepseek4(out, config(), seed=50, type_of=lambda s: type_of(s, kind), progress=True)
     from ds4tvm.gguf import open_gguf

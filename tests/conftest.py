@@ -65,3 +65,30 @@ def demo_pair(tmp_path_factory):
     with open(root / "demo.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return build_random_demo(root / "demo-shared")
+
+
+def rows_through_rejections(engine, ids, n_vocab: int, seed: int = 7):
+    """The logits rows of ids fed as verify blocks of random widths with rejections: a wrong draft
+    in a block's tail (its row and later rejected: commit of the prefix), or the whole block
+    dropped by rollback; only committed rows are kept. State left by rejected rows must not leak
+    into them."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows, i = [], 0
+    while i < len(ids):
+        k = min(int(rng.integers(1, engine.max_verify + 1)), len(ids) - i)
+        drafts = np.array(ids[i:i + k])
+        j = k
+        if k > 1 and rng.random() < 0.5:
+            j = int(rng.integers(1, k))
+            drafts[j] = (drafts[j] + 1) % n_vocab
+        if rng.random() < 0.2:
+            engine.verify(drafts)
+            engine.rollback()
+            continue
+        out = engine.verify(drafts).logits
+        engine.commit(j)
+        rows.append(out[:j])
+        i += j
+    return np.concatenate(rows)

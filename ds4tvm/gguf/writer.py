@@ -27,6 +27,19 @@ class TensorOut:
         return int(np.prod(self.shape, dtype=np.int64)) // bs * ts
 
 
+class SparseData:
+    """Tensor data of `nbytes` bytes: `head` (uint8 or typed values) and zeros after it, the zeros
+    written as a hole in the file (no disk blocks where the filesystem has holes): tables far larger
+    than what a test should write. The tensor must not be the file's last."""
+
+    def __init__(self, head: np.ndarray, nbytes: int):
+        self.head, self.nbytes = np.ascontiguousarray(head), int(nbytes)
+
+    def tofile(self, f) -> None:
+        self.head.tofile(f)
+        f.seek(self.nbytes - self.head.nbytes, os.SEEK_CUR)
+
+
 def _value_type(value: Any) -> tuple[GGUFValueType, GGUFValueType | None]:
     if isinstance(value, bool):
         return GGUFValueType.BOOL, None
@@ -100,7 +113,8 @@ def write_gguf(path: str | os.PathLike, architecture: str, metadata: dict[str, A
     done = False
     try:
         for t in tensors:
-            data = np.ascontiguousarray(t.produce())
+            data = t.produce()
+            data = data if isinstance(data, SparseData) else np.ascontiguousarray(data)
             if data.nbytes != t.nbytes:
                 raise Ds4Error(f"tensor {t.name}: produced {data.nbytes} bytes, expected {t.nbytes} "
                                f"for {t.qtype.name} {list(t.shape)}")

@@ -15,7 +15,7 @@ order, so its float32 logits are not the better oracle.
 import numpy as np
 import pytest
 
-from conftest import run_ds4, run_ds4_compile
+from conftest import rows_through_rejections, run_ds4, run_ds4_compile
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS = 300
@@ -110,23 +110,4 @@ def test_verify_with_rejections_and_rollback(case):
     from ds4tvm.runtime.engine import Engine
 
     arts, ids, ref = case
-    e = Engine(arts["ds4"])
-    rng = np.random.default_rng(7)
-    rows, i = [], 0
-    while i < len(ids):
-        k = min(int(rng.integers(1, e.max_verify + 1)), len(ids) - i)
-        drafts = ids[i:i + k].copy()
-        if k > 1 and rng.random() < 0.5:
-            j = int(rng.integers(1, k))
-            drafts[j] = (drafts[j] + 1) % 512
-        else:
-            j = k
-        if rng.random() < 0.2:
-            e.verify(drafts)
-            e.rollback()
-            continue
-        out = e.verify(drafts).logits
-        e.commit(j)
-        rows.append(out[:j])
-        i += j
-    assert np.abs(np.concatenate(rows) - ref).max() <= TOLERANCE
+    assert np.abs(rows_through_rejections(Engine(arts["ds4"]), ids, 512) - ref).max() <= TOLERANCE

@@ -7,11 +7,11 @@ decode and verify modes, with the QSA indexer selecting (budget 32: from positio
 import numpy as np
 import pytest
 
-from conftest import run_ds4, run_ds4_compile
+from conftest import rows_through_rejections, run_ds4, run_ds4_compile
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS, EOS = 300, 7
-TOLERANCE = 1e-4   # the issue's bound; measured 4.9e-5 (budget 32) and 6.0e-5 (budget 512), logits up to 3.8
+TOLERANCE = 1e-4   # the issue's bound; measured 4.2e-5 (budget 32) and 6.8e-5 (budget 512), logits up to 3.8
 # seed 2's smallest top-k gaps in transformers (router probabilities, QSA block scores): 7.4e-5 and
 # 1.4e-3 with budget 32, 7.6e-5 with 512 (seed 1's router gap of 1.4e-6 gave one row of 8.5e-5)
 CASES = [pytest.param((2, 32), id="qsa-selecting"),
@@ -75,22 +75,4 @@ def test_verify_with_rejections_and_commit(case):
     from ds4tvm.runtime.engine import Engine
 
     art, ids, ref = case
-    e = Engine(art)
-    rng = np.random.default_rng(7)
-    rows, i = [], 0
-    while i < len(ids):
-        k = min(int(rng.integers(1, e.max_verify + 1)), len(ids) - i)
-        drafts = ids[i:i + k].copy()
-        j = k
-        if k > 1 and rng.random() < 0.5:
-            j = int(rng.integers(1, k))
-            drafts[j] = (drafts[j] + 1) % 512
-        if rng.random() < 0.2:
-            e.verify(drafts)
-            e.rollback()
-            continue
-        out = e.verify(drafts).logits
-        e.commit(j)
-        rows.append(out[:j])
-        i += j
-    assert np.abs(np.concatenate(rows) - ref).max() <= TOLERANCE
+    assert np.abs(rows_through_rejections(Engine(art), ids, 512) - ref).max() <= TOLERANCE

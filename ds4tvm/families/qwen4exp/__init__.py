@@ -13,5 +13,6 @@ FAMILY = Family(
     name="qwen4exp", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs,
     build=f"{_HERE}.build:build", check_bounds=check_bounds, default_bounds=DEFAULT_BOUNDS,
     describe=Config.describe, hf_model_types=("qwen4_exp", "qwen4_exp_text"), convert=f"{_HERE}.convert:convert_hf",
+    published=f"{_HERE}.build:published",
     host_inputs={"ple": f"{_HERE}.ple:host_rows"}, tool_syntax=f"{_HERE}.tools:QwenToolSyntax",
 )

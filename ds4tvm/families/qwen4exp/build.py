@@ -24,3 +24,12 @@ def build(req: BuildRequest) -> Build:
 
     module = Qwen4Exp(req.config, req.types, req.bounds)
     return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module))
+
+
+def published() -> BuildRequest:
+    """Qwen3.8 Flash Next at its published shapes and Q4K recipe types (ds4-spec §1.5)."""
+    from .published import published_config, q4k_recipe_type
+    from .tensors import tensor_specs
+
+    cfg = published_config()
+    return BuildRequest(cfg, {s.name: q4k_recipe_type(s) for s in tensor_specs(cfg)}, None, True)

@@ -130,11 +130,13 @@ class Layer(nn.Module):
         return w["ssm_out.weight"].linear(op.reshape(o, (n, Hv * D))), {"gdn_conv": conv_ring, "gdn_state": slots}
 
     def _decay_log(self, a: nn.Tensor) -> nn.Tensor:
-        """Per-head log-decay ssm_a * softplus(alpha + dt_bias) [n, Hv] (ssm_a = -exp(A_log))."""
+        """Per-head log-decay ssm_a * softplus(alpha + dt_bias) [n, Hv] (ssm_a = -exp(A_log)); softplus
+        as max(x, 0) + log(1 + exp(-|x|)): no log1p, which ROCm's device library lacks."""
         def f(a_te, s_te):
             def body(t, h):
                 x = a_te[t, h]
-                return s_te[h] * tirx.if_then_else(x > tirx.const(20.0, F32), x, tirx.log1p(te.exp(x)))
+                return s_te[h] * (tirx.max(x, tirx.const(0.0, F32))
+                                  + te.log(tirx.const(1.0, F32) + te.exp(-te.abs(x))))
 
             return te.compute(a_te.shape, body, name="gdn_decay")
 
