@@ -201,7 +201,9 @@ def _ple_constants(ckpt: Checkpoint, text: dict) -> dict:
 
 
 def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: str | None = None,
-               progress: bool = True) -> Path:
+               progress: bool = True, type_of=None) -> Path:
+    """type_of(spec) -> GGML type, when given, chooses each tensor's type (a recipe such as
+    published.q4k_recipe_type) in place of --type / --experts-type."""
     hf_dir, cfg_path = Path(hf_dir), Path(hf_dir) / "config.json"
     hf, dense, experts = read_hf_checkpoint(hf_dir, out, dense_type, experts_type)
     text = hf.get("text_config") or hf
@@ -210,7 +212,7 @@ def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: s
     cfg.validate(str(cfg_path))
     tensors = []
     for spec in tensor_specs(cfg):
-        qtype = _choose_type(spec, dense, experts)
+        qtype = type_of(spec) if type_of is not None else _choose_type(spec, dense, experts)
 
         def produce(name=spec.name, want=tuple(reversed(spec.shape)), qtype=qtype):
             x = ckpt.get(name, cfg)
