@@ -164,6 +164,23 @@ class Checkpoint:
         return self.st.get(self.names[src])
 
 
+class TextCheckpoint:
+    """A transformers checkpoint's text model: `root`, the prefix of its decoder's tensors
+    (`model.language_model.` in multimodal checkpoints, else `model.`), and raw(key), one tensor,
+    a one-line error naming it when absent. The families' converters build on it."""
+
+    def __init__(self, st, where: str):
+        self.st, self.where = st, where
+        self.root = next((r for r in ("model.language_model.", "model.") if f"{r}embed_tokens.weight" in st), None)
+        if self.root is None:
+            raise Ds4Error(f"{where}: no model.embed_tokens.weight (nor model.language_model.embed_tokens.weight)")
+
+    def raw(self, key: str) -> np.ndarray:
+        if key not in self.st:
+            raise Ds4Error(f"{self.where}: checkpoint has no tensor {key}")
+        return self.st.get(key)
+
+
 def _choose_type(spec, dense: QT, experts: QT) -> QT:
     if spec.types == NORM:
         return QT.F32

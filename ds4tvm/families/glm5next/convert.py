@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import Ds4Error
-from ...gguf.convert import _choose_type, read_hf_checkpoint
+from ...gguf.convert import TextCheckpoint, _choose_type, read_hf_checkpoint
 from ...gguf.quant import quantize
 from ...gguf.safetensors_io import SafetensorsDir
 from ...gguf.vocab import hf_vocab, synthetic_vocab
@@ -90,44 +90,37 @@ def config_from_hf(hf: dict, where: str, layout: str = DS4, n_nextn: int = 0) ->
         context_length=t.get("max_position_embeddings", 1048576))
 
 
-class Checkpoint:
+class Checkpoint(TextCheckpoint):
     """Canonical GGUF names -> checkpoint arrays in ds4's layout (numpy order)."""
 
     def __init__(self, st: SafetensorsDir, cfg: Config, where: str):
-        self.st, self.cfg, self.where = st, cfg, where
-        self.root = next((r for r in ("model.language_model.", "model.") if f"{r}embed_tokens.weight" in st), None)
-        if self.root is None:
-            raise Ds4Error(f"{where}: no model.language_model.embed_tokens.weight (nor model.embed_tokens.weight)")
-
-    def _get(self, key: str) -> np.ndarray:
-        if key not in self.st:
-            raise Ds4Error(f"{self.where}: checkpoint has no tensor {key}")
-        return self.st.get(key)
+        super().__init__(st, where)
+        self.cfg = cfg
 
     def get(self, name: str) -> np.ndarray:
         r, H = self.root, self.cfg.n_head
         if name == "token_embd.weight":
-            return self._get(r + "embed_tokens.weight")
+            return self.raw(r + "embed_tokens.weight")
         if name == "output_norm.weight":
-            return self._get(r + "norm.weight")
+            return self.raw(r + "norm.weight")
         if name == "output.weight":
-            return self._get("lm_head.weight" if "lm_head.weight" in self.st else r + "embed_tokens.weight")
+            return self.raw("lm_head.weight" if "lm_head.weight" in self.st else r + "embed_tokens.weight")
         _, layer, suffix = name.split(".", 2)
         p = f"{r}layers.{layer}."
         if suffix.endswith("_conv.weight"):            # [I, 1, K] -> [I, K]
-            w = self._get(p + f"self_attn.{suffix[4]}_conv1d.weight")
+            w = self.raw(p + f"self_attn.{suffix[4]}_conv1d.weight")
             return w.reshape(w.shape[0], w.shape[-1])
         if suffix == "kda_a_log.weight":
-            return self._get(p + "self_attn.A_log").reshape(-1)
+            return self.raw(p + "self_attn.A_log").reshape(-1)
         if suffix in ("attn_k_b.weight", "attn_v_b.weight"):
             c = self.cfg
-            kv_b = self._get(p + "self_attn.kv_b_proj.weight").reshape(H, c.key_length + c.value_length, c.kv_lora_rank)
+            kv_b = self.raw(p + "self_attn.kv_b_proj.weight").reshape(H, c.key_length + c.value_length, c.kv_lora_rank)
             k, v = kv_b[:, :c.key_length], kv_b[:, c.key_length:]
             return np.ascontiguousarray(k.transpose(0, 2, 1) if suffix == "attn_k_b.weight" else v)
         if suffix.endswith("_exps.weight"):
             part = suffix.split("_")[1]
-            return np.stack([self._get(p + f"mlp.experts.{j}.{part}_proj.weight") for j in range(self.cfg.n_expert)])
-        return self._get(p + _RENAMES[suffix])
+            return np.stack([self.raw(p + f"mlp.experts.{j}.{part}_proj.weight") for j in range(self.cfg.n_expert)])
+        return self.raw(p + _RENAMES[suffix])
 
 
 def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: str | None = None,

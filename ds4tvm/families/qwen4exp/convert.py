@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import Ds4Error
-from ...gguf.convert import _choose_type, read_hf_checkpoint
+from ...gguf.convert import TextCheckpoint, _choose_type, read_hf_checkpoint
 from ...gguf.quant import quantize
 from ...gguf.safetensors_io import SafetensorsDir
 from ...gguf.vocab import hf_vocab, synthetic_vocab
@@ -94,19 +94,8 @@ def config_from_hf(t: dict, where: str, ple: dict) -> Config:
                 eos=int(eos[0] if isinstance(eos, list) else eos), **ple) if t.get("ple_layer_ids") else {}))
 
 
-class Checkpoint:
+class Checkpoint(TextCheckpoint):
     """GGUF tensor names -> arrays (numpy order) from the checkpoint."""
-
-    def __init__(self, st: SafetensorsDir, where: str):
-        self.st, self.where = st, where
-        self.root = next((r for r in ("model.language_model.", "model.") if f"{r}embed_tokens.weight" in st), None)
-        if self.root is None:
-            raise Ds4Error(f"{where}: no model.embed_tokens.weight (nor model.language_model.embed_tokens.weight)")
-
-    def raw(self, key: str) -> np.ndarray:
-        if key not in self.st:
-            raise Ds4Error(f"{self.where}: checkpoint has no tensor {key}")
-        return self.st.get(key)
 
     def ple_layer(self, layer: int) -> str:
         return f"{self.root}layers.{layer}.ple.ple_embedding."
