@@ -100,15 +100,24 @@ class Checkpoint(TextCheckpoint):
     def ple_layer(self, layer: int) -> str:
         return f"{self.root}layers.{layer}.ple.ple_embedding."
 
-    def table(self, layer: int) -> np.ndarray:
+    def _table_parts(self, layer: int) -> list[str]:
+        """The n-gram table's tensor, or its shards in index order."""
         p = self.ple_layer(layer)
         if p + "ngram_embedding.weight" in self.st:
-            return self.raw(p + "ngram_embedding.weight")
+            return [p + "ngram_embedding.weight"]
         shards = sorted((int(k[len(p) + len("ngram_embedding.shard_"):].split(".")[0]), k) for k in self.st.names()
                         if k.startswith(p + "ngram_embedding.shard_"))
         if not shards:
             raise Ds4Error(f"{self.where}: checkpoint has no tensor {p}ngram_embedding.weight (nor its shards)")
-        return np.concatenate([self.raw(k) for _, k in shards])
+        return [k for _, k in shards]
+
+    def table_shape(self, layer: int) -> tuple[int, int]:
+        """(rows, width) from the tensors' headers, without reading them."""
+        shapes = [self.st.shape(k) for k in self._table_parts(layer)]
+        return sum(s[0] for s in shapes), shapes[0][1]
+
+    def table(self, layer: int) -> np.ndarray:
+        return np.concatenate([self.raw(k) for k in self._table_parts(layer)])
 
     def _experts(self, p: str, part: str, n_expert: int) -> np.ndarray:
         """[X, out, in] of gate, up or down: packed (gate_up_proj, gate first; down_proj) or one
@@ -183,10 +192,9 @@ def _ple_constants(ckpt: Checkpoint, text: dict) -> dict:
     p = ckpt.ple_layer(layer)
     ints = {k: tuple(int(v) for v in ckpt.raw(p + k).reshape(-1))
             for k in ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes")}
-    table = ckpt.table(layer)
+    rows, width = ckpt.table_shape(layer)
     return dict(multipliers=ints["layer_multipliers"], head_offsets=ints["ngram_heads_offsets"],
-                head_vocab_sizes=ints["ngram_heads_vocab_sizes"], ple_width=int(table.shape[1]),
-                ple_table_rows=int(table.shape[0]))
+                head_vocab_sizes=ints["ngram_heads_vocab_sizes"], ple_width=int(width), ple_table_rows=int(rows))
 
 
 def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: str | None = None,

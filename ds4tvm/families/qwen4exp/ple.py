@@ -6,6 +6,8 @@ them in as the `ple` input (families.Family.host_inputs)."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 TABLE = "per_layer_token_embd.weight"
@@ -58,7 +60,7 @@ def read_rows(table, rows: np.ndarray) -> np.ndarray:
     return values.reshape(rows.shape[0], -1).astype(np.float32, copy=False)
 
 
-_CONFIGS: dict = {}
+_CONFIGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # GGUFFile -> Config, gone with the file
 
 
 def host_rows(engine, inputs) -> np.ndarray:
@@ -68,9 +70,9 @@ def host_rows(engine, inputs) -> np.ndarray:
     from .config import Config
 
     f = engine.files["model"]
-    cfg = _CONFIGS.get(id(f))
+    cfg = _CONFIGS.get(f)
     if cfg is None:
-        cfg = _CONFIGS[id(f)] = Config.from_gguf(f)
+        cfg = _CONFIGS[f] = Config.from_gguf(f)
     ids = np.asarray(inputs["ids"], dtype=np.int64).reshape(-1)
     if not cfg.ple_layers:
         return np.zeros((len(ids), cfg.n_embd), np.float32)
