@@ -92,3 +92,13 @@ def rows_through_rejections(engine, ids, n_vocab: int, seed: int = 7):
         rows.append(out[:j])
         i += j
     return np.concatenate(rows)
+
+
+def ds4_logits(art, ids, mode: str, tmp_path):
+    """`ds4 logits -m ART --tokens IDS --mode MODE`: the float32 logits of every token."""
+    import numpy as np
+
+    out = Path(tmp_path) / f"{Path(art).name}-{mode}.npy"
+    r = run_ds4("logits", "-m", art, "--tokens", ",".join(map(str, ids)), "--mode", mode, "--out", out)
+    assert r.returncode == 0, r.stderr
+    return np.load(out)

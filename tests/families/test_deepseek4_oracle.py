@@ -11,7 +11,7 @@ returns the captured hidden states (the drafter's functions change nothing of th
 import numpy as np
 import pytest
 
-from conftest import rows_through_rejections, run_ds4, run_ds4_compile
+from conftest import ds4_logits, rows_through_rejections, run_ds4, run_ds4_compile
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS = 300
@@ -55,10 +55,7 @@ def case(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["prefill", "decode", "verify"])
 def test_logits_match_transformers(case, mode, tmp_path):
     art, ids, ref = case
-    out = tmp_path / f"{mode}.npy"
-    r = run_ds4("logits", "-m", art, "--tokens", ",".join(map(str, ids)), "--mode", mode, "--out", out)
-    assert r.returncode == 0, r.stderr
-    got = np.load(out)
+    got = ds4_logits(art, ids, mode, tmp_path)
     assert got.shape == ref.shape == (N_TOKENS, 512)
     err = np.abs(got - ref).max()
     print(f"{art.parent.name} {mode}: max |delta| = {err:.3g} (logits up to {np.abs(ref).max():.2f})")

@@ -15,7 +15,7 @@ order, so its float32 logits are not the better oracle.
 import numpy as np
 import pytest
 
-from conftest import rows_through_rejections, run_ds4, run_ds4_compile
+from conftest import ds4_logits, rows_through_rejections, run_ds4, run_ds4_compile
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS = 300
@@ -75,17 +75,10 @@ def case(request, tmp_path_factory):
     return {"ds4": _compiled(d, "ds4"), "dir": d}, ids, ref
 
 
-def _logits(art, ids, mode, tmp_path):
-    out = tmp_path / f"{mode}.npy"
-    r = run_ds4("logits", "-m", art, "--tokens", ",".join(map(str, ids)), "--mode", mode, "--out", out)
-    assert r.returncode == 0, r.stderr
-    return np.load(out)
-
-
 @pytest.mark.parametrize("mode", ["prefill", "decode", "verify"])
 def test_logits_match_transformers(case, mode, tmp_path):
     arts, ids, ref = case
-    got = _logits(arts["ds4"], ids, mode, tmp_path)
+    got = ds4_logits(arts["ds4"], ids, mode, tmp_path)
     assert got.shape == ref.shape == (N_TOKENS, 512)
     err = np.abs(got - ref).max()
     print(f"glm5next {mode}: max |delta| = {err:.3g} (logits up to {np.abs(ref).max():.2f})")
@@ -97,8 +90,8 @@ def test_llama_cpp_layout_gives_the_same_logits(case, tmp_path):
     """Its own compile (a minute): the default run checks llama.cpp's layout by its tables
     (tests/unit/test_glm5next_tables.py) and the converter's output (test_glm5next_convert.py)."""
     arts, ids, ref = case
-    ours = _logits(arts["ds4"], ids, "prefill", tmp_path)
-    theirs = _logits(_compiled(arts["dir"], "llama.cpp"), ids, "prefill", tmp_path)
+    ours = ds4_logits(arts["ds4"], ids, "prefill", tmp_path)
+    theirs = ds4_logits(_compiled(arts["dir"], "llama.cpp"), ids, "prefill", tmp_path)
     print(f"glm5next llama.cpp layout vs ds4 layout: max |delta| = {np.abs(theirs - ours).max():.3g}")
     assert np.abs(theirs - ours).max() <= LAYOUT_TOLERANCE
     assert np.abs(theirs - ref).max() <= TOLERANCE

@@ -7,7 +7,7 @@ decode and verify modes, with the QSA indexer selecting (budget 32: from positio
 import numpy as np
 import pytest
 
-from conftest import rows_through_rejections, run_ds4, run_ds4_compile
+from conftest import ds4_logits, rows_through_rejections, run_ds4, run_ds4_compile
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS, EOS = 300, 7
@@ -61,10 +61,7 @@ def case(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["prefill", "decode", "verify"])
 def test_logits_match_transformers(case, mode, tmp_path):
     art, ids, ref = case
-    out = tmp_path / f"{mode}.npy"
-    r = run_ds4("logits", "-m", art, "--tokens", ",".join(map(str, ids)), "--mode", mode, "--out", out)
-    assert r.returncode == 0, r.stderr
-    err = np.abs(np.load(out) - ref).max()
+    err = np.abs(ds4_logits(art, ids, mode, tmp_path) - ref).max()
     print(f"qwen4exp {mode}: max |delta| = {err:.3g} (logits up to {np.abs(ref).max():.2f})")
     assert err <= TOLERANCE
 
