@@ -1,7 +1,7 @@
 """A DeepSeek-V4-shaped random model of >= 50M parameters (all layer kinds), for compile-time,
 memory and speed measurements, in the formats the real models ship in; or a GLM-5.3-shaped one
 (`glm`: 8 trunk layers KKKD KKKD with the MTP layer, width 512, 16 experts top-4, Q2 recipe), or a
-Qwen3.8-shaped one (`qwen`: 8 trunk layers GGGA GGGA, width 512, 16 experts top-4, PLE on layer 1
+Qwen3.8-shaped one (`qwen`: 8 trunk layers GGGA GGGA + the MTP layer, width 512, 16 experts top-4, PLE on layer 1
 with 16 heads of 32 over an 800k-row BF16 n-gram table, the Q4K recipe: Q4_K gate/up, MXFP4 down,
 BF16 embeddings, Q8_0 elsewhere, F16/F32 HC mixers). Usage:
     python benchmarks/model50m.py OUT.gguf [q8_0|f16|q4_k|q2|mxfp4|glm|qwen]
@@ -61,7 +61,7 @@ def qwen_config():
     return qwen_tiny(n_embd=512, n_vocab=32768, n_head=8, n_head_kv=2, head_dim=64, n_rot=32, n_expert=16,
                      n_expert_used=4, n_ff_exp=512, n_ff_shexp=512, gdn_head_dim=64, gdn_k_heads=4, gdn_v_heads=8,
                      hc_rank=64, idx_n_head=8, idx_head_dim=64, idx_top_k=64, heads_per_ngram=8, ple_width=32, eos=2,
-                     ple_table_rows=0, **hash_constants(32768, 3, 16, 50000))
+                     ple_table_rows=0, n_nextn=1, **hash_constants(32768, 3, 16, 50000))
 
 
 def main():

@@ -102,3 +102,38 @@ def ds4_logits(art, ids, mode: str, tmp_path):
     r = run_ds4("logits", "-m", art, "--tokens", ",".join(map(str, ids)), "--mode", mode, "--out", out)
     assert r.returncode == 0, r.stderr
     return np.load(out)
+
+
+def exact_sampling_outcomes(engine, drafter_class, prompt, runs: int = 1600):
+    """The law check of --mtp-exact-sampling for an MTP drafter: at T = 1 with top-k 3, the two tokens
+    after `prompt`, every other run plain and every other speculative with drafter_class(engine,
+    exact=True) whose draft is replaced by the target's second choice after the chosen token (one it
+    accepts about half of the time). Returns the [2, outcomes] count table (plain, speculative) for a
+    chi-square test of homogeneity."""
+    import numpy as np
+
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+
+    params = SamplingParams(1.0, top_k=3, min_p=0.0)
+    engine.reset()
+    first = np.argsort(-engine.prefill(prompt).logits)[:3]
+    second = {}
+    for a in first:
+        engine.reset()
+        engine.prefill(prompt)
+        second[int(a)] = int(np.argsort(-engine.decode(int(a)).logits)[1])
+
+    class Drafts(drafter_class):
+        def draft(self, engine, token, max_tokens):
+            super().draft(engine, token, max_tokens)
+            return [second.get(token, 0)] if max_tokens else []
+
+    counts = {}
+    for run in range(runs):
+        spec = run % 2 == 0
+        engine.reset()
+        out, _ = generate(engine, prompt, 2, params, np.random.default_rng(run),
+                          drafter=Drafts(engine, exact=True) if spec else None, exact=spec)
+        counts.setdefault(tuple(out), [0, 0])[spec] += 1
+    return np.array(list(counts.values())).T

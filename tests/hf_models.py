@@ -6,6 +6,7 @@ ones) index-order mistakes in sinks, HC base/scale, position biases or routing b
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 TINY_V4 = dict(
@@ -329,10 +330,11 @@ def tiny_qwen4exp(seed: int = 0, **overrides):
     return model
 
 
-def topk_margins(model, ids) -> tuple[float, float]:
-    """The smallest gap between the k-th and (k+1)-th value of every top-k transformers takes in a
-    forward over ids: (router choices (torch.topk), QSA block choices (Tensor.topk)); inf where
-    no choice was made. A float32 engine's choices can differ only below such a gap."""
+@contextlib.contextmanager
+def recorded_topk_gaps():
+    """Within it, the smallest gap between the k-th and (k+1)-th value of every top-k transformers
+    takes: {"router": [...] (torch.topk), "indexer": [...] (Tensor.topk, QSA blocks)}, inf where no
+    choice was made. A float32 engine's choices can differ only below such a gap."""
     import torch
 
     gaps = {"router": [float("inf")], "indexer": [float("inf")]}
@@ -354,8 +356,15 @@ def topk_margins(model, ids) -> tuple[float, float]:
 
     torch.topk, torch.Tensor.topk = fn, method
     try:
-        with torch.no_grad():
-            model(torch.tensor(ids[None]), use_cache=False)
+        yield gaps
     finally:
         torch.topk, torch.Tensor.topk = real_fn, real_method
+
+
+def topk_margins(model, ids) -> tuple[float, float]:
+    """The smallest top-k gaps (recorded_topk_gaps) of a forward over ids: (router, indexer)."""
+    import torch
+
+    with recorded_topk_gaps() as gaps, torch.no_grad():
+        model(torch.tensor(ids[None]), use_cache=False)
     return min(gaps["router"]), min(gaps["indexer"])

@@ -113,6 +113,18 @@ class Family:
                            f"from the model GGUF itself")
 
 
+def nextn_speculation(model: str, max_draft: int, drafts: str) -> Callable[[Any], None]:
+    """Family.check_speculation of a family whose one drafter is the MTP (nextn) layer inside its GGUF
+    (--mtp FILE: Family.check_support_file): DSpark flags, and --mtp-draft above max_draft (rows per
+    cycle, the chosen token included), are errors; drafts: what its cycle drafts, for the message."""
+    def check(o) -> None:
+        if o.dspark or o.dspark_confidence is not None or o.dspark_strict:
+            raise Ds4Error(f"--dspark: {model} has no DSpark drafter; its MTP layer is in the main GGUF: pass --mtp")
+        if o.mtp_draft > max_draft:
+            raise Ds4Error(f"--mtp-draft {o.mtp_draft}: {model}'s MTP cycle {drafts}; pass --mtp")
+    return check
+
+
 def _registry() -> dict[str, Family]:
     from . import deepseek4, deepseek4_mtp, dspark, glm5next, qwen4exp
 

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import run_ds4, run_ds4_compile
+from conftest import exact_sampling_outcomes, run_ds4, run_ds4_compile
 
 pytestmark = pytest.mark.compile
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(0, 512, 41)]   # > 16 positions: the indexer selects
@@ -136,35 +136,10 @@ def test_exact_sampling_keeps_the_law_of_plain_sampling(model):
     from scipy.stats import chi2_contingency
 
     from ds4tvm.runtime.drafters.glm_mtp import GLMMTPDrafter
-    from ds4tvm.runtime.sampler import SamplingParams
-    from ds4tvm.runtime.speculative import generate
 
-    e = _engine(model)
-    params = SamplingParams(1.0, top_k=3, min_p=0.0)
-    prompt = PROMPT[:8]
-    e.reset()
-    first = np.argsort(-e.prefill(prompt).logits)[:3]
-    second = {}   # the target's second choice after each likely first token: a draft it sometimes takes
-    for a in first:
-        e.reset()
-        e.prefill(prompt)
-        second[int(a)] = int(np.argsort(-e.decode(int(a)).logits)[1])
-
-    class Drafts(GLMMTPDrafter):
-        def draft(self, engine, token, max_tokens):
-            super().draft(engine, token, max_tokens)
-            return [second.get(token, 0)] if max_tokens else []
-
-    counts = {}
-    for run in range(1600):
-        spec = run % 2 == 0
-        e.reset()
-        out, _ = generate(e, prompt, 2, params, np.random.default_rng(run),
-                          drafter=Drafts(e, exact=True) if spec else None, exact=spec)
-        counts.setdefault(tuple(out), [0, 0])[spec] += 1
-    table = np.array(list(counts.values())).T
+    table = exact_sampling_outcomes(_engine(model), GLMMTPDrafter, PROMPT[:8])
     assert table.shape[1] >= 4 and table.sum() == 1600
-    assert chi2_contingency(table).pvalue > 0.01, counts
+    assert chi2_contingency(table).pvalue > 0.01, table
 
 
 def test_cli_mtp_identity_timing_and_flag_errors(model):

@@ -160,15 +160,17 @@ def test_shapes_only_takes_no_model():
                                     pytest.param("metal", marks=pytest.mark.slow)])
 def test_qwen4exp_compiles(tmp_path, target):
     """Qwen3.8's kernels on GPUs: the delta rule's GPU form, the grouped-query QSA attention, the
-    NEOX RoPE, the HC mixer and the PLE conv (the PLE rows come in as an input)."""
+    NEOX RoPE, the HC mixer and the PLE conv (the PLE rows come in as an input), and the MTP
+    layer's functions."""
     from ds4tvm.families.qwen4exp.random_model import tiny_config, write_random_qwen4exp
 
-    gguf = write_random_qwen4exp(tmp_path / "qwen.gguf", tiny_config(), seed=1)
+    gguf = write_random_qwen4exp(tmp_path / "qwen.gguf", tiny_config(n_nextn=1), seed=1)
     out = tmp_path / "art"
     r = run_ds4_compile(gguf, "--target", target, "-o", out, "--max-context", "256", "--quiet")
     if r.returncode == 2 and " need " in r.stderr:
         pytest.skip(f"toolchain for {target} absent: {r.stderr.strip()}")
     assert r.returncode == 0, r.stderr
     m = Manifest.read(out)
-    assert m.family == "qwen4exp" and {"prefill", "decode", "verify"} <= {f["name"] for f in m.functions}
-    assert all(("ple", "host") in [tuple(i) for i in f["inputs"]] for f in m.functions)
+    assert m.family == "qwen4exp" and "qwen_mtp" in m.drafters
+    assert {"prefill", "decode", "verify", "mtp_observe", "mtp_step"} <= {f["name"] for f in m.functions}
+    assert all(("ple", "host") in [tuple(i) for i in f["inputs"]] for f in m.functions if not f["name"].startswith("mtp"))

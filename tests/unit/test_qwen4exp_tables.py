@@ -102,3 +102,26 @@ def test_wrong_shape_is_exit_2_with_one_line(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "tensor blk.0.attn_qkv.weight has shape [64, 129], expected [64, 128]" in lines[0]
+
+
+def test_mtp_model_reads_back_with_every_tensor_used(tmp_path):
+    cfg = tiny_config(n_nextn=1)
+    got, unused = _load(write_random_qwen4exp(tmp_path / "m.gguf", cfg, seed=1))
+    assert got == cfg and got.n_layers == 8 and got.n_all == 9 and unused == []
+
+
+MTP_CASES = [
+    (dict(edit_specs=_drop("blk.8.nextn.eh_proj.weight")), "missing tensor blk.8.nextn.eh_proj.weight"),
+    (dict(edit_specs=_drop("blk.8.ffn_down_exps.weight")), "missing tensor blk.8.ffn_down_exps.weight"),
+    (dict(metadata={P + "attention.compress_ratios": [0, 0, 0, 4, 0, 0, 0, 4, 0]}),
+     "compress_ratios marks the MTP layer as GDN"),
+    (dict(metadata={P + "nextn_predict_layers": 2}), "qwen4exp.nextn_predict_layers is 2; expected 0 or 1"),
+]
+
+
+@pytest.mark.parametrize("edit,message", MTP_CASES)
+def test_malformed_mtp_layer(tmp_path, edit, message):
+    path = write_random_qwen4exp(tmp_path / "bad.gguf", tiny_config(n_nextn=1), **edit)
+    r = run_ds4("inspect", path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr

@@ -2,28 +2,19 @@
 with the pooled sparse indexer) under mHC, MoE with a sigmoid router; GGUFs in ds4's layout or
 llama.cpp's both load (config.py, tensors.py)."""
 
-from ...errors import Ds4Error
-from .. import DraftSpec, Family
+from .. import DraftSpec, Family, nextn_speculation
 from .build import DEFAULT_BOUNDS, check_bounds
 from .config import ARCH, Config
 from .tensors import tensor_specs
 
 _HERE = "ds4tvm.families.glm5next"
 
-
-def check_speculation(o) -> None:
-    """GLM-5.3's one drafter is its nextn layer, in the model GGUF (--mtp FILE: Family.check_support_file)."""
-    if o.dspark or o.dspark_confidence is not None or o.dspark_strict:
-        raise Ds4Error("--dspark: GLM-5.3 has no DSpark drafter; its MTP layer is in the main GGUF: pass --mtp")
-    if o.mtp_draft > 2:
-        raise Ds4Error(f"--mtp-draft {o.mtp_draft}: GLM-5.3's MTP cycle drafts one token (2 per cycle with the "
-                       f"chosen one); pass --mtp")
-
 FAMILY = Family(
     name="glm5next", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs,
     build=f"{_HERE}.build:build", check_bounds=check_bounds, default_bounds=DEFAULT_BOUNDS,
     describe=Config.describe, hf_model_types=("glm5_next",), convert=f"{_HERE}.convert:convert_hf",
-    published=f"{_HERE}.build:published", check_speculation=check_speculation, tool_syntax=f"{_HERE}.tools:GLMToolSyntax",
+    published=f"{_HERE}.build:published", tool_syntax=f"{_HERE}.tools:GLMToolSyntax",
+    check_speculation=nextn_speculation("GLM-5.3", 2, "drafts one token (2 per cycle with the chosen one)"),
     drafters=(DraftSpec("glm_mtp", "GLM MTP", "--mtp", support=None, enabled=lambda o: o.mtp is not None or o.mtp_timing,
                         drafter="ds4tvm.runtime.drafters.glm_mtp:from_options",
                         compile_with="a GLM-5.3 GGUF that holds its nextn (MTP) layer"),),

@@ -21,9 +21,14 @@ def check_bounds(cfg, bounds) -> None:
 def build(req: BuildRequest) -> Build:
     from ...nn.qweight import parameter_sources
     from .model import Qwen4Exp
+    from .mtp import Qwen4ExpWithMTP
 
-    module = Qwen4Exp(req.config, req.types, req.bounds)
-    return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module))
+    if not req.config.n_nextn:
+        module = Qwen4Exp(req.config, req.types, req.bounds)
+        return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module))
+    module = Qwen4ExpWithMTP(req.config, req.types, req.bounds)   # the nextn layer is in the same GGUF
+    return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module),
+                 module.drafter_settings())
 
 
 def published() -> BuildRequest:

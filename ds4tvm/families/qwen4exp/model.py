@@ -64,14 +64,15 @@ def hc_mix(X: nn.Tensor, w: dict, part: str, hc: int, eps: float, inject: bool =
     """The low-rank HC mixer (Errata): xn = per-stream RMSNorm(X) * gamma; lo = SiLU(down(xn) / hc);
     mixed = mean_s sigmoid(up(lo))_s * xn_s [n, D]; with inject also 2 sigmoid(W_inj xn / hc) [n, hc]."""
     n, _, D = X.shape
-    xn = _per_stream(X, hc, D, eps, w[f"{part}_norm.weight"].values(name=f"{part}_norm"))
+    label = part.replace(".", "_")
+    xn = _per_stream(X, hc, D, eps, w[f"{part}_norm.weight"].values(name=f"{label}_norm"))
     flat = op.reshape(xn, (n, hc * D))
-    lo = op.silu(w[f"{part}_down.weight"].linear(flat, name=f"{part}_down") * (1.0 / hc))
-    gate = op.sigmoid(op.reshape(w[f"{part}_up.weight"].linear(lo, name=f"{part}_up"), (n, hc, D)))
+    lo = op.silu(w[f"{part}_down.weight"].linear(flat, name=f"{label}_down") * (1.0 / hc))
+    gate = op.sigmoid(op.reshape(w[f"{part}_up.weight"].linear(lo, name=f"{label}_up"), (n, hc, D)))
     mixed = op.sum(gate * xn, axis=1) * (1.0 / hc)
     if not inject:
         return mixed
-    return mixed, op.sigmoid(w[f"{part}_inject.weight"].linear(flat, name=f"{part}_inject") * (1.0 / hc)) * 2.0
+    return mixed, op.sigmoid(w[f"{part}_inject.weight"].linear(flat, name=f"{label}_inject") * (1.0 / hc)) * 2.0
 
 
 def _inject(X: nn.Tensor, weights: nn.Tensor, out: nn.Tensor) -> nn.Tensor:
@@ -145,30 +146,31 @@ class Layer(nn.Module):
     # ------------------------------------------------------------------ gated attention + QSA
     def attention(self, x, start, states):
         c, w = self.cfg, self.w
-        n, H, Hkv, D = x.shape[0], c.n_head, c.n_head_kv, c.head_dim
+        n, H, D = x.shape[0], c.n_head, c.head_dim
         qg = op.reshape(w["attn_q.weight"].linear(x, name="attn_q"), (n, H, 2 * D))
         q, gate = op.split(qg, 2, axis=2)
         q = rope_neox(rms(q, c.rms_eps, self.v("attn_q_norm.weight")), start, self.inv_freq, name="attn_q_rope")
+        new = self.attention_writes(x, start, states)
+        sel = self._select_blocks(x, start, new["idx_pooled"])
+        o = self._selected_attention(q, new["attn_k"], new["attn_v"], sel, start) * op.sigmoid(gate)
+        return w["attn_output.weight"].linear(op.reshape(o, (n, H * D)), name="attn_output"), new
+
+    def attention_writes(self, x, start, states) -> dict:
+        """The rows this layer keeps of x's positions: K and V, the raw index keys and the pooled
+        block keys of the blocks they complete (the MTP layer's observe writes only these)."""
+        c, w = self.cfg, self.w
+        n, Hkv, D = x.shape[0], c.n_head_kv, c.head_dim
         k = op.reshape(w["attn_k.weight"].linear(x, name="attn_k"), (n, Hkv, D))
         k = rope_neox(rms(k, c.rms_eps, self.v("attn_k_norm.weight")), start, self.inv_freq, name="attn_k_rope")
-        v = w["attn_v.weight"].linear(x, name="attn_v")
         keys = ring_write(states["attn_k"], op.reshape(k, (n, Hkv * D)), start, name="attn_k_write")
-        values = ring_write(states["attn_v"], v, start, name="attn_v_write")
-        sel, idx_states = self.indexer(x, start, states)
-        o = self._selected_attention(q, keys, values, sel, start)
-        o = o * op.sigmoid(gate)
-        out = w["attn_output.weight"].linear(op.reshape(o, (n, H * D)), name="attn_output")
-        return out, {"attn_k": keys, "attn_v": values, **idx_states}
+        values = ring_write(states["attn_v"], w["attn_v.weight"].linear(x, name="attn_v"), start, name="attn_v_write")
+        return {"attn_k": keys, "attn_v": values, **self._index_keys(x, start, states)}
 
-    def indexer(self, x, start, states):
-        """QSA: raw index keys per token; every `ratio` tokens the block's mean, RMSNorm'd and
-        rotated at the block's first position; blocks scored by sum_h relu(q_h . key) / sqrt(ID),
-        the top_k / ratio best complete ones (all while there are no more) plus the tail."""
-        c, w, P = self.cfg, self.w, self.cfg.ratio(self.il)
-        n, IH, ID = x.shape[0], c.idx_n_head, c.idx_head_dim
-        iq = op.reshape(w["indexer.q_proj.weight"].linear(x, name="idx_q"), (n, IH, ID))
-        iq = rope_neox(rms(iq, c.rms_eps, self.v("indexer.q_norm.weight")), start, self.inv_freq, name="idx_q_rope")
-        raw = w["indexer.k_proj.weight"].linear(x, name="idx_k")
+    def _index_keys(self, x, start, states) -> dict:
+        """QSA keys: raw index keys per token; every `ratio` tokens the block's mean, RMSNorm'd and
+        rotated at the block's first position, into the pooled table."""
+        c, P, ID = self.cfg, self.cfg.ratio(self.il), self.cfg.idx_head_dim
+        raw = self.w["indexer.k_proj.weight"].linear(x, name="idx_k")
         ring = states["idx_key_front"]
         ctx = gather_context(ring, raw, start, P - 1, name="idx_key_context")
         mean = op.tensor_expr_op(lambda k: te.compute(
@@ -177,9 +179,17 @@ class Layer(nn.Module):
         pooled = rope_neox(rms(mean, c.rms_eps, self.v("indexer.k_norm.weight")), start, self.inv_freq,
                            offset=-(P - 1), name="idx_block_rope")
         table = emit_rows(states["idx_pooled"], pooled, start, P, compact=False, name="idx_block_emit")
-        new = {"idx_key_front": ring_write(ring, raw, start, name="idx_key_write"), "idx_pooled": table}
+        return {"idx_key_front": ring_write(ring, raw, start, name="idx_key_write"), "idx_pooled": table}
+
+    def _select_blocks(self, x, start, table):
+        """Blocks scored by sum_h relu(q_h . key) / sqrt(ID): the top_k / ratio best complete ones
+        (all while there are no more) plus the tail."""
+        c, P = self.cfg, self.cfg.ratio(self.il)
+        n, IH, ID = x.shape[0], c.idx_n_head, c.idx_head_dim
+        iq = op.reshape(self.w["indexer.q_proj.weight"].linear(x, name="idx_q"), (n, IH, ID))
+        iq = rope_neox(rms(iq, c.rms_eps, self.v("indexer.q_norm.weight")), start, self.inv_freq, name="idx_q_rope")
         weights = _constant_rows(x, IH, 1.0 / math.sqrt(ID), "idx_head_weights")
-        return indexer_select(iq, weights, table, start, P, c.idx_top_k // P, name="qsa_indexer"), new
+        return indexer_select(iq, weights, table, start, P, c.idx_top_k // P, name="qsa_indexer")
 
     def _selected_attention(self, q, keys, values, sel, start):
         c = self.cfg
@@ -263,11 +273,19 @@ def _sum_rows(k, t, d, P: int):
     return total
 
 
+def last_row(x: nn.Tensor, name: str = "last_row") -> nn.Tensor:
+    """x[-1:] of a 2-D tensor with a symbolic row count."""
+    return op.tensor_expr_op(lambda h: te.compute((1, h.shape[1]), lambda _, d: h[h.shape[0] - 1, d], name=name),
+                             name, [x])
+
+
 class Qwen4Exp(nn.Module):
     """The target: logits of every row (prefill: its last) from the token ids and the PLE rows,
-    then `hidden`, the output head's input of every row."""
+    then `hidden`, the output head's input of every row (and with an MTP layer `streams`, the hc
+    residual streams the head mixes, which the layer drafts from)."""
 
     TARGET_FUNCTIONS = ("prefill", "prefill_all", "decode", "verify")
+    OUTPUTS = ("logits", "hidden")
 
     def __init__(self, cfg: Config, types: dict, bounds: Bounds = Bounds()):
         self.cfg, self.bounds = cfg, bounds
@@ -295,12 +313,9 @@ class Qwen4Exp(nn.Module):
             X, new = layer.forward_layer(X, ple, start, {k[len(p):]: v for k, v in named.items() if k.startswith(p)})
             out_states.update({p + k: v for k, v in new.items()})
         hidden = hc_mix(X, self.head, "output_hc", c.hc, c.rms_eps, inject=False)
-        head_in = hidden
-        if last_only:
-            head_in = op.tensor_expr_op(lambda h: te.compute((1, c.n_embd), lambda _, d: h[h.shape[0] - 1, d],
-                                                             name="last_row"), "last_row", [hidden])
-        logits = self.output.linear(head_in, name="output_lm_head")
-        return logits, hidden, tuple(out_states[k] for k in self.state_names)
+        logits = self.output.linear(last_row(hidden) if last_only else hidden, name="output_lm_head")
+        outs = {"logits": logits, "hidden": hidden, "streams": op.reshape(X, (n, c.hc * c.n_embd))}
+        return (*(outs[k] for k in self.OUTPUTS), tuple(out_states[k] for k in self.state_names))
 
     def prefill(self, ids: nn.Tensor, ple: nn.Tensor, start, states):
         return self._forward(ids, ple, start, states, last_only=True)
@@ -319,7 +334,7 @@ class Qwen4Exp(nn.Module):
 
     def function_specs(self) -> list[FunctionSpec]:
         inputs = (("ids", "tokens"), ("ple", "host"), ("start", "position"))
-        return [FunctionSpec(f, inputs, ("logits", "hidden"), states="model") for f in self.TARGET_FUNCTIONS]
+        return [FunctionSpec(f, inputs, self.OUTPUTS, states="model") for f in self.TARGET_FUNCTIONS]
 
     def spec(self) -> dict:
         st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in state_specs(self.cfg, self.bounds)]

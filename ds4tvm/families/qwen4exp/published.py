@@ -1,6 +1,6 @@
 """Qwen3.8 Flash Next at its published shapes (ds4-spec §1.5) and the tensor types of its Q4K-imatrix
-recipe: what `ds4-compile --shapes-only --family qwen4exp` compiles, without weights. The MTP layer
-(block 48) is left out: it has no drafter yet."""
+recipe: what `ds4-compile --shapes-only --family qwen4exp` compiles, without weights, with the MTP
+layer (block 48) of the integrated GGUFs."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ N_TRUNK = 48
 
 
 def published_config() -> Config:
-    return Config(n_layers=N_TRUNK, n_nextn=0, n_embd=2560, n_vocab=248320, rms_eps=1e-6, n_head=24, n_head_kv=2,
+    return Config(n_layers=N_TRUNK, n_nextn=1, n_embd=2560, n_vocab=248320, rms_eps=1e-6, n_head=24, n_head_kv=2,
                   head_dim=256, n_rot=64, rope_base=1e7, rope_sections=(11, 11, 10, 0), n_expert=512, n_expert_used=10,
                   n_ff_exp=640, n_ff_shexp=640, conv_kernel=4, gdn_head_dim=128, gdn_k_heads=16, gdn_v_heads=48,
-                  layer_ratios=tuple(4 if (i + 1) % 4 == 0 else 0 for i in range(N_TRUNK)), hc=4, hc_rank=320,
-                  idx_n_head=4, idx_head_dim=128, idx_top_k=2048, ple_layers=(1,), ngram=3, heads_per_ngram=8,
-                  ple_conv_kernel=4, eos=248044, ple_width=160, context_length=262144,
+                  layer_ratios=tuple(4 if (i + 1) % 4 == 0 or i == N_TRUNK else 0 for i in range(N_TRUNK + 1)),
+                  hc=4, hc_rank=320, idx_n_head=4, idx_head_dim=128, idx_top_k=2048, ple_layers=(1,), ngram=3,
+                  heads_per_ngram=8, ple_conv_kernel=4, eos=248044, ple_width=160, context_length=262144,
                   **hash_constants(248320, 3, 16, 20_000_000))
 
 

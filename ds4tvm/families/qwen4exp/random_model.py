@@ -44,14 +44,15 @@ def hash_constants(n_vocab: int, ngram: int, heads: int, base: int, seed: int = 
 
 
 def tiny_config(**overrides) -> Config:
-    """8 trunk layers (GGGA GGGA), width 64, PLE on layer 1 (8 heads of 8), QSA budget 32."""
-    n = overrides.pop("n_layers", 8)
-    cfg = Config(n_layers=n, n_nextn=0, n_embd=64, n_vocab=512, rms_eps=1e-6, n_head=4, n_head_kv=2, head_dim=32,
+    """8 trunk layers (GGGA GGGA), width 64, PLE on layer 1 (8 heads of 8), QSA budget 32; with
+    n_nextn=1 the MTP layer after them."""
+    n, nextn = overrides.pop("n_layers", 8), overrides.pop("n_nextn", 0)
+    cfg = Config(n_layers=n, n_nextn=nextn, n_embd=64, n_vocab=512, rms_eps=1e-6, n_head=4, n_head_kv=2, head_dim=32,
                  n_rot=16, rope_base=10000.0, rope_sections=(4, 2, 2, 0), n_expert=8, n_expert_used=2, n_ff_exp=32,
                  n_ff_shexp=32, conv_kernel=4, gdn_head_dim=16, gdn_k_heads=2, gdn_v_heads=4,
-                 layer_ratios=tuple(4 if (i + 1) % 4 == 0 else 0 for i in range(n)), hc=4, hc_rank=16, idx_n_head=8,
-                 idx_head_dim=32, idx_top_k=32, ple_layers=(1,), ngram=3, heads_per_ngram=4, ple_conv_kernel=4,
-                 eos=7, ple_width=8, **hash_constants(512, 3, 8, 61))
+                 layer_ratios=tuple(4 if (i + 1) % 4 == 0 or i >= n else 0 for i in range(n + nextn)),
+                 hc=4, hc_rank=16, idx_n_head=8, idx_head_dim=32, idx_top_k=32, ple_layers=(1,), ngram=3,
+                 heads_per_ngram=4, ple_conv_kernel=4, eos=7, ple_width=8, **hash_constants(512, 3, 8, 61))
     cfg = replace(cfg, **overrides)
     return replace(cfg, ple_table_rows=cfg.ple_table_rows or -(-cfg.ple_rows // 8) * 8)
 

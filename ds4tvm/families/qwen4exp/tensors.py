@@ -64,10 +64,19 @@ def layer_specs(c: Config, layer: int) -> list[tuple]:
     return out + _moe(c)
 
 
+def nextn_specs(c: Config) -> list[tuple]:
+    """(suffix, shape, types) of the MTP layer's own tensors, beside its attention + MoE block:
+    eh_proj over [enorm(embedding); hnorm(stream)], and its HC head mixer."""
+    E, W = c.n_embd, c.hc * c.n_embd
+    return [("nextn.eh_proj.weight", (2 * E, E), DENSE), ("nextn.enorm.weight", (E,), NORM),
+            ("nextn.hnorm.weight", (W,), NORM), ("nextn.hc_head_norm.weight", (W,), NORM),
+            ("nextn.hc_head_down.weight", (W, c.hc_rank), PLAIN), ("nextn.hc_head_up.weight", (c.hc_rank, W), PLAIN)]
+
+
 def tensor_specs(c: Config) -> list[TensorSpec]:
-    """Every tensor the target reads, and the n-gram table (its rows: the file's count, checked
-    against the head ranges by Config; read lazily, never bound). The MTP layer's are not listed:
-    it has no drafter yet (`ds4 inspect` lists them as unused)."""
+    """Every tensor the target and its MTP layer (`blk.{n_layers}`, when nextn_predict_layers is 1)
+    read, and the n-gram table (its rows: the file's count, checked against the head ranges by
+    Config; read lazily, never bound)."""
     specs = [TensorSpec("token_embd.weight", (c.n_embd, c.n_vocab), EMBED),
              TensorSpec("output.weight", (c.n_embd, c.n_vocab), DENSE)]
     specs += [TensorSpec(name, shape, types) for name, shape, types in _hc(c, "output_hc")]
@@ -75,4 +84,7 @@ def tensor_specs(c: Config) -> list[TensorSpec]:
         specs.append(TensorSpec(TABLE, (c.ple_width, c.ple_table_rows or c.ple_rows), TABLE_TYPES))
     for layer in range(c.n_layers):
         specs += [TensorSpec(f"blk.{layer}.{s}", tuple(shape), types) for s, shape, types in layer_specs(c, layer)]
+    if c.n_nextn:
+        specs += [TensorSpec(f"blk.{c.n_layers}.{s}", tuple(shape), types)
+                  for s, shape, types in layer_specs(c, c.n_layers) + nextn_specs(c)]
     return specs

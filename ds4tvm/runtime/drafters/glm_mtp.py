@@ -127,6 +127,6 @@ class GLMMTPDrafter:
 
 
 def from_options(engine, options):
-    """--mtp (bare) or --mtp-timing (families/glm5next.check_speculation refused the rest);
+    """--mtp (bare) or --mtp-timing (the family's check_speculation refused the rest);
     --mtp-exact-sampling names the verdicts EXACT_*."""
     return GLMMTPDrafter(engine, timing=options.mtp_timing, exact=options.exact_sampling)
