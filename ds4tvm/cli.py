@@ -639,6 +639,9 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                                                         help="CPU: quantize the inputs of the Q8_0/Q4_K/Q2_K/IQ2_XXS "
                                                              "linears to int8 and use VNNI dot products (faster; "
                                                              "logits change by the 8-bit rounding)"),
+                  report: Optional[Path] = typer.Option(None, "--report", metavar="FILE.json",
+                                                        help="write, for each compiled function, the kernels a "
+                                                             "call runs and the rule that scheduled each"),
                   quiet: bool = typer.Option(False, "--quiet", help="no progress bar")):
     """Compile MODEL (and the drafter of its --mtp support file) for TARGET into an artifact directory or a
     package."""
@@ -669,6 +672,10 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                        "use --package for several")
     if package is not None and out is not None:
         raise Ds4Error("give either -o/--out (an artifact directory) or --package, not both")
+    if report is not None and package is not None:
+        raise Ds4Error("--report describes one target's compile: use it with -o/--out or --shapes-only, not --package")
+    if report is not None and (report.is_dir() or not report.parent.is_dir()):
+        raise Ds4Error(f"--report {report}: expected a file path in an existing directory")
     from .families import family_named
 
     fam = family_named(family) if shapes_only else _gguf_family(model)
@@ -682,13 +689,13 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
 
         out = out or Path(f"ds4-flash-shapes-{resolve(targets[0]).name}")
         _echo_json(compile_shapes(family, targets[0], bounds, out, progress=not quiet,
-                                  int8_activations=int8_activations))
+                                  int8_activations=int8_activations, report=report))
         return
     if package is None:
         out = out or Path(f"{model.stem}-{resolve(targets[0]).name}.ds4tvm")
         compile_gguf(model, targets[0], out, bounds, kv_rounding=not no_kv_rounding, progress=not quiet,
                      support=mtp, tune_trials=tune, records=records, draft_onnx=draft_onnx,
-                     int8_activations=int8_activations)
+                     int8_activations=int8_activations, report=report)
         if tune:
             for line in json.loads((out / "manifest.json").read_text())["extra"]["tuning"]:
                 typer.echo(json.dumps(line))

@@ -96,11 +96,13 @@ def check_bounds(family, cfg, bounds) -> None:
 def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_rounding: bool = True,
                  progress: bool = False, support: Path | None = None, tune_trials: int = 0,
                  records: Path | None = None, draft_onnx: Path | None = None,
-                 int8_activations: bool = False) -> Path:
+                 int8_activations: bool = False, report: Path | None = None,
+                 gpu_forms: bool | None = None) -> Path:
     """records: the tuning database to apply (and, with tune_trials > 0, to tune into); by default
     the one shipped for the target (schedules/tuning.py). draft_onnx: draft heads to compile in
     (compile/onnx_heads.py). int8_activations: the CPU linears quantize their inputs to int8
-    (nn/cpu_int8.py)."""
+    (nn/cpu_int8.py). report: where to write what each function's call runs (schedules/report.py).
+    gpu_forms: True exports a CPU target's linears in the GPU forms (their numerics checked here)."""
     tgt_spec = resolve(target)
     check_int8_activations(tgt_spec, int8_activations)
     if tune_trials and tgt_spec.device != "cpu":
@@ -122,7 +124,7 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
             m.config, tensor_types(m.gguf), bounds, kv_rounding, dm.family if dm else None, support_cfg,
             tensor_types(dm.gguf) if dm else {}))
         phases.next()
-        mod, named = _export(built.module, tgt_spec, int8_activations)
+        mod, named = _export(built.module, tgt_spec, int8_activations, gpu_forms)
         params = [[name, *built.sources[id(p)]] for name, p in named]
         functions, weights = built.functions, {MODEL: file_identity(gguf_path),
                                                **({"support": file_identity(support)} if dm else {})}
@@ -137,7 +139,7 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
 
             tuning = tune(mod, tvm.target.Target(tgt_spec.tvm), records, tune_trials, progress)
             phases.next()
-        ex = _compile_module(mod, tgt_spec, records)
+        ex = _compile_module(mod, tgt_spec, records, report, [f.name for f in functions])
         phases.next()
         out_dir.mkdir(parents=True, exist_ok=True)
         ex.export_library(str(out_dir / tgt_spec.library))
@@ -221,13 +223,20 @@ def check_int8_activations(tgt_spec, wanted: bool) -> None:
                        f"--target cpu on a CPU that has it (Ice Lake / Zen 4 or later), or compile without it")
 
 
-def _export(model, tgt_spec, int8_activations: bool = False):
-    """The Relax module and its parameters; CPU targets get the hand-written linear kernels."""
-    from ..nn.qweight import for_cpu
+def _export(model, tgt_spec, int8_activations: bool = False, gpu_forms: bool | None = None):
+    """The Relax module and its parameters; CPU targets get the hand-written linear kernels, GPU
+    targets the GPU forms (nn/qweight.py). gpu_forms=True exports a CPU target in the GPU forms too
+    (their numerics checked on the CPU: tests/targets/test_gpu_forms.py)."""
+    from ..nn import qweight
 
     cpu = tgt_spec.device == "cpu"
+    gpu_forms = not cpu if gpu_forms is None else gpu_forms
     threads = int(tgt_spec.tvm.get("num-cores", 1))
-    with for_cpu(threads, int8_activations) if cpu else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if gpu_forms:
+            stack.enter_context(qweight.gpu_forms(on_gpu=not cpu))
+        elif cpu:
+            stack.enter_context(qweight.for_cpu(threads, int8_activations))
         return model.export_tvm(spec=model.spec())
 
 
@@ -245,23 +254,31 @@ def _applies(records: Path | None) -> bool:
     return records is not None and has_records(records)
 
 
-def _compile_module(mod, tgt_spec, records: Path | None = None):
+def _compile_module(mod, tgt_spec, records: Path | None = None, report: Path | None = None, functions=()):
+    """The compiled module; with `report`, ds4-compile --report's JSON of `functions` written there
+    (schedules/report.py)."""
     import tvm
 
     from ..schedules.gpu import pipeline as gpu_pipeline
     from ..schedules.llvm import pipeline as cpu_pipeline
+    from ..schedules.report import module_report
 
     tgt = tvm.target.Target(tgt_spec.tvm)
     fatbin = cuda_fatbin(tgt_spec.arches) if tgt_spec.device == "cuda" else contextlib.nullcontext()
+    log: dict = {}
     with tgt, fatbin:
         records = _records(tgt_spec, records)
-        relax_pipeline = (cpu_pipeline(tgt, records if _applies(records) else None) if tgt_spec.device == "cpu"
-                          else gpu_pipeline(tgt, tgt_spec.device))
-        return tvm.compile(mod, target=tgt, relax_pipeline=relax_pipeline)
+        relax_pipeline = (cpu_pipeline(tgt, records if _applies(records) else None, log) if tgt_spec.device == "cpu"
+                          else gpu_pipeline(tgt, tgt_spec.device, log))
+        lowered = relax_pipeline(mod)
+        if report is not None:
+            names = [f for f in functions if f in {gv.name_hint for gv in lowered.get_global_vars()}]
+            Path(report).write_text(json.dumps(module_report(lowered, names, log, tgt_spec.name), indent=1))
+        return tvm.compile(lowered, target=tgt, relax_pipeline=None)
 
 
 def compile_shapes(family: str, target: str, bounds, out_dir: Path, progress: bool = False,
-                   int8_activations: bool = False) -> dict:
+                   int8_activations: bool = False, report: Path | None = None) -> dict:
     """Compiles a family at its published shapes and tensor types (with the drafter its entry
     pairs), without weights; writes the library to out_dir and returns times and sizes."""
     import resource
@@ -280,7 +297,7 @@ def compile_shapes(family: str, target: str, bounds, out_dir: Path, progress: bo
         phases.next()
         mod, named = _export(built.module, tgt_spec, int8_activations)
         phases.next()
-        ex = _compile_module(mod, tgt_spec)
+        ex = _compile_module(mod, tgt_spec, report=report, functions=[f.name for f in built.functions])
         phases.next()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -307,7 +307,7 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, groups: int = 1, int8:
     @T.prim_func(private=True)
     def main(x_h: T.handle, w0: T.Buffer(*a[0]), w1: T.Buffer(*a[1]), w2: T.Buffer(*a[2]), w3: T.Buffer(*a[3]),
              w4: T.Buffer(*a[4]), w5: T.Buffer(*a[5]), w6: T.Buffer(*a[6]), y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
+        T.func_attr({"tirx.noalias": True, "ds4.schedule": "hand"})
         n_tok = T.int32()
         x = T.match_buffer(x_h, (n_tok, groups * K), "float32")
         y = T.match_buffer(y_h, (n_tok, N), "float32")
@@ -369,7 +369,7 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
     @T.prim_func(private=True)
     def main(x_h: T.handle, ids_h: T.handle, w0: T.Buffer(*a[0]), w1: T.Buffer(*a[1]), w2: T.Buffer(*a[2]),
              w3: T.Buffer(*a[3]), w4: T.Buffer(*a[4]), w5: T.Buffer(*a[5]), w6: T.Buffer(*a[6]), y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
+        T.func_attr({"tirx.noalias": True, "ds4.schedule": "hand"})
         n_tok = T.int32()
         x = T.match_buffer(x_h, (n_tok, XJ, K), "float32")
         ids = T.match_buffer(ids_h, (n_tok, J), "int32")

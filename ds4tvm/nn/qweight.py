@@ -15,7 +15,7 @@ from tvm import te
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from . import cpu_kernels
+from . import cpu_kernels, gpu_kernels
 from .dequant import DEQUANT, tables
 from ..gguf.quant import plane_format
 
@@ -40,16 +40,53 @@ def exporting_for_cpu() -> bool:
     return _CPU.get() is not None
 
 
+# Set while a module is exported in the GPU forms (schedules/gpu.py): every linear a `dequantize`
+# block feeding one reduction over K, the form dlight's GEMV, LowBatchGEMV and Matmul rules take
+# (../shared/reference/gpu-guide.md §1), where the CPU's two-stage partial sums fall to Fallback.
+# The value says whether the kernels are for a GPU (True) or exported in those forms for a CPU,
+# to check their numerics there (False: no thread bindings).
+_GPU: contextvars.ContextVar[bool | None] = contextvars.ContextVar("ds4_gpu", default=None)
+
+
+@contextlib.contextmanager
+def gpu_forms(on_gpu: bool = True):
+    token = _GPU.set(on_gpu)
+    try:
+        yield
+    finally:
+        _GPU.reset(token)
+
+
 def _cpu_mode(qtype: QT, K: int) -> tuple[int | None, bool]:
     """(threads, int8) of the CPU kernels while exporting for a CPU target; threads None otherwise."""
     threads, int8 = _CPU.get() or (None, False)
     return threads, int8 and cpu_kernels.takes_int8(qtype, K)
 
 
-# Block names the CPU schedule looks for (schedules/llvm.py).
+# Block names the CPU schedule looks for (schedules/llvm.py), and the GPU forms' (dlight's
+# LowBatchGEMV special-cases blocks named "dequantize").
 DEQUANT_ROW, ROW_PARTIAL, ROW_MATMUL = "dequant_row", "row_partial", "row_matmul"
 EXPERT_PARTIAL, EXPERT_MATMUL = "expert_partial", "expert_matmul"
+GPU_DEQUANT, GPU_MATMUL = "dequantize", "matmul"
 LANES = 16  # partial sums per output, a 512-bit vector of float32
+
+
+def _dequantized(P: dict, deq, shape: tuple, row) -> "te.Tensor":
+    """The weight [*shape] as float32 from its planes, row(*i) giving the plane row of index i: a
+    block the CPU schedule computes one row at a time (never a whole fp32 weight), which the GPU
+    rules inline into the product."""
+    name = DEQUANT_ROW if _GPU.get() is None else GPU_DEQUANT
+    return te.compute(shape, lambda *i: deq(P, row(*i[:-1]), i[-1]), name=name)
+
+
+def _product(x_te, w, rows: tuple, K: int, x_at):
+    """y[t, rows...] = sum_k x_at(t, rows, k) * w[rows..., k]: the CPU's two-stage form, or the GPU's
+    one reduction over K."""
+    if _GPU.get() is None:
+        return _row_matmul(x_te, w, rows, K, x_at)
+    k = te.reduce_axis((0, K), name="k")
+    return te.compute((x_te.shape[0], *rows), lambda t, *r: te.sum(x_at(t, r, k) * w[(*r, k)], axis=k),
+                      name=GPU_MATMUL)
 
 
 def _row_matmul(x_te, w, rows: tuple, K: int, x_at):
@@ -104,11 +141,10 @@ class QWeight(nn.Module):
         deq = DEQUANT[self.qtype]
 
         def f(x_te, *ps):
-            P = dict(zip(names, ps))
             # Row n is dequantized once (schedules/llvm.py computes it inside the n loop, into a
             # K-value buffer) and used by every token: a verify or prefill reads each weight once.
-            w = te.compute((N, K), lambda n, k: deq(P, (n,), k), name=DEQUANT_ROW)
-            return _row_matmul(x_te, w, (N,), K, lambda t, r, k: x_te[t, k])
+            w = _dequantized(dict(zip(names, ps)), deq, (N, K), lambda n: (n,))
+            return _product(x_te, w, (N,), K, lambda t, r, k: x_te[t, k])
 
         return op.tensor_expr_op(f, name, [x, *args])
 
@@ -127,9 +163,8 @@ class QWeight(nn.Module):
         deq = DEQUANT[self.qtype]
 
         def f(x_te, *ps):
-            P = dict(zip(names, ps))
-            w = te.compute((groups, No, K), lambda g, o, k: deq(P, (g * No + o,), k), name=DEQUANT_ROW)
-            return _row_matmul(x_te, w, (groups, No), K, lambda t, r, k: x_te[t, r[0], k])
+            w = _dequantized(dict(zip(names, ps)), deq, (groups, No, K), lambda g, o: (g * No + o,))
+            return _product(x_te, w, (groups, No), K, lambda t, r, k: x_te[t, r[0], k])
 
         return op.tensor_expr_op(f, name, [x, *args])
 
@@ -139,8 +174,10 @@ class QWeight(nn.Module):
         E, N, K = self.shape
         per_expert_input = len(x.shape) == 3
         (threads, int8), T, J = _cpu_mode(self.qtype, K), x.shape[0], experts.shape[1]
-        if threads is not None and cpu_kernels.takes_experts(self.qtype, N, K, T, int8):
-            func = cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads, int8)
+        blockized = _GPU.get() is not None and gpu_kernels.takes_blockized(self.qtype, K)
+        if blockized or (threads is not None and cpu_kernels.takes_experts(self.qtype, N, K, T, int8)):
+            func = (gpu_kernels.expert_gemv(self.qtype, E, N, K, J, per_expert_input, _GPU.get()) if blockized
+                    else cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads, int8))
             xs = x if per_expert_input else op.reshape(x, (T, 1, K))
             return op.tensor_ir_op(func, name, [xs, experts, *self._cpu_args(int8)],
                                    nn.Tensor.placeholder((T, J, N), F32))
@@ -149,6 +186,11 @@ class QWeight(nn.Module):
 
         def f(x_te, ids, *ps):
             P = dict(zip(names, ps))
+            if _GPU.get() is not None:   # the flat GPU form, one (token, slot) pair per output row
+                w = _dequantized(P, deq, (ids.shape[0], J, N, K), lambda t, j, n: (ids[t, j], n))
+                k = te.reduce_axis((0, K), name="k")
+                return te.compute((ids.shape[0], J, N), lambda t, j, n: te.sum(
+                    (x_te[t, j, k] if per_expert_input else x_te[t, k]) * w[t, j, n, k], axis=k), name=GPU_MATMUL)
             lanes = LANES if K % LANES == 0 and K > LANES else 1   # one lane block: its loop folds away
             ko = te.reduce_axis((0, K // lanes), name="ko")
 

@@ -1,10 +1,13 @@
 """The GPU pipelines (CUDA, ROCm, Metal): TVM's build passes with dlight scheduling every kernel.
 
-Rules, first match wins: Matmul (prefill, tensor cores where the types allow), GEMV (static
-one-token decode), LowBatchGEMV (verify: a few tokens), Reduction and GeneralReduction (norms,
-softmax, pooling), Fallback for everything else, so that every PrimFunc is scheduled (GPU memory
-verification rejects an unscheduled one). ROCm and Metal narrow indices to int32 (the AMDGPU
-warp shuffles take i32 lane indices; Metal has no 64-bit thread indices).
+Linears arrive in their GPU forms (nn/qweight.py: a `dequantize` block feeding one reduction over
+K; routed experts blockized, nn/gpu_kernels.py). Rules, first match wins: Matmul (prefill and
+verify, symbolic token counts), GEMV (static one-token decode, the blockized experts),
+LowBatchGEMV, HandGEMV (the linears GEMV cannot analyse: IQ2_XXS), Reduction and GeneralReduction
+(norms, softmax, pooling), Fallback for everything else, so that every PrimFunc is scheduled (GPU
+memory verification rejects an unscheduled one). `ds4-compile --report` lists which rule took each
+kernel. ROCm and Metal narrow indices to int32 (the AMDGPU warp shuffles take i32 lane indices;
+Metal has no 64-bit thread indices).
 
 Operator fusion stays off, as on the CPU (schedules/llvm.py): the KV rings are written in place
 after every read of their old rows, and fusing a read into a later consumer would move it past
@@ -20,15 +23,54 @@ import tvm
 def rules():
     from tvm.s_tir import dlight as dl
 
-    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(4), _OrNext(dl.gpu.Reduction()),
+    return [dl.gpu.Matmul(), _OrNext(dl.gpu.GEMV()), dl.gpu.LowBatchGEMV(4), _hand_gemv(), _OrNext(dl.gpu.Reduction()),
             dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+
+
+WARP = 32
+
+
+def _hand_gemv():
+    """The linears dlight's GEMV cannot read (IQ2_XXS: its grid and sign tables are gathered by
+    the weight's own codes, which its analysis rejects), in nn/qweight.py's GPU form (a `dequantize`
+    block inlined into one `matmul` reduction over K): one thread block per output element (token,
+    row), its 32 threads a warp striding over K so that neighbouring threads read neighbouring
+    weights, partial sums in registers, then summed across the warp by shuffles."""
+    from tvm import s_tir
+    from tvm.s_tir.dlight.base import ScheduleRule
+
+    def apply(func, target, tunable):
+        sch = s_tir.Schedule(func)
+        try:
+            mm, deq = sch.get_sblock("matmul"), sch.get_sblock("dequantize")
+        except Exception:  # noqa: BLE001 - not one of the linears
+            return None
+        *spatial, k = sch.get_loops(mm)
+        extent = sch.get(k).extent
+        if not hasattr(extent, "value") or extent.value % WARP:
+            return None
+        sch.compute_inline(deq)
+        _, lane = sch.split(k, [None, WARP])
+        partial = sch.rfactor(lane, 0)
+        row = sch.fuse(*sch.get_loops(mm)[:-1])
+        sch.bind(row, "blockIdx.x")
+        sch.bind(sch.get_loops(mm)[-1], "threadIdx.x")
+        sch.compute_at(partial, row)
+        sch.bind(sch.get_loops(partial)[-2], "threadIdx.x")
+        sch.set_scope(partial, 0, "local")
+        return sch
+
+    rule = ScheduleRule.from_callable("HandGEMV")(apply)
+    rule.ds4_name = "HandGEMV"
+    return rule
 
 
 def _OrNext(rule):
     """The rule, passing a PrimFunc on to the next rules when its analysis fails on it instead of
     declining: dlight's Reduction asserts (an access region wider than one element per block
     variable) on two of GLM-5.3's real-size expert kernels (blocks expert_partial / expert_matmul),
-    which the next rules schedule."""
+    and its GEMV on IQ2_XXS linears (tables gathered by the weight's codes), which the next rules
+    schedule."""
     from tvm.s_tir.dlight.base import ScheduleRule
 
     def apply(func, target, tunable):
@@ -37,18 +79,49 @@ def _OrNext(rule):
         except AssertionError:
             return None
 
-    return ScheduleRule.from_callable(f"{type(rule).__name__}OrNext")(apply)
+    wrapped = ScheduleRule.from_callable(f"{type(rule).__name__}OrNext")(apply)
+    wrapped.ds4_name = type(rule).__name__
+    return wrapped
 
 
-def pipeline(target: tvm.target.Target, device: str):
+def apply_rules(rule_list, log: dict | None = None):
+    """dlight's ApplyDefaultSchedule (the first rule that takes a PrimFunc schedules it; written
+    scheduled ones are left alone), noting in `log` which rule took each kernel (schedules/report.py)."""
+    from tvm import s_tir, tirx
+
+    @tvm.transform.module_pass(opt_level=0, name="ApplyRules")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = tvm.target.Target.current(allow_none=False)
+        for gv, func in list(mod.functions_items()):
+            if not isinstance(func, tirx.PrimFunc) or (func.attrs is not None and func.attrs.get("tirx.is_scheduled")):
+                continue
+            for rule in rule_list:
+                space = rule.apply(func, target, False)
+                if space is None:
+                    continue
+                sch = space if isinstance(space, s_tir.Schedule) else space[0]
+                mod[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
+                if log is not None:
+                    log[gv.name_hint] = _rule_name(rule)
+                break
+        return mod
+
+    return _pass
+
+
+def _rule_name(rule) -> str:
+    return getattr(rule, "ds4_name", None) or type(rule).__name__
+
+
+def pipeline(target: tvm.target.Target, device: str, log: dict | None = None):
+    """log: filled with the rule that scheduled each kernel (ds4-compile --report)."""
     from tvm.relax import backend, transform
-    from tvm.s_tir import dlight as dl
 
     @tvm.transform.module_pass(opt_level=0)
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             passes = [backend.DispatchSampling(), backend.DispatchSortScan(), transform.LegalizeOps(),
-                      transform.AnnotateTIROpPattern(), dl.ApplyDefaultSchedule(*rules())]
+                      transform.AnnotateTIROpPattern(), apply_rules(rules(), log)]
             if device in ("rocm", "metal"):
                 passes.append(tvm.tirx.transform.ForceNarrowIndexToInt32())
             passes += [transform.RewriteDataflowReshape(), transform.ToNonDataflow(),

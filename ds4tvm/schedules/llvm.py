@@ -144,25 +144,45 @@ def _schedule_hadamard(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     return sch
 
 
-def hand_schedule(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | None:
-    """This pipeline's schedule of a kernel, or None for kernels it leaves as written."""
-    return (_schedule_row_matmul(func, threads) or _schedule_expert_matmul(func, threads)
-            or _schedule_attention(func) or _schedule_hadamard(func))
+def _hand_schedules(threads: int):
+    return (("llvm:row_matmul", lambda f: _schedule_row_matmul(f, threads)),
+            ("llvm:expert_matmul", lambda f: _schedule_expert_matmul(f, threads)),
+            ("llvm:attention", _schedule_attention), ("llvm:hadamard", _schedule_hadamard))
 
 
-def schedule_kernels(threads: int):
-    """Schedules every kernel this pipeline knows, except those a tuning record already scheduled."""
+def hand_schedule(func: tirx.PrimFunc, threads: int, kind: list | None = None) -> s_tir.Schedule | None:
+    """This pipeline's schedule of a kernel, or None for kernels it leaves as written; `kind` gets
+    the schedule's name appended (ds4-compile --report)."""
+    for name, schedule in _hand_schedules(threads):
+        sch = schedule(func)
+        if sch is not None:
+            if kind is not None:
+                kind.append(name)
+            return sch
+    return None
+
+
+def schedule_kernels(threads: int, log: dict | None = None):
+    """Schedules every kernel this pipeline knows, except those a tuning record already scheduled;
+    log: kernel -> what scheduled it (schedules/report.py)."""
     @tvm.transform.module_pass(opt_level=0, name="ScheduleKernels")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for gv, func in list(mod.functions_items()):
-            if not isinstance(func, tirx.PrimFunc) or (func.attrs is not None and func.attrs.get("tirx.is_scheduled")):
+            if not isinstance(func, tirx.PrimFunc):
                 continue
+            if func.attrs is not None and func.attrs.get("tirx.is_scheduled"):
+                if log is not None:
+                    log[gv.name_hint] = "tuned"
+                continue
+            kind = []
             try:
-                sch = hand_schedule(func, threads)
+                sch = hand_schedule(func, threads, kind)
             except Exception as e:  # noqa: BLE001 - unscheduled, this kernel would write a whole fp32 weight
                 raise Ds4Error(f"could not schedule {gv.name_hint}: {e}") from None
             if sch is not None:
                 mod[gv] = sch.mod["main"]
+                if log is not None:
+                    log[gv.name_hint] = kind[0]
         return mod
 
     return _pass
@@ -175,9 +195,9 @@ def legalize_passes() -> list:
     return [backend.DispatchSampling(), backend.DispatchSortScan(), transform.LegalizeOps()]
 
 
-def pipeline(target: tvm.target.Target, records: str | None = None):
+def pipeline(target: tvm.target.Target, records: str | None = None, log: dict | None = None):
     """records: a meta-schedule database directory (schedules/tuning.py) applied before the
-    hand schedules, which then skip what it scheduled."""
+    hand schedules, which then skip what it scheduled; log: kernel -> what scheduled it."""
     from tvm.relax import transform
 
     database = contextlib.nullcontext()
@@ -192,7 +212,7 @@ def pipeline(target: tvm.target.Target, records: str | None = None):
             seq = tvm.transform.Sequential([
                 *legalize_passes(),
                 *([transform.MetaScheduleApplyDatabase()] if records else []),
-                schedule_kernels(int(target.attrs.get("num-cores", 1))), transform.RewriteDataflowReshape(),
+                schedule_kernels(int(target.attrs.get("num-cores", 1)), log), transform.RewriteDataflowReshape(),
                 transform.ToNonDataflow(), transform.RemovePurityChecking(),
                 transform.CallTIRRewrite(), transform.StaticPlanBlockMemory(), transform.LowerAllocTensor(),
                 transform.KillAfterLastUse(), transform.LowerRuntimeBuiltin(), transform.ComputePrimValue(),

@@ -13,14 +13,23 @@ pytestmark = pytest.mark.compile
 TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_1, QT.Q4_K, QT.Q2_K, QT.Q6_K, QT.MXFP4, QT.IQ2_XXS]
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_plane_kernels_match_gguf_dequantize(qtype):
+# The GPU forms (nn/qweight.py, nn/gpu_kernels.py) exported for llvm: the same kernels as on a GPU
+# without their thread bindings; K = 256 sends the K-quants' experts to the flat form.
+PLANE_CASES = ([pytest.param(t, 512, False, id=t.name) for t in TYPES]
+               + [pytest.param(t, 512, True, id=f"{t.name}-gpu-forms") for t in TYPES]
+               + [pytest.param(t, 256, True, id=f"{t.name}-gpu-forms-flat") for t in (QT.Q4_K, QT.Q2_K, QT.Q6_K)])
+
+
+@pytest.mark.parametrize("qtype,K,gpu", PLANE_CASES)
+def test_plane_kernels_match_gguf_dequantize(qtype, K, gpu):
+    import contextlib
+
     from tvm import relax
     from tvm.relax.frontend import nn
 
-    from ds4tvm.nn.qweight import QWeight
+    from ds4tvm.nn.qweight import QWeight, gpu_forms
 
-    E, N, K = 3, 8, 512
+    E, N = 3, 8
     rng = np.random.default_rng(int(qtype))
 
     class M(nn.Module):
@@ -33,7 +42,8 @@ def test_plane_kernels_match_gguf_dequantize(qtype):
 
     spec = {"f": {"x": nn.spec.Tensor(["t", K], "float32"), "ids": nn.spec.Tensor(["t"], "int32"),
                   "sel": nn.spec.Tensor(["t", 2], "int32"), "$": {"param_mode": "plain", "effect_mode": "none"}}}
-    mod, params = M().export_tvm(spec=spec)
+    with gpu_forms(on_gpu=False) if gpu else contextlib.nullcontext():
+        mod, params = M().export_tvm(spec=spec)
     vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
     raw, raw_e = random_blocks(qtype, (N, K), rng), random_blocks(qtype, (E, N, K), rng)
     W, We = quants.dequantize(raw, qtype), quants.dequantize(raw_e, qtype)

@@ -1,0 +1,93 @@
+"""`ds4-compile --report FILE.json`: for every compiled function, the kernels one call runs and what
+scheduled each, read from the module as the VM will run it (after the pipeline, before code
+generation), for any target:
+
+  functions.<fn>.kernels          the kernels a call launches: {"kernel", "rule", "in_graph"}, those
+                                  inside captured regions first, then the others in call order
+                                  (both branches of a symbolic-shape specialisation are listed)
+  functions.<fn>.n_kernels        their count
+  functions.<fn>.by_rule          kernels per rule: a dlight rule's name (Matmul, GEMV, LowBatchGEMV,
+                                  Reduction, GeneralReduction, Fallback), `hand` (written scheduled:
+                                  nn/cpu_kernels.py, the GPU delta rule), `tuned` (a meta-schedule
+                                  record), `llvm:<kind>` (schedules/llvm.py's own), `host` (shape
+                                  functions on the host), `as written`
+  functions.<fn>.graph_regions    CUDA graph regions the call replays (0 where there are none)
+  functions.<fn>.kernels_in_graphs
+  functions.<fn>.outside_graphs   VM instructions the call runs outside those regions (kernel
+                                  launches, allocations, kills, reshapes, shape checks)
+
+The pipelines write what scheduled each kernel into a `RuleLog` (kernel name -> rule) as they run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+RuleLog = dict   # kernel (PrimFunc global name) -> the rule that scheduled it
+GRAPH_CALL = "vm.builtin.cuda_graph.run_or_capture"
+HAND = "hand"          # PrimFunc attribute value of ds4.schedule for kernels written scheduled
+
+
+def rule_of(func, log: RuleLog, name: str) -> str:
+    if name in log:
+        return log[name]
+    if name.startswith("shape_func"):   # VMShapeLower's host-side shape computation
+        return "host"
+    attrs = func.attrs or {}
+    if attrs.get("ds4.schedule") == HAND or attrs.get("tirx.is_scheduled"):
+        return HAND
+    return "as written"
+
+
+def _values(expr):
+    """The values bound in a function body, with both branches of an If."""
+    from tvm import relax
+
+    out = []
+    if isinstance(expr, relax.SeqExpr):
+        for block in expr.blocks:
+            for binding in block.bindings:
+                v = binding.value
+                out.append(v)
+                if isinstance(v, relax.If):
+                    out += _values(v.true_branch) + _values(v.false_branch)
+    return out
+
+
+def _kernels(mod, func, log: RuleLog, in_graph: bool) -> list[dict]:
+    import tvm
+    from tvm import relax
+
+    out = []
+    for v in _values(func.body):
+        if isinstance(v, relax.Call) and isinstance(v.op, tvm.ir.GlobalVar) and \
+                isinstance(mod[v.op], tvm.tirx.PrimFunc):
+            name = v.op.name_hint
+            out.append({"kernel": name, "rule": rule_of(mod[v.op], log, name), "in_graph": in_graph})
+    return out
+
+
+def function_report(mod, name: str, log: RuleLog) -> dict:
+    import tvm
+    from tvm import relax
+
+    func = mod[name]
+    kernels, regions, outside = [], 0, 0
+    for v in _values(func.body):
+        if not isinstance(v, (relax.Call, relax.Tuple, relax.TupleGetItem)):
+            continue
+        outside += 1
+        if isinstance(v, relax.Call) and isinstance(v.op, relax.ExternFunc) and v.op.global_symbol == GRAPH_CALL:
+            regions += 1
+            captured = v.args[0]
+            if isinstance(captured, tvm.ir.GlobalVar):
+                kernels += _kernels(mod, mod[captured], log, True)
+    kernels += _kernels(mod, func, log, False)
+    return {"kernels": kernels, "n_kernels": len(kernels), "by_rule": dict(Counter(k["rule"] for k in kernels)),
+            "graph_regions": regions, "kernels_in_graphs": sum(k["in_graph"] for k in kernels),
+            "outside_graphs": outside}
+
+
+def module_report(mod, functions, log: RuleLog, target: str) -> dict:
+    """The report of the named Relax functions of a lowered module."""
+    return {"target": target, "functions": {fn: function_report(mod, fn, log) for fn in functions}}

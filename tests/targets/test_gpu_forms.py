@@ -1,0 +1,85 @@
+"""The GPU forms of the quantized linears (nn/qweight.py, nn/gpu_kernels.py) and `ds4-compile --report`:
+
+- compiled for cuda:sm_90 here (codegen only), the report says which dlight rule scheduled each
+  kernel: no linear of any plane format (dense, grouped, routed experts) falls to Fallback;
+- the same forms exported for llvm give the CPU artifact's logits within 1e-4 in prefill, decode
+  and verify (the kernels are the GPU's; only the schedule differs), so their numerics are checked
+  without a GPU;
+- the report's keys are the same for every target (graph fields zero where there are no graphs).
+"""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from conftest import ROOT, run_ds4_compile
+
+pytestmark = pytest.mark.targets
+LINEARS = ("qlinear", "hc_mix", "hc_head_mix", "output_lm_head")   # kernel names of the model's linears
+KEYS = {"kernels", "n_kernels", "by_rule", "graph_regions", "kernels_in_graphs", "outside_graphs"}
+
+
+def _types(spec):
+    """Several GPU paths at once: Q8_0 dense, MXFP4 routed experts, BF16 shared experts, F16/F32 the rest."""
+    from ds4tvm.families.deepseek4.random_model import default_type
+    from ds4tvm.gguf.validate import DENSE, ROUTED
+
+    if spec.types == ROUTED:
+        return QT.MXFP4
+    if "shexp" in spec.name:
+        return QT.BF16
+    if spec.types == DENSE and spec.shape[0] % 32 == 0:
+        return QT.Q8_0
+    return default_type(spec)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+
+    d = tmp_path_factory.mktemp("gpu_forms")
+    return write_random_deepseek4(d / "tiny.gguf", tiny_config(), seed=4, type_of=_types)
+
+
+def test_no_linear_falls_to_fallback_on_cuda(model, tmp_path):
+    r = run_ds4_compile(model, "--target", "cuda:sm_90", "-o", tmp_path / "art", "--max-context", "256",
+                        "--report", tmp_path / "report.json", "--quiet")
+    if r.returncode == 2 and " need " in r.stderr:
+        pytest.skip(f"toolchain for CUDA absent: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["target"] == "cuda-sm_90" and {"prefill", "decode", "verify"} <= set(report["functions"])
+    for fn, f in report["functions"].items():
+        assert KEYS <= set(f) and f["n_kernels"] == len(f["kernels"]) == sum(f["by_rule"].values()), fn
+        linears = [k for k in f["kernels"] if k["kernel"].startswith(LINEARS)]
+        assert linears, fn
+        assert not [k for k in linears if k["rule"] == "Fallback"], (fn, [k for k in linears if k["rule"] == "Fallback"])
+    decode = report["functions"]["decode"]
+    experts = [k for k in decode["kernels"] if k["kernel"].startswith("qlinear_experts")]
+    assert experts and {k["rule"] for k in experts} == {"GEMV"}
+    print({fn: (f["n_kernels"], f["by_rule"]) for fn, f in report["functions"].items()})
+
+
+def test_gpu_forms_on_llvm_give_the_cpu_artifacts_logits(model, tmp_path):
+    from ds4tvm.artifact import Bounds
+    from ds4tvm.compile.driver import compile_gguf
+    from ds4tvm.runtime.engine import Engine
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from device_check import all_logits   # prefill, decode and verify logits of every token
+
+    bounds = Bounds(max_context=256, max_verify=4)
+    cpu = compile_gguf(model, "llvm", tmp_path / "cpu", bounds)
+    gpu = compile_gguf(model, "llvm", tmp_path / "gpu-forms", bounds, gpu_forms=True,
+                       report=tmp_path / "report.json")
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, 512, 40)]
+    ours, theirs = all_logits(Engine(gpu), ids), all_logits(Engine(cpu), ids)
+    for mode in ("prefill", "decode", "verify"):
+        err = np.abs(ours[mode] - theirs[mode]).max()
+        print(f"GPU forms on llvm, {mode}: max |delta| {err:.3g} (logits up to {np.abs(theirs[mode]).max():.2f})")
+        assert err <= 1e-4
+    report = json.loads((tmp_path / "report.json").read_text())["functions"]["decode"]
+    assert KEYS <= set(report) and report["graph_regions"] == report["kernels_in_graphs"] == 0
