@@ -224,7 +224,10 @@ class QWeight(nn.Module):
         return op.tensor_expr_op(f, name, [ids, *args])
 
     def values(self, name: str = "qvalues") -> nn.Tensor:
-        """The whole (small) tensor as float32: norms, biases, HC vectors."""
+        """The whole (small) tensor as float32: norms, biases, HC vectors. An F32 tensor is its one
+        plane, read as it is: a kernel that only copied a weight would run every step."""
+        if self.qtype == QT.F32:
+            return self.planes()[0]
         args, names = self._te_args()
         deq = DEQUANT[self.qtype]
         *lead, K = self.shape

@@ -117,6 +117,8 @@ def pipeline(target: tvm.target.Target, device: str, log: dict | None = None):
     """log: filled with the rule that scheduled each kernel (ds4-compile --report)."""
     from tvm.relax import backend, transform
 
+    from .report import note_weights_only
+
     @tvm.transform.module_pass(opt_level=0)
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
@@ -124,7 +126,8 @@ def pipeline(target: tvm.target.Target, device: str, log: dict | None = None):
                       transform.AnnotateTIROpPattern(), apply_rules(rules(), log)]
             if device in ("rocm", "metal"):
                 passes.append(tvm.tirx.transform.ForceNarrowIndexToInt32())
-            passes += [transform.RewriteDataflowReshape(), transform.ToNonDataflow(),
+            passes += [transform.RewriteDataflowReshape(), *([note_weights_only(log)] if log is not None else []),
+                       transform.ToNonDataflow(),
                        transform.RemovePurityChecking(), transform.CallTIRRewrite(),
                        transform.StaticPlanBlockMemory(), transform.LowerAllocTensor(), transform.KillAfterLastUse(),
                        transform.LowerRuntimeBuiltin(), transform.ComputePrimValue(), transform.VMShapeLower(),

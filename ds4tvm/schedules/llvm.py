@@ -200,6 +200,8 @@ def pipeline(target: tvm.target.Target, records: str | None = None, log: dict | 
     hand schedules, which then skip what it scheduled; log: kernel -> what scheduled it."""
     from tvm.relax import transform
 
+    from .report import note_weights_only
+
     database = contextlib.nullcontext()
     if records:   # entered as the current database: given a path, the pass logs a warning on every compile
         from tvm.s_tir import meta_schedule as ms
@@ -213,6 +215,7 @@ def pipeline(target: tvm.target.Target, records: str | None = None, log: dict | 
                 *legalize_passes(),
                 *([transform.MetaScheduleApplyDatabase()] if records else []),
                 schedule_kernels(int(target.attrs.get("num-cores", 1)), log), transform.RewriteDataflowReshape(),
+                *([note_weights_only(log)] if log is not None else []),
                 transform.ToNonDataflow(), transform.RemovePurityChecking(),
                 transform.CallTIRRewrite(), transform.StaticPlanBlockMemory(), transform.LowerAllocTensor(),
                 transform.KillAfterLastUse(), transform.LowerRuntimeBuiltin(), transform.ComputePrimValue(),

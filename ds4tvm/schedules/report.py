@@ -15,6 +15,8 @@ generation), for any target:
   functions.<fn>.kernels_in_graphs
   functions.<fn>.outside_graphs   VM instructions the call runs outside those regions (kernel
                                   launches, allocations, kills, reshapes, shape checks)
+  functions.<fn>.weights_only     kernels whose inputs are weights only (work that could be done
+                                  once at load instead of every call)
 
 The pipelines write what scheduled each kernel into a `RuleLog` (kernel name -> rule) as they run.
 """
@@ -23,7 +25,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-RuleLog = dict   # kernel (PrimFunc global name) -> the rule that scheduled it
+RuleLog = dict   # kernel (PrimFunc global name) -> the rule that scheduled it; WEIGHTS_ONLY -> {fn: [kernel]}
+WEIGHTS_ONLY = "weights_only"
 GRAPH_CALL = "vm.builtin.cuda_graph.run_or_capture"
 HAND = "hand"          # PrimFunc attribute value of ds4.schedule for kernels written scheduled
 
@@ -85,7 +88,56 @@ def function_report(mod, name: str, log: RuleLog) -> dict:
     kernels += _kernels(mod, func, log, False)
     return {"kernels": kernels, "n_kernels": len(kernels), "by_rule": dict(Counter(k["rule"] for k in kernels)),
             "graph_regions": regions, "kernels_in_graphs": sum(k["in_graph"] for k in kernels),
-            "outside_graphs": outside}
+            "outside_graphs": outside, "weights_only": log.get(WEIGHTS_ONLY, {}).get(name, [])}
+
+
+def note_weights_only(log: RuleLog):
+    """A pass (on call_tir form, before CallTIRRewrite) noting in log, per function, the kernels
+    whose every input comes from the weights (the parameters after the function's num_input)."""
+    import tvm
+    from tvm import relax
+
+    @tvm.transform.module_pass(opt_level=0, name="NoteWeightsOnly")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        found = log.setdefault(WEIGHTS_ONLY, {})
+        for gv, func in mod.functions_items():
+            if not isinstance(func, relax.Function) or func.attrs is None or "num_input" not in func.attrs:
+                continue
+            derived = set(func.params[int(func.attrs["num_input"]):])
+            found[gv.name_hint] = []
+            for v in _bindings(func.body):
+                if _from(v.value, derived):
+                    derived.add(v.var)
+                    if isinstance(v.value, relax.Call) and v.value.op == tvm.ir.Op.get("relax.call_tir"):
+                        found[gv.name_hint].append(v.value.args[0].name_hint)
+        return mod
+
+    return _pass
+
+
+def _bindings(expr):
+    from tvm import relax
+
+    if isinstance(expr, relax.SeqExpr):
+        for block in expr.blocks:
+            yield from block.bindings
+
+
+def _from(value, derived: set) -> bool:
+    """Whether a bound value is computed from the derived vars (and constants) alone."""
+    import tvm
+    from tvm import relax
+
+    if isinstance(value, relax.Var):
+        return value in derived
+    if isinstance(value, relax.Tuple):
+        return all(_from(f, derived) for f in value.fields)
+    if isinstance(value, relax.TupleGetItem):
+        return _from(value.tuple_value, derived)
+    if isinstance(value, relax.Call):
+        args = list(value.args[1:]) if value.op == tvm.ir.Op.get("relax.call_tir") else list(value.args)
+        return bool(args) and all(_from(a, derived) for a in args)
+    return not isinstance(value, relax.If)   # constants, shapes, prim values
 
 
 def module_report(mod, functions, log: RuleLog, target: str) -> dict:

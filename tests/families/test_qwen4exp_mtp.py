@@ -222,7 +222,8 @@ class _Double:
         return getattr(self.inner, name)
 
 
-@pytest.mark.parametrize("depth,mode", [("0", "agree"), ("3", "first"), ("3", "disagree"), ("2", "agree")])
+@pytest.mark.parametrize("depth,mode", [("0", "agree"), ("3", "first"), pytest.param("3", "disagree", marks=pytest.mark.slow),
+                                        pytest.param("2", "agree", marks=pytest.mark.slow)])
 def test_doubles_leave_target_only_tokens_and_state(model, depth, mode, monkeypatch):
     """Greedy: every double emits target-only's tokens and leaves the target's state and the nextn
     layer's rows as target-only decoding with the drafter observing leaves them; the adaptive

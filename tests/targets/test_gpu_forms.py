@@ -19,7 +19,7 @@ from conftest import ROOT, run_ds4_compile
 
 pytestmark = pytest.mark.targets
 LINEARS = ("qlinear", "hc_mix", "hc_head_mix", "output_lm_head")   # kernel names of the model's linears
-KEYS = {"kernels", "n_kernels", "by_rule", "graph_regions", "kernels_in_graphs", "outside_graphs"}
+KEYS = {"kernels", "n_kernels", "by_rule", "graph_regions", "kernels_in_graphs", "outside_graphs", "weights_only"}
 
 
 def _types(spec):
@@ -63,6 +63,7 @@ def test_no_linear_falls_to_fallback_on_cuda(model, tmp_path):
     print({fn: (f["n_kernels"], f["by_rule"]) for fn, f in report["functions"].items()})
 
 
+@pytest.mark.slow   # two compiles (a minute); tests/unit/test_kernels.py checks every format's GPU forms by default
 def test_gpu_forms_on_llvm_give_the_cpu_artifacts_logits(model, tmp_path):
     from ds4tvm.artifact import Bounds
     from ds4tvm.compile.driver import compile_gguf
@@ -83,3 +84,10 @@ def test_gpu_forms_on_llvm_give_the_cpu_artifacts_logits(model, tmp_path):
         assert err <= 1e-4
     report = json.loads((tmp_path / "report.json").read_text())["functions"]["decode"]
     assert KEYS <= set(report) and report["graph_regions"] == report["kernels_in_graphs"] == 0
+
+
+def test_report_errors_are_one_line(model, tmp_path):
+    for args, says in ((("--package", tmp_path / "p.tar", "--report", tmp_path / "r.json"), "not --package"),
+                       (("-o", tmp_path / "art", "--report", tmp_path / "no" / "r.json"), "an existing directory")):
+        r = run_ds4_compile(model, "--target", "llvm", *args)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
