@@ -300,11 +300,15 @@ def to_planes(data: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> Planes:
 # -exp(A_log) its converter computed with numpy's float32 exp). Only for small F32 tensors: the
 # result is a host copy.
 HOST_DERIVED = {"neg_exp": lambda a: -np.exp(a)}
+TO_F32 = "f32"   # an F16 / BF16 tensor bound as its float32 values (read only whole, as values)
 
 
 def derived_plane(p: Planes, field: str) -> np.ndarray:
-    """The plane a manifest parameter field names: 'w' as stored, 'w:neg_exp' derived."""
+    """The plane a manifest parameter field names: 'w' as stored, 'w:neg_exp' derived, 'w:f32' the
+    tensor's float32 values."""
     name, _, kind = field.partition(":")
+    if kind == TO_F32:
+        return np.ascontiguousarray(dequantize_planes(p), dtype=np.float32)
     arr = p.fields[name]
     return arr if not kind else HOST_DERIVED[kind](np.asarray(arr, dtype=np.float32))
 

@@ -17,7 +17,7 @@ from tvm.relax.frontend.nn import op
 
 from . import cpu_kernels, gpu_kernels
 from .dequant import DEQUANT, tables
-from ..gguf.quant import plane_format
+from ..gguf.quant import TO_F32, plane_format
 
 F32 = "float32"
 # Set while a module is exported for a CPU target: the number of cores it is compiled for, and
@@ -121,11 +121,25 @@ class QWeight(nn.Module):
     def planes(self) -> list[nn.Tensor]:
         return [getattr(self, f"plane_{n}") for n in self.fields]
 
+    def read_as_float32(self) -> "QWeight":
+        """Binds an F16 / BF16 tensor as its float32 values, converted once at load (gguf.quant.TO_F32)
+        instead of by a kernel every call: for small tensors a family reads only through values()."""
+        if self.qtype in (QT.F16, QT.BF16):
+            self.plane_w = nn.Parameter(self.shape, F32)
+            self.derive = TO_F32
+        return self
+
+    def _check_planes(self) -> None:
+        if self.derive == TO_F32:
+            raise ValueError(f"{self.gguf_name}: bound as float32 values (read_as_float32); read it with values()")
+
     def _te_args(self):
+        self._check_planes()
         consts = tables(self.qtype)
         return self.planes() + [nn.Tensor.from_const(v) for v in consts.values()], self.fields + list(consts)
 
     def _cpu_args(self, int8: bool) -> list[nn.Tensor]:
+        self._check_planes()
         consts = cpu_kernels.kernel_tables(self.qtype, int8)
         return cpu_kernels.weight_args(self.planes() + [nn.Tensor.from_const(v) for v in consts.values()])
 
@@ -226,7 +240,7 @@ class QWeight(nn.Module):
     def values(self, name: str = "qvalues") -> nn.Tensor:
         """The whole (small) tensor as float32: norms, biases, HC vectors. An F32 tensor is its one
         plane, read as it is: a kernel that only copied a weight would run every step."""
-        if self.qtype == QT.F32:
+        if self.qtype == QT.F32 or self.derive == TO_F32:
             return self.planes()[0]
         args, names = self._te_args()
         deq = DEQUANT[self.qtype]

@@ -90,3 +90,21 @@ def test_q4_k_quantizer_reads_back_through_gguf():
     err = np.abs(y.reshape(blocks.shape) - blocks)
     assert (err <= 0.5 * step + 0.03 * np.abs(blocks).max(axis=(1, 2), keepdims=True)).all()
     assert abs(float((y - x).mean())) < 1e-2 * float(np.abs(x).mean())   # random blocks: nearly all one sign
+
+
+@pytest.mark.parametrize("qtype", [QT.F16, QT.BF16], ids=lambda t: t.name)
+def test_a_tensor_read_as_float32_is_bound_as_its_dequantized_values(qtype):
+    """QWeight.read_as_float32: the engine binds the plane field 'w:f32' as gguf-py's float32 values,
+    and the QWeight refuses every read but values()."""
+    from tvm.relax.frontend import nn
+
+    from ds4tvm.gguf.quant import derived_plane
+    from ds4tvm.nn.qweight import QWeight, parameter_sources
+
+    raw = quantize(np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32), qtype)
+    got = derived_plane(to_planes(raw, qtype, (4, 64)), "w:f32")
+    assert got.dtype == np.float32 and np.array_equal(got, quants.dequantize(raw, qtype))
+    w = QWeight("blk.0.attn_compressor_ape.weight", qtype, (4, 64)).read_as_float32()
+    assert parameter_sources(w)[id(w.plane_w)] == ("blk.0.attn_compressor_ape.weight", "w:f32", "model")
+    with pytest.raises(ValueError, match="read it with values"):
+        w.linear(nn.Tensor.placeholder((1, 64), "float32"))

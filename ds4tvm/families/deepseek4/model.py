@@ -70,6 +70,9 @@ class Block(nn.Module):
                 self.raw_tensors = {prefix + short: self.tid2eid}
             else:
                 self.w[short] = W(short)
+        for short in self.w:
+            if short.endswith("_ape.weight"):   # read whole, as values: converted at load, not every step
+                self.w[short].read_as_float32()
         self.has_bias = "exp_probs_b.bias" in self.w
 
     def v(self, short: str) -> nn.Tensor:
