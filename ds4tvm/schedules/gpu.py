@@ -109,6 +109,66 @@ def apply_rules(rule_list, log: dict | None = None):
     return _pass
 
 
+LOW_BATCH = ((2, 2), (8, 4))   # (widest token count, LowBatchGEMV's batch tile) per branch
+
+
+def low_batch_specialize(log: dict | None = None):
+    """Verify widths on the GEMV path: each linear in its GPU form (blocks `dequantize` + `matmul`)
+    whose only symbolic dimension is the token count becomes `n <= 2`: LowBatchGEMV(2), `n <= 8`:
+    LowBatchGEMV(4), else Matmul (prefill chunks), branching on n inside one kernel, as MLC-LLM's
+    LowBatchGemvSpecialize does. Others are left to the rules."""
+    from tvm import s_tir, tirx
+    from tvm.s_tir import dlight as dl
+
+    def scheduled(func, rule, target):
+        sch = rule.apply(func, target, False)
+        sch = sch[0] if isinstance(sch, list) else sch
+        return None if sch is None else sch.mod["main"]
+
+    @tvm.transform.module_pass(opt_level=0, name="LowBatchSpecialize")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = tvm.target.Target.current(allow_none=False)
+        for gv, func in list(mod.functions_items()):
+            if not isinstance(func, tirx.PrimFunc) or (func.attrs is not None and func.attrs.get("tirx.is_scheduled")):
+                continue
+            sym = _token_var(func)
+            if sym is None:
+                continue
+            try:
+                low = [scheduled(func, dl.gpu.LowBatchGEMV(tile), target) for _, tile in LOW_BATCH]
+                wide = scheduled(func, dl.gpu.Matmul(), target)
+            except AssertionError:
+                continue
+            if wide is None or any(f is None for f in low):
+                continue
+            n, body = sym, wide.body
+            for (limit, _), f in reversed(list(zip(LOW_BATCH, low))):
+                body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= limit), f.body, body)
+            body = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
+            mod[gv] = func.with_body(body).with_attr("tirx.is_scheduled", True).with_attr(
+                "tirx.HoistIfThenElseExprWithBlock", 1)
+            if log is not None:
+                log[gv.name_hint] = "LowBatchGEMV|Matmul"
+        return mod
+
+    return _pass
+
+
+def _token_var(func):
+    """The symbolic token count of a linear in its GPU form (blocks `dequantize` and `matmul`, the
+    latter's only symbolic loop extent), or None for any other kernel."""
+    from tvm import s_tir, tirx
+
+    try:
+        sch = s_tir.Schedule(func)
+        sch.get_sblock("dequantize")
+        mm = sch.get_sblock("matmul")
+    except Exception:  # noqa: BLE001 - not one of the linears
+        return None
+    sym = {e for e in (sch.get(loop).extent for loop in sch.get_loops(mm)) if isinstance(e, tirx.Var)}
+    return sym.pop() if len(sym) == 1 else None
+
+
 def _rule_name(rule) -> str:
     return getattr(rule, "ds4_name", None) or type(rule).__name__
 
@@ -123,7 +183,7 @@ def pipeline(target: tvm.target.Target, device: str, log: dict | None = None):
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             passes = [backend.DispatchSampling(), backend.DispatchSortScan(), transform.LegalizeOps(),
-                      transform.AnnotateTIROpPattern(), apply_rules(rules(), log)]
+                      transform.AnnotateTIROpPattern(), low_batch_specialize(log), apply_rules(rules(), log)]
             if device in ("rocm", "metal"):
                 passes.append(tvm.tirx.transform.ForceNarrowIndexToInt32())
             passes += [transform.RewriteDataflowReshape(), *([note_weights_only(log)] if log is not None else []),

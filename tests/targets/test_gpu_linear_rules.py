@@ -1,6 +1,7 @@
 """Every plane format's linears in their GPU forms (nn/qweight.py, nn/gpu_kernels.py) on cuda:sm_90,
 codegen only: dense, grouped and routed-expert linears at one token (decode) and at a symbolic
-token count (verify, prefill) are scheduled by a GEMV-family or Matmul rule, never by Fallback,
+token count (verify, prefill) are scheduled by a GEMV-family or Matmul rule (the dense ones of a
+symbolic width by LowBatchGEMV up to 8 tokens and Matmul above, in one kernel), never by Fallback,
 and each builds to CUDA source (the GEMV ones reducing across a warp with shuffles)."""
 
 import pytest
@@ -44,7 +45,7 @@ def test_linears_take_gemv_rules_not_fallback(qtype, K):
     from tvm.relax.frontend import nn
 
     from ds4tvm.nn.qweight import gpu_forms
-    from ds4tvm.schedules.gpu import apply_rules, rules
+    from ds4tvm.schedules.gpu import apply_rules, low_batch_specialize, rules
 
     tgt = tvm.target.Target({"kind": "cuda", "arch": "sm_90", "host": {"kind": "llvm"}})
     model = _module(qtype, K)
@@ -59,10 +60,11 @@ def test_linears_take_gemv_rules_not_fallback(qtype, K):
     log = {}
     with tgt:
         mod = tvm.transform.Sequential([transform.LegalizeOps(), transform.AnnotateTIROpPattern(),
-                                        apply_rules(rules(), log)])(mod)
+                                        low_batch_specialize(log), apply_rules(rules(), log)])(mod)
     linears = {name: rule for name, rule in log.items() if name.startswith("qlinear")}
     assert len(linears) >= 6, log   # dense, grouped and experts (shared or per-slot input) at 1 and k tokens
     assert "Fallback" not in linears.values(), linears
+    assert "LowBatchGEMV|Matmul" in linears.values(), linears   # the dense linear at verify widths
     for gv, func in mod.functions_items():   # CUDA source (codegen only: nvcc is not asked)
         if gv.name_hint in linears:
             with tgt:
