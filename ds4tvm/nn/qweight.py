@@ -117,6 +117,8 @@ class QWeight(nn.Module):
         self.derive = None   # gguf.quant.HOST_DERIVED kind the runtime applies to an F32 plane at load
         for f in fmt.fields:
             setattr(self, f"plane_{f.name}", nn.Parameter((*lead, f.per_row(K)), f.dtype))
+        if not lead:   # a vector (norm, gate, bias) is only ever read whole
+            self.read_as_float32()
 
     def planes(self) -> list[nn.Tensor]:
         return [getattr(self, f"plane_{n}") for n in self.fields]

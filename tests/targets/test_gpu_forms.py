@@ -44,6 +44,7 @@ def model(tmp_path_factory):
     return write_random_deepseek4(d / "tiny.gguf", tiny_config(), seed=4, type_of=_types)
 
 
+@pytest.mark.slow   # the default run checks a model's report on Qwen3.8's CUDA compile (test_gpu_targets.py)
 def test_no_linear_falls_to_fallback_on_cuda(model, tmp_path):
     r = run_ds4_compile(model, "--target", "cuda:sm_90", "-o", tmp_path / "art", "--max-context", "256",
                         "--report", tmp_path / "report.json", "--quiet")

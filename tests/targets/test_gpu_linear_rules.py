@@ -34,8 +34,9 @@ def _module(qtype, K):
 
 
 # K = 512 for every format; 256 (one super-block per row) sends the K-quants' experts to the flat form
-CASES = [pytest.param(q, 512, id=q.name) for q in FORMATS] + [pytest.param(q, 256, id=f"{q.name}-flat")
-                                                               for q in (QT.Q4_K, QT.Q2_K, QT.Q6_K)]
+CASES = [pytest.param(q, 512, id=q.name) for q in FORMATS] + [
+    pytest.param(q, 256, id=f"{q.name}-flat", marks=() if q == QT.Q4_K else pytest.mark.slow)
+    for q in (QT.Q4_K, QT.Q2_K, QT.Q6_K)]
 
 
 @pytest.mark.parametrize("qtype,K", CASES)

@@ -5,6 +5,7 @@ LLVM's ELF.h numbers them), the Metal one MSL source; every artifact's manifest 
 `ds4 run` refuses it here with one line. One target of each kind runs by default; all of them
 with `python -m pytest -m targets`."""
 
+import json
 import re
 import shutil
 import struct
@@ -156,6 +157,17 @@ def test_shapes_only_takes_no_model():
     assert r.returncode == 2 and "--shapes-only takes no MODEL" in r.stderr
 
 
+# kernel names of Qwen3.8's linears (model.py, mtp.py) and the rules that may take them (--report)
+LINEARS = {"gdn_qkv", "gdn_z", "gdn_alpha", "gdn_beta", "attn_q", "attn_k", "attn_v", "attn_output", "idx_q", "idx_k",
+           "router", "ple_key", "ple_value", "nextn_eh_proj", "output_lm_head", "mtp_lm_head",
+           *(f"{part}_{p}" for part in ("hc_attn", "hc_ffn", "output_hc", "nextn_hc_head") for p in ("down", "up", "inject"))}
+
+
+def _is_linear(kernel: str) -> bool:
+    return kernel.startswith("qlinear") or kernel.rstrip("0123456789") in LINEARS
+GEMV_RULES = {"GEMV", "LowBatchGEMV", "HandGEMV", "Matmul", "LowBatchGEMV|Matmul"}
+
+
 @pytest.mark.parametrize("target", ["cuda:sm_90", pytest.param("rocm:gfx942", marks=pytest.mark.slow),
                                     pytest.param("metal", marks=pytest.mark.slow)])
 def test_qwen4exp_compiles(tmp_path, target):
@@ -166,7 +178,8 @@ def test_qwen4exp_compiles(tmp_path, target):
 
     gguf = write_random_qwen4exp(tmp_path / "qwen.gguf", tiny_config(n_nextn=1), seed=1)
     out = tmp_path / "art"
-    r = run_ds4_compile(gguf, "--target", target, "-o", out, "--max-context", "256", "--quiet")
+    r = run_ds4_compile(gguf, "--target", target, "-o", out, "--max-context", "256", "--quiet",
+                        "--report", tmp_path / "report.json")
     if r.returncode == 2 and " need " in r.stderr:
         pytest.skip(f"toolchain for {target} absent: {r.stderr.strip()}")
     assert r.returncode == 0, r.stderr
@@ -174,3 +187,10 @@ def test_qwen4exp_compiles(tmp_path, target):
     assert m.family == "qwen4exp" and "qwen_mtp" in m.drafters
     assert {"prefill", "decode", "verify", "mtp_observe", "mtp_step"} <= {f["name"] for f in m.functions}
     assert all(("ple", "host") in [tuple(i) for i in f["inputs"]] for f in m.functions if not f["name"].startswith("mtp"))
+    report = json.loads((tmp_path / "report.json").read_text())["functions"]
+    assert {f["name"] for f in m.functions} == set(report)
+    for fn, f in report.items():   # every linear in a GEMV-family or Matmul rule, no kernel reading weights only
+        linears = [k for k in f["kernels"] if _is_linear(k["kernel"])]
+        assert linears and all(k["rule"] in GEMV_RULES for k in linears), (fn, [k for k in linears if k["rule"] not in
+                                                                                 GEMV_RULES])
+        assert f["weights_only"] == [] and f["n_kernels"] == sum(f["by_rule"].values()), fn
