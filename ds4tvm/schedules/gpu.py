@@ -45,7 +45,7 @@ def _hand_gemv():
             mm, deq = sch.get_sblock("matmul"), sch.get_sblock("dequantize")
         except Exception:  # noqa: BLE001 - not one of the linears
             return None
-        *spatial, k = sch.get_loops(mm)
+        k = sch.get_loops(mm)[-1]
         extent = sch.get(k).extent
         if not hasattr(extent, "value") or extent.value % WARP:
             return None
@@ -87,14 +87,12 @@ def _OrNext(rule):
 def apply_rules(rule_list, log: dict | None = None):
     """dlight's ApplyDefaultSchedule (the first rule that takes a PrimFunc schedules it; written
     scheduled ones are left alone), noting in `log` which rule took each kernel (schedules/report.py)."""
-    from tvm import s_tir, tirx
+    from tvm import s_tir
 
     @tvm.transform.module_pass(opt_level=0, name="ApplyRules")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=False)
-        for gv, func in list(mod.functions_items()):
-            if not isinstance(func, tirx.PrimFunc) or (func.attrs is not None and func.attrs.get("tirx.is_scheduled")):
-                continue
+        for gv, func in _unscheduled(mod):
             for rule in rule_list:
                 space = rule.apply(func, target, False)
                 if space is None:
@@ -107,6 +105,14 @@ def apply_rules(rule_list, log: dict | None = None):
         return mod
 
     return _pass
+
+
+def _unscheduled(mod):
+    """(GlobalVar, PrimFunc) of the kernels no rule or hand has scheduled yet."""
+    from tvm import tirx
+
+    return [(gv, f) for gv, f in mod.functions_items()
+            if isinstance(f, tirx.PrimFunc) and not (f.attrs is not None and f.attrs.get("tirx.is_scheduled"))]
 
 
 LOW_BATCH = ((2, 2), (8, 4))   # (widest token count, LowBatchGEMV's batch tile) per branch
@@ -128,9 +134,7 @@ def low_batch_specialize(log: dict | None = None):
     @tvm.transform.module_pass(opt_level=0, name="LowBatchSpecialize")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=False)
-        for gv, func in list(mod.functions_items()):
-            if not isinstance(func, tirx.PrimFunc) or (func.attrs is not None and func.attrs.get("tirx.is_scheduled")):
-                continue
+        for gv, func in _unscheduled(mod):
             sym = _token_var(func)
             if sym is None:
                 continue
