@@ -265,14 +265,15 @@ def _compile_module(mod, tgt_spec, records: Path | None = None, report: Path | N
 
     tgt = tvm.target.Target(tgt_spec.tvm)
     fatbin = cuda_fatbin(tgt_spec.arches) if tgt_spec.device == "cuda" else contextlib.nullcontext()
-    log: dict = {}
+    log = {} if report is not None else None   # what scheduled each kernel: only a report reads it
     with tgt, fatbin:
         records = _records(tgt_spec, records)
         relax_pipeline = (cpu_pipeline(tgt, records if _applies(records) else None, log) if tgt_spec.device == "cpu"
                           else gpu_pipeline(tgt, tgt_spec.device, log))
         lowered = relax_pipeline(mod)
         if report is not None:
-            names = [f for f in functions if f in {gv.name_hint for gv in lowered.get_global_vars()}]
+            compiled = {gv.name_hint for gv in lowered.get_global_vars()}
+            names = [f for f in functions if f in compiled]
             Path(report).write_text(json.dumps(module_report(lowered, names, log, tgt_spec.name), indent=1))
         return tvm.compile(lowered, target=tgt, relax_pipeline=None)
 

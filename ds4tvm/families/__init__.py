@@ -72,6 +72,15 @@ class Build:
     drafters: dict[str, dict] = field(default_factory=dict)
 
 
+def module_build(module) -> Build:
+    """The Build of a family module that lists its own state and function specs, and the settings
+    of the drafters compiled into it when it has any (`drafter_settings()`)."""
+    from ..nn.qweight import parameter_sources
+
+    settings = module.drafter_settings() if hasattr(module, "drafter_settings") else {}
+    return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module), settings)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str                                       # package name under ds4tvm/families

@@ -4,7 +4,7 @@ holds), its bounds, and the published shapes for --shapes-only."""
 from __future__ import annotations
 
 from ...errors import Ds4Error
-from .. import Build, BuildRequest, load_attr
+from .. import Build, BuildRequest, load_attr, module_build
 
 
 def check_bounds(cfg, bounds) -> None:
@@ -14,7 +14,6 @@ def check_bounds(cfg, bounds) -> None:
 
 
 def build(req: BuildRequest) -> Build:
-    from ...nn.qweight import parameter_sources
     from .model import DeepSeekV4
 
     if req.support is None:
@@ -22,8 +21,7 @@ def build(req: BuildRequest) -> Build:
     else:   # the support file's family extends the target class with its drafter's functions
         cls = load_attr(f"ds4tvm.families.{req.support.name}.model:extend")(DeepSeekV4)
         module = cls(req.config, req.types, req.bounds, req.kv_rounding, req.support_config, req.support_types)
-    return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module),
-                 module.drafter_settings())
+    return module_build(module)
 
 
 def published() -> BuildRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...artifact import Bounds
 from ...errors import Ds4Error
-from .. import Build, BuildRequest
+from .. import Build, BuildRequest, module_build
 
 # a real-size KDA snapshot is 34 layers x 64 heads x 128 x 128 floats = 136 MiB, and each layer keeps
 # max_verify + 1 of them: the MTP cycle verifies 2 rows
@@ -19,16 +19,11 @@ def check_bounds(cfg, bounds) -> None:
 
 
 def build(req: BuildRequest) -> Build:
-    from ...nn.qweight import parameter_sources
     from .model import GLM5Next
     from .mtp import GLM5NextWithMTP
 
-    if not req.config.n_nextn:
-        module = GLM5Next(req.config, req.types, req.bounds)
-        return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module))
-    module = GLM5NextWithMTP(req.config, req.types, req.bounds)   # the nextn layer is in the same GGUF
-    return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module),
-                 module.drafter_settings())
+    cls = GLM5NextWithMTP if req.config.n_nextn else GLM5Next   # the nextn layer is in the same GGUF
+    return module_build(cls(req.config, req.types, req.bounds))
 
 
 def published() -> BuildRequest:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ...artifact import Bounds
 from ...errors import Ds4Error
-from .. import Build, BuildRequest
+from .. import Build, BuildRequest, module_build
 
 # a real-size GDN snapshot is 36 layers x 48 heads x 128 x 128 floats = 108 MiB, and each layer keeps
 # max_verify + 1 of them: the MTP cycle verifies up to 3 rows
@@ -19,16 +19,11 @@ def check_bounds(cfg, bounds) -> None:
 
 
 def build(req: BuildRequest) -> Build:
-    from ...nn.qweight import parameter_sources
     from .model import Qwen4Exp
     from .mtp import Qwen4ExpWithMTP
 
-    if not req.config.n_nextn:
-        module = Qwen4Exp(req.config, req.types, req.bounds)
-        return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module))
-    module = Qwen4ExpWithMTP(req.config, req.types, req.bounds)   # the nextn layer is in the same GGUF
-    return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module),
-                 module.drafter_settings())
+    cls = Qwen4ExpWithMTP if req.config.n_nextn else Qwen4Exp   # the nextn layer is in the same GGUF
+    return module_build(cls(req.config, req.types, req.bounds))
 
 
 def published() -> BuildRequest:

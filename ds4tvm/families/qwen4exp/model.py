@@ -86,16 +86,23 @@ def _constant_rows(x: nn.Tensor, width: int, value: float, name: str) -> nn.Tens
                                                      name=name), name, [x])
 
 
+def layer_weights(owner: nn.Module, layer: int, specs: list[tuple], types: dict) -> dict:
+    """QWeights of blk.{layer}.SUFFIX for (suffix, shape, types) specs, by suffix, each an attribute
+    of owner (so one of its parameters)."""
+    out = {}
+    for suffix, shape, _ in specs:
+        name = f"blk.{layer}.{suffix}"
+        out[suffix] = QWeight(name, types[name], tuple(reversed(shape)))
+        setattr(owner, suffix.replace(".", "_"), out[suffix])
+    return out
+
+
 class Layer(nn.Module):
     """One Qwen3.8 trunk layer; `w` holds its QWeights by GGUF suffix."""
 
     def __init__(self, cfg: Config, layer: int, types: dict):
         self.cfg, self.il = cfg, layer
-        self.w = {}
-        for suffix, shape, _ in layer_specs(cfg, layer):
-            name = f"blk.{layer}.{suffix}"
-            self.w[suffix] = QWeight(name, types[name], tuple(reversed(shape)))
-            setattr(self, suffix.replace(".", "_"), self.w[suffix])
+        self.w = layer_weights(self, layer, layer_specs(cfg, layer), types)
         self.inv_freq = (1.0 / cfg.rope_base ** (np.arange(0, cfg.n_rot, 2, dtype=np.int64).astype(np.float32)
                                                  / cfg.n_rot)).astype(np.float32)
 

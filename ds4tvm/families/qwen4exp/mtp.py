@@ -22,8 +22,7 @@ from tvm.relax.frontend.nn import op
 
 from ...artifact import FunctionSpec, StateSpec
 from ...nn.blocks import rms
-from ...nn.qweight import QWeight
-from .model import Layer, Qwen4Exp, _inject, _per_stream, hc_mix, last_row, layer_states
+from .model import Layer, Qwen4Exp, _inject, _per_stream, hc_mix, last_row, layer_states, layer_weights
 from .tensors import nextn_specs
 
 GROUP = "mtp"
@@ -33,11 +32,7 @@ class NextN(nn.Module):
     def __init__(self, cfg, types: dict):
         self.cfg = cfg
         self.layer = Layer(cfg, cfg.n_layers, types)
-        self.w = {}
-        for suffix, shape, _ in nextn_specs(cfg):
-            name = f"blk.{cfg.n_layers}.{suffix}"
-            self.w[suffix] = QWeight(name, types[name], tuple(reversed(shape)))
-            setattr(self, suffix.replace(".", "_"), self.w[suffix])
+        self.w = layer_weights(self, cfg.n_layers, nextn_specs(cfg), types)
 
     def inputs(self, streams_prev: nn.Tensor, embedded: nn.Tensor) -> nn.Tensor:
         """X [n, hc, E] from R [n, hc * E] and the embeddings [n, E]."""
