@@ -126,22 +126,26 @@ class FunctionSpec:
     """A compiled function: arguments are `inputs` in order, then the state tensors of the group
     `states` (if any), then the bound weights; it returns `outputs` in order, then (with states)
     the updated states, which are written in place. params: the slice [lo, hi) of the manifest's
-    weight arguments it takes (None: all of them)."""
+    weight arguments it takes (None: all of them). recorded: the call's argument tensors are
+    recorded by its first call (CUDA graphs replay their addresses; schedules/graphs.py): the
+    caller passes the same tensors every time, the position as a [1] int64 tensor."""
     name: str
     inputs: tuple[tuple[str, str], ...]     # (name, kind)
     outputs: tuple[str, ...]
     states: str | None = None
     params: tuple[int, int] | None = None
+    recorded: bool = False
 
     def to_json(self) -> dict:
         return {"name": self.name, "inputs": [list(i) for i in self.inputs], "outputs": list(self.outputs),
-                "states": self.states, "params": list(self.params) if self.params is not None else None}
+                "states": self.states, "params": list(self.params) if self.params is not None else None,
+                **({"recorded": True} if self.recorded else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> "FunctionSpec":
         params = d.get("params")
         return cls(d["name"], tuple(tuple(i) for i in d["inputs"]), tuple(d["outputs"]), d.get("states"),
-                   tuple(params) if params is not None else None)
+                   tuple(params) if params is not None else None, bool(d.get("recorded", False)))
 
 
 @dataclass

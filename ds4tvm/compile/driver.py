@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..artifact import MODEL, Manifest, file_identity
@@ -139,7 +139,10 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
 
             tuning = tune(mod, tvm.target.Target(tgt_spec.tvm), records, tune_trials, progress)
             phases.next()
-        ex = _compile_module(mod, tgt_spec, records, report, [f.name for f in functions])
+        recorded = []
+        ex = _compile_module(mod, tgt_spec, records, report, [f.name for f in functions],
+                             recorded=recorded if gpu_forms or tgt_spec.device != "cpu" else None)
+        functions = [replace(f, recorded=f.name in recorded) for f in functions]
         phases.next()
         out_dir.mkdir(parents=True, exist_ok=True)
         ex.export_library(str(out_dir / tgt_spec.library))
@@ -171,8 +174,6 @@ def _with_heads(mod, functions, heads, path: Path, tgt_spec, out_dir: Path, para
                 drafters: dict):
     """mod and functions with the ONNX draft heads added: their weights written into the artifact
     (a weight file of its own role), their function taking the weight arguments after the module's."""
-    from dataclasses import replace
-
     import tvm
 
     from ..artifact import FunctionSpec
@@ -254,9 +255,12 @@ def _applies(records: Path | None) -> bool:
     return records is not None and has_records(records)
 
 
-def _compile_module(mod, tgt_spec, records: Path | None = None, report: Path | None = None, functions=()):
+def _compile_module(mod, tgt_spec, records: Path | None = None, report: Path | None = None, functions=(),
+                    recorded: list | None = None):
     """The compiled module; with `report`, ds4-compile --report's JSON of `functions` written there
-    (schedules/report.py)."""
+    (schedules/report.py). recorded: filled with the functions whose arguments are recorded
+    (schedules/graphs.py: CUDA; a CPU target given it compiles as the CUDA pipeline does, the GPU
+    forms checked here)."""
     import tvm
 
     from ..schedules.gpu import pipeline as gpu_pipeline
@@ -268,8 +272,8 @@ def _compile_module(mod, tgt_spec, records: Path | None = None, report: Path | N
     log = {} if report is not None else None   # what scheduled each kernel: only a report reads it
     with tgt, fatbin:
         records = _records(tgt_spec, records)
-        relax_pipeline = (cpu_pipeline(tgt, records if _applies(records) else None, log) if tgt_spec.device == "cpu"
-                          else gpu_pipeline(tgt, tgt_spec.device, log))
+        relax_pipeline = (cpu_pipeline(tgt, records if _applies(records) else None, log, recorded)
+                          if tgt_spec.device == "cpu" else gpu_pipeline(tgt, tgt_spec.device, log, recorded))
         lowered = relax_pipeline(mod)
         if report is not None:
             compiled = {gv.name_hint for gv in lowered.get_global_vars()}

@@ -106,6 +106,9 @@ class Engine:
             if s.rewindable is not None:
                 self._rewind_limits[s.group] = min(s.rewindable, self._rewind_limits.get(s.group, s.rewindable))
         self.identity = hashlib.sha256((self.dir / MANIFEST).read_bytes()).hexdigest()
+        # (function, input) -> the tensor a recorded function takes every call; any function recorded
+        # keeps the first sequence's state tensors attached (attach)
+        self._recorded: dict = {} if any(f.recorded for f in self.functions.values()) else None
         self.seq = self.new_sequence()
         self.host_inputs = self._host_inputs()
         b = m.bounds
@@ -126,8 +129,22 @@ class Engine:
         return Sequence(states)
 
     def attach(self, seq: Sequence) -> None:
-        """Works on seq from now on; the sequence worked on before keeps its state."""
+        """Works on seq from now on; the sequence worked on before keeps its state. With recorded
+        functions (FunctionSpec.recorded: CUDA graphs replay the state addresses of their first
+        call) the attached sequence always holds the first sequence's state tensors: the two
+        sequences exchange contents and tensors."""
+        if self._recorded is not None and seq is not self.seq:
+            self._exchange_states(self.seq, seq)
         self.seq, self.pending = seq, 0
+
+    def _exchange_states(self, held: Sequence, other: Sequence) -> None:
+        for group, tensors in held.states.items():
+            for mine, theirs in zip(tensors, other.states[group]):
+                kept = self._tvm.runtime.empty(mine.shape, mine.dtype, self.dev)
+                kept.copyfrom(mine)
+                mine.copyfrom(theirs)
+                theirs.copyfrom(kept)
+            held.states[group], other.states[group] = other.states[group], tensors
 
     @property
     def states(self) -> dict:
@@ -240,10 +257,23 @@ class Engine:
     def _argument(self, kind: str, value):
         if kind == "position":
             return self._Shape([int(value)])
+        return self._tvm.runtime.tensor(self._array(kind, value), self.dev)
+
+    def _array(self, kind: str, value) -> np.ndarray:
+        if kind == "position":
+            return np.array([int(value)], np.int64)
         if kind == "tokens":
-            return self._tvm.runtime.tensor(self._ids(value), self.dev)
-        return self._tvm.runtime.tensor(np.ascontiguousarray(value, np.int32 if kind == "int32" else np.float32),
-                                        self.dev)
+            return self._ids(value)
+        return np.ascontiguousarray(value, np.int32 if kind == "int32" else np.float32)
+
+    def _recorded_argument(self, fn: str, name: str, kind: str, value):
+        """The tensor a recorded function always takes for this input, holding value."""
+        a = self._array(kind, value)
+        t = self._recorded.get((fn, name))
+        if t is None:
+            t = self._recorded[(fn, name)] = self._tvm.runtime.empty(a.shape, a.dtype, self.dev)
+        t.copyfrom(a)
+        return t
 
     def call(self, fn: str, **inputs) -> dict[str, np.ndarray]:
         """Runs compiled function fn with its FunctionSpec's inputs by name (a "start" position
@@ -261,7 +291,7 @@ class Engine:
                 value = inputs.get(name, self.pos if kind == "position" else None)
             if value is None:
                 raise Ds4Error(f"{fn}: input {name!r} ({kind}) is missing")
-            args.append(self._argument(kind, value))
+            args.append(self._recorded_argument(fn, name, kind, value) if spec.recorded else self._argument(kind, value))
         if spec.states is not None:
             args.append(self.states[spec.states])
             self.seq.fed.add(spec.states)

@@ -9,10 +9,11 @@ memory verification rejects an unscheduled one). `ds4-compile --report` lists wh
 kernel. ROCm and Metal narrow indices to int32 (the AMDGPU warp shuffles take i32 lane indices;
 Metal has no 64-bit thread indices).
 
-Operator fusion stays off, as on the CPU (schedules/llvm.py): the KV rings are written in place
-after every read of their old rows, and fusing a read into a later consumer would move it past
-the write. The dequantization of every plane format is already inside each linear's kernel (the
-weight is read as planes in the same PrimFunc that multiplies), so fusion is not needed for it.
+Before scheduling, the elementwise chains are fused (schedules/fusion.py: FuseOps + FuseTIR with
+every in-place state writer opaque and ordered after the kernels that read the rows it writes).
+On CUDA, functions with static shapes (decode) take recorded arguments (schedules/graphs.py: the
+position as a device tensor, every argument static) so that RewriteCUDAGraph captures the step in
+one CUDA graph; the VM then replays it, with the output head's kernels outside.
 """
 
 from __future__ import annotations
@@ -70,13 +71,14 @@ def _OrNext(rule):
     declining: dlight's Reduction asserts (an access region wider than one element per block
     variable) on two of GLM-5.3's real-size expert kernels (blocks expert_partial / expert_matmul),
     and its GEMV on IQ2_XXS linears (tables gathered by the weight's codes), which the next rules
-    schedule."""
+    schedule; its GEMV also fails (a loop fuse of no loops, ValueError) on some fused GEMVs whose
+    epilogue reshapes the output (Qwen3.8's), which LowBatchGEMV or the reduction rules then take."""
     from tvm.s_tir.dlight.base import ScheduleRule
 
     def apply(func, target, tunable):
         try:
             return rule.apply(func, target, tunable)
-        except AssertionError:
+        except (AssertionError, ValueError):
             return None
 
     wrapped = ScheduleRule.from_callable(f"{type(rule).__name__}OrNext")(apply)
@@ -177,25 +179,33 @@ def _rule_name(rule) -> str:
     return getattr(rule, "ds4_name", None) or type(rule).__name__
 
 
-def pipeline(target: tvm.target.Target, device: str, log: dict | None = None):
-    """log: filled with the rule that scheduled each kernel (ds4-compile --report)."""
+def pipeline(target: tvm.target.Target, device: str, log: dict | None = None, recorded: list | None = None):
+    """log: filled with the rule that scheduled each kernel (ds4-compile --report). recorded: on
+    CUDA, filled with the functions rewritten for CUDA graphs (schedules/graphs.py), whose
+    callers must pass the same argument tensors on every call."""
     from tvm.relax import backend, transform
 
+    from .fusion import fusion_passes
+    from .graphs import keep_borrowed_references, record_arguments
     from .report import note_weights_only
+
+    graphs = device == "cuda"
 
     @tvm.transform.module_pass(opt_level=0)
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        with target:
+        with target, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": graphs}):
             passes = [backend.DispatchSampling(), backend.DispatchSortScan(), transform.LegalizeOps(),
-                      transform.AnnotateTIROpPattern(), low_batch_specialize(log), apply_rules(rules(), log)]
+                      *([record_arguments([] if recorded is None else recorded)] if graphs else []),
+                      *fusion_passes(), low_batch_specialize(log), apply_rules(rules(), log)]
             if device in ("rocm", "metal"):
                 passes.append(tvm.tirx.transform.ForceNarrowIndexToInt32())
             passes += [transform.RewriteDataflowReshape(), *([note_weights_only(log)] if log is not None else []),
                        transform.ToNonDataflow(),
                        transform.RemovePurityChecking(), transform.CallTIRRewrite(),
-                       transform.StaticPlanBlockMemory(), transform.LowerAllocTensor(), transform.KillAfterLastUse(),
+                       transform.StaticPlanBlockMemory(), *([transform.RewriteCUDAGraph()] if graphs else []),
+                       transform.LowerAllocTensor(), transform.KillAfterLastUse(),
                        transform.LowerRuntimeBuiltin(), transform.ComputePrimValue(), transform.VMShapeLower(),
-                       transform.AttachGlobalSymbol()]
+                       transform.AttachGlobalSymbol(), *([keep_borrowed_references()] if graphs else [])]
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

@@ -195,11 +195,17 @@ def legalize_passes() -> list:
     return [backend.DispatchSampling(), backend.DispatchSortScan(), transform.LegalizeOps()]
 
 
-def pipeline(target: tvm.target.Target, records: str | None = None, log: dict | None = None):
+def pipeline(target: tvm.target.Target, records: str | None = None, log: dict | None = None,
+             recorded: list | None = None):
     """records: a meta-schedule database directory (schedules/tuning.py) applied before the
-    hand schedules, which then skip what it scheduled; log: kernel -> what scheduled it."""
+    hand schedules, which then skip what it scheduled; log: kernel -> what scheduled it.
+    recorded: given (for a module exported in the GPU forms), the CUDA pipeline's graph rewrite
+    of the arguments (filled with the functions rewritten) and its fusion, so that the fused
+    graph's numerics and the recorded-argument calls are checked here."""
     from tvm.relax import transform
 
+    from .fusion import fusion_passes
+    from .graphs import record_arguments
     from .report import note_weights_only
 
     database = contextlib.nullcontext()
@@ -212,7 +218,7 @@ def pipeline(target: tvm.target.Target, records: str | None = None, log: dict | 
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target, database:
             seq = tvm.transform.Sequential([
-                *legalize_passes(),
+                *legalize_passes(), *([record_arguments(recorded), *fusion_passes()] if recorded is not None else []),
                 *([transform.MetaScheduleApplyDatabase()] if records else []),
                 schedule_kernels(int(target.attrs.get("num-cores", 1)), log), transform.RewriteDataflowReshape(),
                 *([note_weights_only(log)] if log is not None else []),

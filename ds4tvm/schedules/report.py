@@ -15,6 +15,8 @@ generation), for any target:
   functions.<fn>.kernels_in_graphs
   functions.<fn>.outside_graphs   VM instructions the call runs outside those regions (kernel
                                   launches, allocations, kills, reshapes, shape checks)
+  functions.<fn>.outside_by_kind  those by kind: kernel, graph (a region's replay), alloc, kill,
+                                  tuple (building or reading a tuple), builtin (shape checks, ...)
   functions.<fn>.weights_only     kernels whose inputs are weights only (work that could be done
                                   once at load instead of every call)
 
@@ -75,20 +77,61 @@ def function_report(mod, name: str, log: RuleLog) -> dict:
     from tvm import relax
 
     func = mod[name]
-    kernels, regions, outside = [], 0, 0
+    kernels, regions, outside = [], 0, Counter()
     for v in _values(func.body):
         if not isinstance(v, (relax.Call, relax.Tuple, relax.TupleGetItem)):
             continue
-        outside += 1
-        if isinstance(v, relax.Call) and isinstance(v.op, relax.ExternFunc) and v.op.global_symbol == GRAPH_CALL:
+        outside[_kind(mod, v)] += 1
+        captured = _captured(v)
+        if captured is not None:
             regions += 1
-            captured = v.args[0]
-            if isinstance(captured, tvm.ir.GlobalVar):
-                kernels += _kernels(mod, mod[captured], log, True)
+            kernels += _kernels(mod, mod[captured], log, True)
     kernels += _kernels(mod, func, log, False)
     return {"kernels": kernels, "n_kernels": len(kernels), "by_rule": dict(Counter(k["rule"] for k in kernels)),
             "graph_regions": regions, "kernels_in_graphs": sum(k["in_graph"] for k in kernels),
-            "outside_graphs": outside, "weights_only": log.get(WEIGHTS_ONLY, {}).get(name, [])}
+            "outside_graphs": sum(outside.values()), "outside_by_kind": dict(outside),
+            "weights_only": log.get(WEIGHTS_ONLY, {}).get(name, [])}
+
+
+def _builtin(v) -> str | None:
+    """The VM built-in a call runs (R.call_packed, R.call_builtin_with_ctx and the like), if any."""
+    from tvm import relax
+
+    if isinstance(v.op, relax.ExternFunc):
+        return v.op.global_symbol
+    if v.args and isinstance(v.args[0], relax.ExternFunc):
+        return v.args[0].global_symbol
+    return None
+
+
+def _captured(v):
+    """The captured function a CUDA graph call replays (vm.builtin.cuda_graph.run_or_capture)."""
+    import tvm
+    from tvm import relax
+
+    if isinstance(v, relax.Call) and _builtin(v) == GRAPH_CALL:
+        first = v.args[1].fields[0] if isinstance(v.args[0], relax.ExternFunc) else v.args[0]
+        return first if isinstance(first, tvm.ir.GlobalVar) else None
+    return None
+
+
+def _kind(mod, v) -> str:
+    """What a VM instruction outside the graphs is: kernel, graph, alloc, kill, tuple, builtin."""
+    import tvm
+    from tvm import relax
+
+    if isinstance(v, (relax.Tuple, relax.TupleGetItem)):
+        return "tuple"
+    if isinstance(v.op, tvm.ir.GlobalVar):
+        return "kernel" if isinstance(mod[v.op], tvm.tirx.PrimFunc) else "call"
+    builtin = _builtin(v) or getattr(v.op, "name", "")
+    if builtin == GRAPH_CALL:
+        return "graph"
+    if "alloc" in builtin:
+        return "alloc"
+    if "kill" in builtin or "null_value" in builtin:
+        return "kill"
+    return "builtin"
 
 
 def note_weights_only(log: RuleLog):
@@ -97,13 +140,15 @@ def note_weights_only(log: RuleLog):
     import tvm
     from tvm import relax
 
+    from .graphs import num_args
+
     @tvm.transform.module_pass(opt_level=0, name="NoteWeightsOnly")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         found = log.setdefault(WEIGHTS_ONLY, {})
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function) or func.attrs is None or "num_input" not in func.attrs:
                 continue
-            derived = set(func.params[int(func.attrs["num_input"]):])
+            derived = set(func.params[num_args(func):])
             found[gv.name_hint] = []
             for v in _bindings(func.body):
                 if _from(v.value, derived):

@@ -2,9 +2,9 @@
 
 - compiled for cuda:sm_90 here (codegen only), the report says which dlight rule scheduled each
   kernel: no linear of any plane format (dense, grouped, routed experts) falls to Fallback;
-- the same forms exported for llvm give the CPU artifact's logits within 1e-4 in prefill, decode
-  and verify (the kernels are the GPU's; only the schedule differs), so their numerics are checked
-  without a GPU;
+- the CUDA pipeline's module (the same forms, fused, decode's arguments recorded for CUDA graphs)
+  built for llvm gives the CPU artifact's logits within 1e-4 in prefill, decode and verify (the
+  kernels are the GPU's; only the schedule differs), so their numerics are checked without a GPU;
 - the report's keys are the same for every target (graph fields zero where there are no graphs).
 """
 
@@ -64,9 +64,38 @@ def test_no_linear_falls_to_fallback_on_cuda(model, tmp_path):
     print({fn: (f["n_kernels"], f["by_rule"]) for fn, f in report["functions"].items()})
 
 
-@pytest.mark.slow   # two compiles (a minute); tests/unit/test_kernels.py checks every format's GPU forms by default
-def test_gpu_forms_on_llvm_give_the_cpu_artifacts_logits(model, tmp_path):
-    from ds4tvm.artifact import Bounds
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    """Every layer kind (window only, ratio 4 with its indexer, ratio 128, a hash layer) in three layers."""
+    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+
+    d = tmp_path_factory.mktemp("gpu_forms_small")
+    cfg = tiny_config(n_layers=3, compress_ratios=(0, 4, 128), swiglu_clamp=(10.0,) * 3)
+    return write_random_deepseek4(d / "small.gguf", cfg, seed=5, type_of=_types)
+
+
+def _interleaved(engine, ids) -> np.ndarray:
+    """Logits of two sequences decoded in turns on one engine (attach between every step)."""
+    first = engine.seq
+    engine.prefill(ids[:12])
+    second = engine.new_sequence()
+    engine.attach(second)
+    engine.prefill(ids[20:26])
+    rows = []
+    for i in range(6):
+        for seq, tok in ((first, ids[12 + i]), (second, ids[26 + i])):
+            engine.attach(seq)
+            rows.append(engine.decode(tok).logits)
+    return np.array(rows)
+
+
+@pytest.mark.slow   # two compiles (one to two minutes); the default run checks Qwen3.8's CUDA graph (test_gpu_targets.py)
+def test_fused_recorded_gpu_graph_on_llvm_gives_the_cpu_artifacts_logits(small_model, tmp_path):
+    """The CUDA pipeline's module (GPU forms, fusion with the state writers kept after their reads,
+    decode's arguments recorded with the position as a tensor) built for llvm: prefill, decode and
+    verify logits equal the CPU artifact's within 1e-4, also with two sequences decoded in turns
+    (the engine keeps a recorded function's state tensors attached by exchanging contents)."""
+    from ds4tvm.artifact import Bounds, Manifest
     from ds4tvm.compile.driver import compile_gguf
     from ds4tvm.runtime.engine import Engine
 
@@ -74,17 +103,22 @@ def test_gpu_forms_on_llvm_give_the_cpu_artifacts_logits(model, tmp_path):
     from device_check import all_logits   # prefill, decode and verify logits of every token
 
     bounds = Bounds(max_context=256, max_verify=4)
-    cpu = compile_gguf(model, "llvm", tmp_path / "cpu", bounds)
-    gpu = compile_gguf(model, "llvm", tmp_path / "gpu-forms", bounds, gpu_forms=True,
+    cpu = compile_gguf(small_model, "llvm", tmp_path / "cpu", bounds)
+    gpu = compile_gguf(small_model, "llvm", tmp_path / "gpu-forms", bounds, gpu_forms=True,
                        report=tmp_path / "report.json")
+    recorded = {f["name"]: f.get("recorded", False) for f in Manifest.read(gpu).functions}
+    assert recorded == {"prefill": False, "prefill_all": False, "decode": True, "verify": False}
     ids = [int(t) for t in np.random.default_rng(3).integers(0, 512, 40)]
     ours, theirs = all_logits(Engine(gpu), ids), all_logits(Engine(cpu), ids)
-    for mode in ("prefill", "decode", "verify"):
+    ours["interleaved"], theirs["interleaved"] = _interleaved(Engine(gpu), ids), _interleaved(Engine(cpu), ids)
+    for mode in ("prefill", "decode", "verify", "interleaved"):
         err = np.abs(ours[mode] - theirs[mode]).max()
-        print(f"GPU forms on llvm, {mode}: max |delta| {err:.3g} (logits up to {np.abs(theirs[mode]).max():.2f})")
-        assert err <= 1e-4
-    report = json.loads((tmp_path / "report.json").read_text())["functions"]["decode"]
-    assert KEYS <= set(report) and report["graph_regions"] == report["kernels_in_graphs"] == 0
+        print(f"GPU graph on llvm, {mode}: max |delta| {err:.3g} (logits up to {np.abs(theirs[mode]).max():.2f})")
+        assert err <= 1e-4, mode
+    report = json.loads((tmp_path / "report.json").read_text())["functions"]
+    fused = [k["kernel"] for k in report["decode"]["kernels"] if k["kernel"].startswith("fused_")]
+    assert fused, "nothing was fused"
+    assert KEYS <= set(report["decode"]) and report["decode"]["graph_regions"] == 0   # graphs are CUDA's
 
 
 def test_report_errors_are_one_line(model, tmp_path):

@@ -194,3 +194,10 @@ def test_qwen4exp_compiles(tmp_path, target):
         assert linears and all(k["rule"] in GEMV_RULES for k in linears), (fn, [k for k in linears if k["rule"] not in
                                                                                  GEMV_RULES])
         assert f["weights_only"] == [] and f["n_kernels"] == sum(f["by_rule"].values()), fn
+    if target.startswith("cuda"):   # decode (static shapes) replays CUDA graphs (at most 2 regions); verify none
+        recorded = {f["name"] for f in m.functions if f.get("recorded")}
+        assert "decode" in recorded and "verify" not in recorded
+        decode = report["decode"]
+        assert 1 <= decode["graph_regions"] <= 2 and decode["outside_by_kind"]["kernel"] <= 4, decode["outside_by_kind"]
+        assert decode["kernels_in_graphs"] >= 0.9 * decode["n_kernels"]
+        assert report["verify"]["graph_regions"] == 0

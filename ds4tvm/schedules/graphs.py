@@ -1,0 +1,209 @@
+"""Functions whose arguments are recorded: what CUDA graphs need (gpu-guide.md section 2).
+
+RewriteCUDAGraph captures only kernels whose arguments are static (the function's parameters after
+its `num_input`, or storage planned at a constant size), and a kernel taking a symbolic shape
+variable ends the captured region. A function with static shapes (decode: one token) is rewritten
+so that nothing in it is per call:
+
+- the position, exported as a shape `R.Shape([start])` and passed to kernels as a scalar, becomes
+  a [1] int64 tensor that those kernels read (`start_buf[0]`);
+- `num_input` becomes 0: every argument (token ids, position, states, weights) is static, so the
+  caller must pass the same tensors on every call and write the call's values into them (a replay
+  reads and writes the addresses recorded at capture). The artifact's FunctionSpec says so
+  (`recorded`), and the engine keeps those tensors (runtime/engine.py).
+
+The exported input count is kept as `ds4.num_args` (schedules/report.py reads it to tell weights
+from inputs). A function that cannot be rewritten (the position used other than as a kernel's
+scalar argument) is left as it was and is not recorded.
+"""
+
+from __future__ import annotations
+
+import tvm
+
+NUM_ARGS = "ds4.num_args"
+
+
+def num_args(func) -> int:
+    """The exported function's input count (ids, position, states...), before any rewrite here."""
+    attrs = func.attrs or {}
+    return int(attrs[NUM_ARGS]) if NUM_ARGS in attrs else int(attrs["num_input"])
+
+
+def record_arguments(recorded: list):
+    """A pass (after LegalizeOps) rewriting every exported function with static shapes as above;
+    appends their names to `recorded`."""
+    from tvm import relax
+
+    @tvm.transform.module_pass(opt_level=0, name="RecordArguments")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        bb = relax.BlockBuilder(mod)
+        kernels: dict = {}   # (kernel, argument index, position expression) -> rewritten kernel
+        rewritten = []
+        for gv, func in list(mod.functions_items()):
+            if isinstance(func, relax.Function) and func.attrs is not None and "num_input" in func.attrs:
+                new = _rewrite(bb, func, kernels)
+                if new is not None:
+                    rewritten.append((gv, new))
+        mod = bb.get()
+        for gv, func in rewritten:
+            mod[gv] = func
+            recorded.append(gv.name_hint)
+        return relax.transform.Normalize()(mod)
+
+    return _pass
+
+
+def _static(ty) -> bool:
+    from tvm import relax, tirx
+
+    if isinstance(ty, relax.TupleType):
+        return all(_static(f) for f in ty.fields)
+    if isinstance(ty, relax.TensorType):
+        return ty.shape is not None and all(isinstance(d, tirx.IntImm) for d in ty.shape.values)
+    return False
+
+
+def _position_param(func):
+    """(index, shape variable) of the position parameter R.Shape([start]), None if there is none,
+    or False when the function has another non-static parameter."""
+    from tvm import relax, tirx
+
+    found = None
+    for i, p in enumerate(func.params):
+        if isinstance(p.ty, relax.ShapeType):
+            values = p.ty.values
+            if found is not None or values is None or len(values) != 1 or not isinstance(values[0], tirx.Var):
+                return False
+            found = (i, values[0])
+        elif not _static(p.ty):
+            return False
+    return found
+
+
+def _rewrite(bb, func, kernels):
+    from tvm import relax
+
+    position = _position_param(func)
+    if position is False or not isinstance(func.body, relax.SeqExpr):
+        return None
+    params = list(func.params)
+    if position is not None:
+        index, start = position
+        pos = relax.Var("position", relax.TensorType((1,), "int64"))
+        params[index] = pos
+        body = _with_position_tensor(bb, func.body, start, pos, kernels)
+        if body is None:
+            return None
+    else:
+        body = func.body
+    new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
+    if position is not None and start in list(relax.analysis.free_symbolic_vars(new)):
+        return None
+    return new.with_attr(NUM_ARGS, int(func.attrs["num_input"])).with_attr("num_input", 0)
+
+
+def _with_position_tensor(bb, body, start, pos, kernels):
+    """The body with every kernel argument that is an expression of `start` replaced by the
+    tensor pos (the kernel rewritten to read it), or None where start is used otherwise."""
+    from tvm import relax
+
+    ops = (tvm.ir.Op.get("relax.call_tir"), tvm.ir.Op.get("relax.call_tir_inplace"))
+    blocks = []
+    for block in body.blocks:
+        bindings = []
+        for b in block.bindings:
+            v = b.value
+            if isinstance(v, relax.Call) and v.op in ops:
+                args = list(v.args[1].fields)
+                uses = [i for i, a in enumerate(args) if isinstance(a.ty, tvm.ir.PrimType) and _uses(a, start)]
+                if uses:
+                    if len(v.args) > 2 and v.op == ops[0]:
+                        return None   # shape arguments (tir_vars): not written by any family
+                    gv = v.args[0]
+                    for i in uses:
+                        gv = _kernel_reading(bb, gv, i, args[i], start, kernels)
+                        if gv is None:
+                            return None
+                        args[i] = pos
+                    v = relax.Call(v.op, [gv, relax.Tuple(args), *v.args[2:]], v.attrs, v.ty_args)
+                    b = relax.VarBinding(b.var, v)
+            bindings.append(b)
+        blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
+                      else relax.BindingBlock(bindings))
+    return relax.SeqExpr(blocks, body.body)
+
+
+def _uses(expr, var) -> bool:
+    from tvm import tirx
+
+    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
+
+
+def _replaced(expr, var, value):
+    """expr (integer arithmetic on var and constants) with var replaced by value; None for any
+    other expression."""
+    from tvm import tirx
+
+    if expr.same_as(var):
+        return value
+    if isinstance(expr, tirx.IntImm):
+        return expr
+    if isinstance(expr, (tirx.Add, tirx.Sub, tirx.Mul, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max)):
+        a, b = _replaced(expr.a, var, value), _replaced(expr.b, var, value)
+        return None if a is None or b is None else type(expr)(a, b)
+    return None
+
+
+def _kernel_reading(bb, gv, index: int, expr, start, kernels):
+    """Kernel gv with its scalar parameter `index` (given `expr` of start) replaced by a [1] int64
+    buffer holding start: the kernel computes expr from it."""
+    from tvm import tirx
+
+    key = (gv.name_hint, index, str(expr))
+    if key not in kernels:
+        func = bb.get()[gv]
+        buf = tirx.decl_buffer((1,), "int64", "position")
+        value = _replaced(expr, start, tirx.BufferLoad(buf, [tirx.IntImm("int64", 0)]))
+        if value is None:
+            return None
+        spec = func.specialize({func.params[index]: value})
+        params = list(spec.params)
+        params.insert(index, buf)
+        name = f"{gv.name_hint}_pos{len(kernels)}"
+        kernels[key] = bb.add_func(tirx.PrimFunc(params, spec.body, spec.ret_type, spec.attrs)
+                                   .with_attr("global_symbol", name), name)
+    return kernels[key]
+
+
+def keep_borrowed_references():
+    """A pass (after KillAfterLastUse) removing, in functions that replay a CUDA graph, the kills
+    of values read out of a tuple (the state arguments, the graph's cached storage and results):
+    the tuple keeps each object alive anyway, so each kill is a VM instruction that frees nothing."""
+    from tvm import relax
+
+    from .report import GRAPH_CALL, _builtin
+
+    kill = tvm.ir.Op.get("relax.vm.kill_object")
+
+    @tvm.transform.module_pass(opt_level=0, name="KeepBorrowedReferences")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for gv, func in list(mod.functions_items()):
+            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+                continue
+            bindings = [b for block in func.body.blocks for b in block.bindings]
+            if not any(isinstance(b.value, relax.Call) and _builtin(b.value) == GRAPH_CALL for b in bindings):
+                continue
+            borrowed = [b.var for b in bindings if isinstance(b.value, relax.TupleGetItem)]
+
+            def frees_nothing(b) -> bool:
+                return isinstance(b.value, relax.Call) and b.value.op == kill and \
+                    any(v.same_as(b.value.args[0]) for v in borrowed)
+
+            blocks = [relax.BindingBlock([b for b in block.bindings if not frees_nothing(b)])
+                      for block in func.body.blocks]
+            mod[gv] = relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty,
+                                     func.is_pure, func.attrs, func.span)
+        return mod
+
+    return _pass
