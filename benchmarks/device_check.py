@@ -4,12 +4,16 @@ TVM's runtime:
   prepare DIR --arch sm_90   (any machine with ds4tvm and TVM's compiler)
       builds the demo DeepSeek-V4 + DSpark pair, compiles it for the GPU, records the CPU
       artifact's logits (prefill, decode, verify) and greedy DSpark tokens as the reference, and
-      compiles a larger DeepSeek-V4-shaped random model for the GPU (its GGUF is written again
-      from the same seed by `check`, so DIR stays small enough to carry);
+      compiles two larger DeepSeek-V4-shaped random models for the GPU with their `--report`:
+      "big" (8 layers, width 2048, Q8_0, 0.5 GB read per decode step) and "large" (20 layers of
+      the published DeepSeek-V4-Flash shapes with 16 experts, the Q2 recipe types, 4.7 GB read
+      per decode step); their GGUFs are written again from the same seeds by `check`, so DIR
+      stays small enough to carry;
   check DIR                  (the machine with the NVIDIA GPU)
       compares the GPU's logits and tokens with the reference, then times prefill, decode and
-      verify(k) on the larger model and reports the weight bandwidth a decode step reaches as a
-      fraction of the device's own copy bandwidth. Prints a table; JSON goes to --out.
+      verify(k) on each larger model and reports the weight bandwidth a decode step reaches as a
+      fraction of the device's own copy bandwidth, with the kernels a decode step runs and how
+      many of them CUDA graphs replay. Prints a table; JSON goes to --out.
 Nothing is fetched from the network."""
 
 from __future__ import annotations
@@ -79,6 +83,30 @@ def write_big(path: Path) -> Path:
     return write_random_deepseek4(path, big_config(), seed=9, type_of=type_of)
 
 
+def large_config():
+    """20 layers of the published DeepSeek-V4-Flash shapes, 16 routed experts (the file stays
+    7.2 GB), 4.7 GB read per decode step in the Q2 recipe types."""
+    from dataclasses import replace
+
+    from ds4tvm.families.deepseek4.published import flash_config
+
+    cfg, n = flash_config(), 20
+    return replace(cfg, n_layers=n, n_expert=16, compress_ratios=cfg.compress_ratios[:n],
+                   swiglu_clamp=cfg.swiglu_clamp[:n])
+
+
+def write_large(path: Path) -> Path:
+    """Random valid blocks in every quantized tensor (no quantizer run): seconds per gigabyte."""
+    from ds4tvm.families.deepseek4.published import q2_recipe_type
+    from ds4tvm.families.deepseek4.random_model import write_random_deepseek4
+
+    return write_random_deepseek4(path, large_config(), seed=11, type_of=q2_recipe_type, random_codes=True)
+
+
+TIMED = {"big": (write_big, big_config), "large": (write_large, large_config)}   # name -> (writer, config)
+TIMED_BOUNDS = dict(max_context=1024, max_verify=16, prefill_chunk=256)
+
+
 def prepare(work: Path, arch: str) -> None:
     from ds4tvm.compile.toolchains import prepare as prepare_toolchain
 
@@ -97,9 +125,11 @@ def prepare(work: Path, arch: str) -> None:
     toks, _ = speculative_tokens(cpu, prompt)
     np.savez(work / "reference.npz", tokens=np.array(toks), prompt=np.array(prompt), **ref)
     compile_gguf(model, f"cuda:{arch}", work / "demo-cuda", Bounds(**BOUNDS), support=support)
-    big = write_big(work / "big.gguf")
-    compile_gguf(big, f"cuda:{arch}", work / "big-cuda", Bounds(max_context=1024, max_verify=16, prefill_chunk=256))
-    big.unlink()   # `check` writes it again from the seed (the manifest's fingerprint must match)
+    for name, (writer, _) in TIMED.items():
+        gguf = writer(work / f"{name}.gguf")
+        compile_gguf(gguf, f"cuda:{arch}", work / f"{name}-cuda", Bounds(**TIMED_BOUNDS),
+                     report=work / f"{name}-report.json")
+        gguf.unlink()   # `check` writes it again from the seed (the manifest's fingerprint must match)
 
 
 def copy_bandwidth(dev, nbytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -118,9 +148,7 @@ def copy_bandwidth(dev, nbytes: int = 1 << 30, repeats: int = 10) -> float:
 
 
 def check(work: Path, gen: int) -> dict:
-    from ds4tvm.gguf import open_gguf
     from ds4tvm.runtime.engine import Engine
-    from ds4tvm.runtime.speculative import median_seconds, verify_cost
 
     report = {}
     demo = work / "demo"
@@ -139,17 +167,35 @@ def check(work: Path, gen: int) -> dict:
     report["dspark_greedy"] = {"tokens": len(want), "equal_prefix": next(
         (i for i, (a, b) in enumerate(zip(toks, want)) if a != b), min(len(toks), len(want))), **stats}
 
-    t = time.perf_counter()
-    big = write_big(work / "big.gguf")
-    report["big_gguf_seconds"] = round(time.perf_counter() - t, 1)
-    f = open_gguf(big)
-    cfg = big_config()
+    report["copy_bandwidth_gb_s"] = round(copy_bandwidth(gpu.dev) / 1e9, 1)
+    for name in TIMED:
+        report[name] = timed(work, name, gen)
+    return report
+
+
+def bytes_per_token(f, cfg) -> tuple[int, int]:
+    """(file weight bytes, bytes a decode step reads: every matrix once, the chosen experts' share
+    of the routed ones, no embedding table)."""
     weight_bytes = sum(t.n_bytes for t in f.tensors.values())
     expert_bytes = sum(t.n_bytes for n, t in f.tensors.items() if "_exps" in n)
     embd_bytes = f.tensors["token_embd.weight"].n_bytes
-    per_token = weight_bytes - embd_bytes - expert_bytes * (1 - cfg.n_expert_used / cfg.n_expert)
-    engine = Engine(work / "big-cuda", weights={"model": big})
-    report["copy_bandwidth_gb_s"] = round(copy_bandwidth(engine.dev) / 1e9, 1)
+    return weight_bytes, int(weight_bytes - embd_bytes - expert_bytes * (1 - cfg.n_expert_used / cfg.n_expert))
+
+
+def timed(work: Path, name: str, gen: int) -> dict:
+    """Prefill, decode and verify(k) speed of one of the TIMED models, with what its decode runs."""
+    from ds4tvm.gguf import open_gguf
+    from ds4tvm.runtime.engine import Engine
+    from ds4tvm.runtime.speculative import median_seconds, verify_cost
+
+    writer, config = TIMED[name]
+    t = time.perf_counter()
+    gguf = writer(work / f"{name}.gguf")
+    out = {"gguf_seconds": round(time.perf_counter() - t, 1)}
+    weight_bytes, per_token = bytes_per_token(open_gguf(gguf), config())
+    t = time.perf_counter()
+    engine = Engine(work / f"{name}-cuda", weights={"model": gguf})
+    out["load_seconds"] = round(time.perf_counter() - t, 1)
     prompt = list(range(4, 260))
 
     def prefill():
@@ -158,20 +204,26 @@ def check(work: Path, gen: int) -> dict:
 
     prefill()
     t_prefill = median_seconds(prefill, 3)
-    for _ in range(4):   # warm-up
+    for _ in range(4):   # warm-up (the first decode captures its CUDA graph)
         engine.decode(7)
     t = time.perf_counter()
     for _ in range(gen):
         engine.decode(7)
     dt = (time.perf_counter() - t) / gen
-    report["speed"] = {
+    copy = copy_bandwidth(engine.dev) / 1e9   # measured beside each model: the device's own ceiling
+    decode = json.loads((work / f"{name}-report.json").read_text())["functions"]["decode"]
+    out.update({
         "weights_gib": round(weight_bytes / 2**30, 2), "bytes_per_token_gib": round(per_token / 2**30, 3),
         "prefill_tokens": len(prompt), "prefill_tok_s": round(len(prompt) / t_prefill, 1),
         "decode_tok_s": round(1 / dt, 1), "decode_weight_gb_s": round(per_token / dt / 1e9, 1),
-        "bandwidth_fraction": round(per_token / dt / 1e9 / report["copy_bandwidth_gb_s"], 4),
-        "verify_cost_vs_decode": {k: round(v, 2) for k, v in verify_cost(engine, max_k=8).items()}}
-    report["decode_profile"] = decode_profile(engine)
-    return report
+        "bandwidth_fraction": round(per_token / dt / 1e9 / copy, 4),
+        "decode_kernels": decode["n_kernels"], "decode_graph_regions": decode["graph_regions"],
+        "decode_kernels_in_graphs": decode["kernels_in_graphs"], "decode_outside_graphs": decode["outside_graphs"],
+        "verify_cost_vs_decode": {k: round(v, 2) for k, v in verify_cost(engine, max_k=8).items()},
+        "decode_profile": decode_profile(engine)})
+    del engine
+    gguf.unlink()
+    return out
 
 
 def decode_profile(engine, top: int = 20) -> list[list]:
@@ -202,14 +254,16 @@ def main() -> None:
     d = r["dspark_greedy"]
     print(f"DSpark greedy: first {d['equal_prefix']}/{d['tokens']} tokens equal to the CPU's; "
           f"accepted {d['accepted']}/{d['proposed']} drafts; {d['tok_s']:.1f} tok/s")
-    s = r["speed"]
-    print(f"DeepSeek-V4-shaped Q8_0 model ({s['weights_gib']} GiB, {s['bytes_per_token_gib']} GiB read per token): "
-          f"prefill {s['prefill_tok_s']} tok/s ({s['prefill_tokens']} tokens), decode {s['decode_tok_s']} tok/s, "
-          f"{s['decode_weight_gb_s']} GB/s = {s['bandwidth_fraction']:.2%} of copy bandwidth")
-    print("verify(k) / decode: " + " ".join(f"k={k}:{v}" for k, v in s["verify_cost_vs_decode"].items()))
-    for name, n, ms in r["decode_profile"]:
-        print(f"  {ms:9.3f} ms {n:6d} calls  {name}")
-
+    for name in TIMED:
+        s = r[name]
+        print(f"{name} model ({s['weights_gib']} GiB, {s['bytes_per_token_gib']} GiB read per token): prefill "
+              f"{s['prefill_tok_s']} tok/s ({s['prefill_tokens']} tokens), decode {s['decode_tok_s']} tok/s, "
+              f"{s['decode_weight_gb_s']} GB/s = {s['bandwidth_fraction']:.2%} of copy bandwidth; decode step "
+              f"{s['decode_kernels']} kernels, {s['decode_kernels_in_graphs']} in {s['decode_graph_regions']} "
+              f"CUDA graph region(s), {s['decode_outside_graphs']} VM instructions outside")
+        print("  verify(k) / decode: " + " ".join(f"k={k}:{v}" for k, v in s["verify_cost_vs_decode"].items()))
+        for kernel, n, ms in s["decode_profile"]:
+            print(f"  {ms:9.3f} ms {n:6d} calls  {kernel}")
 
 if __name__ == "__main__":
     main()

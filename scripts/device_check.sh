@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU check (benchmarks/device_check.py): builds the demo DeepSeek-V4 + DSpark pair and a larger
-# random DeepSeek-V4-shaped model for the NVIDIA GPU found, compares the GPU's logits and greedy
-# DSpark tokens with the CPU's, and times prefill, decode and verify(k) (tokens/s, and the weight
+# GPU check (benchmarks/device_check.py): builds the demo DeepSeek-V4 + DSpark pair and two larger
+# random DeepSeek-V4-shaped models (0.5 and 4.7 GB read per decode step) for the NVIDIA GPU found,
+# compares the GPU's logits and greedy DSpark tokens with the CPU's, and times prefill, decode and verify(k) (tokens/s, and the weight
 # bandwidth reached as a fraction of the device's copy bandwidth). Installs nothing: run it where
 # ds4tvm and TVM are installed (PYTHON=/path/to/python to choose). Prints a table; JSON goes to
-# ${DEVICE_CHECK_OUT:-device_check.json}. Bounded to 8 minutes.
+# ${DEVICE_CHECK_OUT:-device_check.json}. Bounded to 9.5 minutes.
 # On a GPU machine that has TVM's runtime only, run the phases apart: `device_check.py prepare DIR
 # --arch sm_XX` on a machine with TVM's compiler, then `device_check.py check DIR` on the GPU machine.
 set -euo pipefail
@@ -22,5 +22,5 @@ fi
 ARCH="sm_$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
-timeout 480 bash -c "\"$PYTHON\" benchmarks/device_check.py prepare \"$WORK\" --arch $ARCH &&
+timeout 570 bash -c "\"$PYTHON\" benchmarks/device_check.py prepare \"$WORK\" --arch $ARCH &&
     \"$PYTHON\" benchmarks/device_check.py check \"$WORK\" --out \"${DEVICE_CHECK_OUT:-device_check.json}\" $*"

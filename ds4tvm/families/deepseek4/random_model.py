@@ -72,8 +72,10 @@ RESIDUAL_WRITERS = ("attn_output_b.weight", "ffn_down_exps.weight", "ffn_down_sh
 
 def random_tensors(specs: list[TensorSpec], cfg: Config, rng: np.random.Generator,
                    type_of: Callable[[TensorSpec], QT] = default_type,
-                   residual_scale: float = 1.0) -> list[TensorOut]:
-    """Lazily produced random tensors for a tensor table; I32 tensors are tid2eid tables."""
+                   residual_scale: float = 1.0, random_codes: bool = False) -> list[TensorOut]:
+    """Lazily produced random tensors for a tensor table; I32 tensors are tid2eid tables.
+    random_codes: every block type gets random valid blocks (no quantizer run: gigabytes in
+    seconds, for speed checks that do not compare logits)."""
     tensors = []
     for spec in specs:
         qtype = type_of(spec)
@@ -88,7 +90,7 @@ def random_tensors(specs: list[TensorSpec], cfg: Config, rng: np.random.Generato
                                  for _ in range(shape[0])]).astype(np.int32)
             if spec.types == NORM:
                 return (1.0 + 0.1 * sub.standard_normal(shape)).astype(np.float32)
-            if qtype in (QT.Q2_K, QT.Q6_K, QT.IQ2_XXS):
+            if qtype in (QT.Q2_K, QT.Q6_K, QT.IQ2_XXS) or (random_codes and qtype not in (QT.F32, QT.F16, QT.BF16)):
                 return random_blocks(qtype, shape, sub, scale=scale / (32 * np.sqrt(shape[-1])))
             values = sub.standard_normal(shape).astype(np.float32) * (scale / np.sqrt(shape[-1]))
             return quantize(values, qtype)
@@ -101,14 +103,14 @@ def write_random_deepseek4(path: str | Path, cfg: Config, seed: int = 0,
                            type_of: Callable[[TensorSpec], QT] = default_type,
                            progress: bool = False, metadata: dict | None = None,
                            edit_specs: Callable[[list[TensorSpec]], list[TensorSpec]] | None = None,
-                           residual_scale: float = 1.0) -> Path:
+                           residual_scale: float = 1.0, random_codes: bool = False) -> Path:
     """Writes a GGUF with random weights of roughly unit-variance activations. `type_of` picks
     each tensor's GGML type; block types without a quantizer get random valid blocks.
     `metadata` overrides keys (None deletes one) and `edit_specs` changes the tensor list: both
-    exist to build malformed files for the tests."""
+    exist to build malformed files for the tests. random_codes: see random_tensors."""
     specs = tensor_specs(cfg)
     tensors = random_tensors(edit_specs(specs) if edit_specs else specs, cfg,
-                             np.random.default_rng(seed), type_of, residual_scale)
+                             np.random.default_rng(seed), type_of, residual_scale, random_codes)
     meta = {"general.architecture": ARCH, "general.name": "ds4tvm random deepseek4"}
     meta.update(cfg.to_metadata())
     meta.update(synthetic_vocab(cfg.n_vocab))
