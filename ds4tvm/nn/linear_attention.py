@@ -152,10 +152,10 @@ def delta_rule(q: nn.Tensor, k: nn.Tensor, v: nn.Tensor, g: nn.Tensor, beta: nn.
     _, H, Dk = q.shape
     Dv = v.shape[2]
     R = slots.shape[0]
-    from .qweight import exporting_for_cpu
+    from .qweight import binds_gpu_threads, exporting_for_cpu
 
-    make = _delta_rule_func if exporting_for_cpu() else _delta_rule_gpu_func
-    func = make(int(H), int(Dk), int(Dv), int(R))
+    func = (_delta_rule_func(int(H), int(Dk), int(Dv), int(R)) if exporting_for_cpu()
+            else _delta_rule_gpu_func(int(H), int(Dk), int(Dv), int(R), bind=binds_gpu_threads()))
     slots_out, o = op.tensor_ir_inplace_op(
         func, func.attrs["global_symbol"], args=[q, k, v, g, beta, slots, start], inplace_indices=[5, -1],
         out=[nn.Tensor.placeholder(slots.shape, F32), nn.Tensor.placeholder((q.shape[0], H, Dv), F32)])

@@ -48,6 +48,12 @@ def exporting_for_cpu() -> bool:
 _GPU: contextvars.ContextVar[bool | None] = contextvars.ContextVar("ds4_gpu", default=None)
 
 
+def binds_gpu_threads() -> bool:
+    """Whether hand-written GPU kernels bind GPU threads: not when exported in the GPU forms for a
+    CPU (gpu_forms(on_gpu=False)), where the same loops run serially."""
+    return _GPU.get() is not False
+
+
 @contextlib.contextmanager
 def gpu_forms(on_gpu: bool = True):
     token = _GPU.set(on_gpu)

@@ -126,3 +126,34 @@ def test_report_errors_are_one_line(model, tmp_path):
                        (("-o", tmp_path / "art", "--report", tmp_path / "no" / "r.json"), "an existing directory")):
         r = run_ds4_compile(model, "--target", "llvm", *args)
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.slow   # two compiles per family (three minutes)
+@pytest.mark.parametrize("family", ["glm5next", "qwen4exp"])
+def test_glm_and_qwen_gpu_graph_on_llvm_give_the_cpu_artifacts_logits(family, tmp_path):
+    """GLM-5.3's and Qwen3.8's CUDA pipeline module built for llvm: their delta rule in its GPU form
+    (serial loops here), recurrent snapshot writes at position start + 1 read from the position
+    tensor, fused, decode recorded; prefill, decode and verify logits equal the CPU artifact's."""
+    from ds4tvm.artifact import Bounds, Manifest
+    from ds4tvm.compile.driver import compile_gguf
+    from ds4tvm.runtime.engine import Engine
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from device_check import all_logits
+
+    if family == "glm5next":
+        from ds4tvm.families.glm5next.random_model import tiny_config, write_random_glm5next
+        gguf = write_random_glm5next(tmp_path / "m.gguf", tiny_config(), seed=1)
+    else:
+        from ds4tvm.families.qwen4exp.random_model import tiny_config, write_random_qwen4exp
+        gguf = write_random_qwen4exp(tmp_path / "m.gguf", tiny_config(n_nextn=1), seed=1)
+    bounds = Bounds(max_context=256, max_verify=4)
+    cpu = compile_gguf(gguf, "llvm", tmp_path / "cpu", bounds)
+    gpu = compile_gguf(gguf, "llvm", tmp_path / "gpu", bounds, gpu_forms=True)
+    assert {f["name"] for f in Manifest.read(gpu).functions if f.get("recorded")} >= {"decode"}
+    ids = [int(t) for t in np.random.default_rng(3).integers(4, 500, 30)]
+    ours, theirs = all_logits(Engine(gpu), ids), all_logits(Engine(cpu), ids)
+    for mode in ("prefill", "decode", "verify"):
+        err = np.abs(ours[mode] - theirs[mode]).max()
+        print(f"{family} GPU graph on llvm, {mode}: max |delta| {err:.3g} (logits up to {np.abs(theirs[mode]).max():.2f})")
+        assert err <= 1e-4, mode
