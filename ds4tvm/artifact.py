@@ -128,7 +128,8 @@ class FunctionSpec:
     the updated states, which are written in place. params: the slice [lo, hi) of the manifest's
     weight arguments it takes (None: all of them). recorded: the call's argument tensors are
     recorded by its first call (CUDA graphs replay their addresses; schedules/graphs.py): the
-    caller passes the same tensors every time, the position as a [1] int64 tensor."""
+    caller passes the same tensors every time, the position as a [1] int64 tensor and each state
+    tensor as its own argument."""
     name: str
     inputs: tuple[tuple[str, str], ...]     # (name, kind)
     outputs: tuple[str, ...]

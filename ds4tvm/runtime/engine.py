@@ -292,8 +292,9 @@ class Engine:
             if value is None:
                 raise Ds4Error(f"{fn}: input {name!r} ({kind}) is missing")
             args.append(self._recorded_argument(fn, name, kind, value) if spec.recorded else self._argument(kind, value))
-        if spec.states is not None:
-            args.append(self.states[spec.states])
+        if spec.states is not None:   # a recorded function takes each state tensor as its own argument
+            states = self.states[spec.states]
+            args += states if spec.recorded else [states]
             self.seq.fed.add(spec.states)
         result = self.vm[fn](*args, *self._params_of[fn])
         result = [result] if hasattr(result, "numpy") else list(result)

@@ -186,7 +186,7 @@ def pipeline(target: tvm.target.Target, device: str, log: dict | None = None, re
     from tvm.relax import backend, transform
 
     from .fusion import fusion_passes
-    from .graphs import keep_borrowed_references, record_arguments
+    from .graphs import record_arguments, trim_outside_graphs
     from .report import note_weights_only
 
     graphs = device == "cuda"
@@ -205,7 +205,7 @@ def pipeline(target: tvm.target.Target, device: str, log: dict | None = None, re
                        transform.StaticPlanBlockMemory(), *([transform.RewriteCUDAGraph()] if graphs else []),
                        transform.LowerAllocTensor(), transform.KillAfterLastUse(),
                        transform.LowerRuntimeBuiltin(), transform.ComputePrimValue(), transform.VMShapeLower(),
-                       transform.AttachGlobalSymbol(), *([keep_borrowed_references()] if graphs else [])]
+                       transform.AttachGlobalSymbol(), *([trim_outside_graphs()] if graphs else [])]
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

@@ -10,7 +10,12 @@ so that nothing in it is per call:
 - `num_input` becomes 0: every argument (token ids, position, states, weights) is static, so the
   caller must pass the same tensors on every call and write the call's values into them (a replay
   reads and writes the addresses recorded at capture). The artifact's FunctionSpec says so
-  (`recorded`), and the engine keeps those tensors (runtime/engine.py).
+  (`recorded`), and the engine keeps those tensors (runtime/engine.py);
+- the state tuple becomes one parameter per state tensor (`ds4.states`: where they are), and once
+  the graph is captured the function returns those parameters as its updated states (they are
+  written in place; the exporter returns the states in the order it takes them): reading each state
+  out of a tuple on the way in, and each written one out of the graph's results on the way out,
+  was one VM instruction per state tensor outside the graph.
 
 The exported input count is kept as `ds4.num_args` (schedules/report.py reads it to tell weights
 from inputs). A function that cannot be rewritten (the position used other than as a kernel's
@@ -22,6 +27,7 @@ from __future__ import annotations
 import tvm
 
 NUM_ARGS = "ds4.num_args"
+STATES = "ds4.states"   # [first parameter, count] of the state tensors of a recorded function
 
 
 def num_args(func) -> int:
@@ -97,10 +103,56 @@ def _rewrite(bb, func, kernels):
             return None
     else:
         body = func.body
+    flat = _flattened_states(params, body)
+    if flat is None:
+        return None
+    params, body, states = flat
     new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
     if position is not None and start in list(relax.analysis.free_symbolic_vars(new)):
         return None
-    return new.with_attr(NUM_ARGS, int(func.attrs["num_input"])).with_attr("num_input", 0)
+    new = new.with_attr(NUM_ARGS, int(func.attrs["num_input"])).with_attr("num_input", 0)
+    return new.with_attr(STATES, states) if states is not None else new
+
+
+def _flattened_states(params, body):
+    """(params, body, [first, count]) with the tuple parameter (the states) as one parameter per
+    field, its TupleGetItem bindings those parameters; [first, count] None without one. None if
+    there are several or it is used otherwise."""
+    from tvm import relax
+
+    tuples = [i for i, p in enumerate(params) if isinstance(p.ty, relax.TupleType)]
+    if not tuples:
+        return params, body, None
+    if len(tuples) > 1:
+        return None
+    i = tuples[0]
+    p = params[i]
+    fields = [relax.Var(f"{p.name}_{j}", t) for j, t in enumerate(p.ty.fields)]
+    blocks = []
+    for block in body.blocks:
+        bindings = []
+        for b in block.bindings:
+            v = b.value
+            if isinstance(v, relax.TupleGetItem) and v.tuple_value.same_as(p):
+                b = relax.VarBinding(b.var, fields[v.index])
+            elif _mentions(v, p):
+                return None
+            bindings.append(b)
+        blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
+                      else relax.BindingBlock(bindings))
+    return params[:i] + fields + params[i + 1:], relax.SeqExpr(blocks, body.body), [i, len(fields)]
+
+
+def _mentions(value, var) -> bool:
+    from tvm import relax
+
+    if isinstance(value, relax.Call):
+        return any(_mentions(a, var) for a in value.args)
+    if isinstance(value, relax.Tuple):
+        return any(_mentions(f, var) for f in value.fields)
+    if isinstance(value, relax.TupleGetItem):
+        return _mentions(value.tuple_value, var)
+    return value.same_as(var)
 
 
 def _with_position_tensor(bb, body, start, pos, kernels):
@@ -176,34 +228,69 @@ def _kernel_reading(bb, gv, index: int, expr, start, kernels):
     return kernels[key]
 
 
-def keep_borrowed_references():
-    """A pass (after KillAfterLastUse) removing, in functions that replay a CUDA graph, the kills
-    of values read out of a tuple (the state arguments, the graph's cached storage and results):
-    the tuple keeps each object alive anyway, so each kill is a VM instruction that frees nothing."""
+def trim_outside_graphs():
+    """A pass (last, on the VM-level functions) for functions that replay a CUDA graph: the
+    returned states become the state parameters (see above), the graph results then unread are not
+    read out, and the kills of values read out of a tuple (state arguments, the graph's cached
+    storage) go: the tuple keeps each object alive anyway, so each was a VM instruction that freed
+    nothing."""
+    from tvm import relax
+
+    @tvm.transform.module_pass(opt_level=0, name="TrimOutsideGraphs")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for gv, func in list(mod.functions_items()):
+            if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr) and _replays_graph(func):
+                mod[gv] = _trimmed(func)
+        return mod
+
+    return _pass
+
+
+def _replays_graph(func) -> bool:
     from tvm import relax
 
     from .report import GRAPH_CALL, _builtin
 
+    return any(isinstance(b.value, relax.Call) and _builtin(b.value) == GRAPH_CALL
+               for block in func.body.blocks for b in block.bindings)
+
+
+def _trimmed(func):
+    from tvm import relax
+
     kill = tvm.ir.Op.get("relax.vm.kill_object")
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    attrs = func.attrs or {}
+    if STATES in attrs:
+        first, count = (int(x) for x in attrs[STATES])
+        states = list(func.params[first:first + count])
+        bindings = [relax.VarBinding(b.var, _states_returned(b.value, states)) if b.var.same_as(func.body.body)
+                    else b for b in bindings]
+    borrowed = [b.var for b in bindings if isinstance(b.value, relax.TupleGetItem)]
 
-    @tvm.transform.module_pass(opt_level=0, name="KeepBorrowedReferences")
-    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        for gv, func in list(mod.functions_items()):
-            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-                continue
-            bindings = [b for block in func.body.blocks for b in block.bindings]
-            if not any(isinstance(b.value, relax.Call) and _builtin(b.value) == GRAPH_CALL for b in bindings):
-                continue
-            borrowed = [b.var for b in bindings if isinstance(b.value, relax.TupleGetItem)]
+    def kills_borrowed(b) -> bool:
+        return isinstance(b.value, relax.Call) and b.value.op == kill and any(v.same_as(b.value.args[0]) for v in borrowed)
 
-            def frees_nothing(b) -> bool:
-                return isinstance(b.value, relax.Call) and b.value.op == kill and \
-                    any(v.same_as(b.value.args[0]) for v in borrowed)
+    bindings = [b for b in bindings if not kills_borrowed(b)]
+    while True:   # tuple reads nothing reads any more
+        used = [v for b in bindings for v in relax.analysis.free_vars(b.value)] + [func.body.body]
+        unread = [b for b in bindings if isinstance(b.value, relax.TupleGetItem) and not any(u.same_as(b.var) for u in used)]
+        if not unread:
+            break
+        bindings = [b for b in bindings if not any(b is u for u in unread)]
+    return relax.Function(func.params, relax.SeqExpr([relax.BindingBlock(bindings)], func.body.body), func.ret_ty,
+                          func.is_pure, func.attrs, func.span)
 
-            blocks = [relax.BindingBlock([b for b in block.bindings if not frees_nothing(b)])
-                      for block in func.body.blocks]
-            mod[gv] = relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty,
-                                     func.is_pure, func.attrs, func.span)
-        return mod
 
-    return _pass
+def _states_returned(value, states):
+    """The returned tuple with its updated states (its last field, as many tensors of the same types
+    as the state parameters) replaced by the state parameters, which hold them."""
+    from tvm import relax
+
+    if not isinstance(value, relax.Tuple) or not value.fields:
+        return value
+    last = value.fields[-1]
+    if isinstance(last, relax.Tuple) and len(last.fields) == len(states) and \
+            all(str(f.ty) == str(s.ty) for f, s in zip(last.fields, states)):
+        return relax.Tuple([*value.fields[:-1], relax.Tuple(states)])
+    return value
