@@ -15,7 +15,11 @@ so that nothing in it is per call:
   the graph is captured the function returns those parameters as its updated states (they are
   written in place; the exporter returns the states in the order it takes them): reading each state
   out of a tuple on the way in, and each written one out of the graph's results on the way out,
-  was one VM instruction per state tensor outside the graph.
+  was one VM instruction per state tensor outside the graph;
+- the tensors it returns are copied by one kernel at its end, so that the kernels computing them
+  write planned storage inside the graph (a kernel writing a per-call output in the middle of the
+  step splits the graph); after capture, the graph's cached storage reaches the captured function
+  as one tuple, and kills that free nothing go (trim_outside_graphs).
 
 The exported input count is kept as `ds4.num_args` (schedules/report.py reads it to tell weights
 from inputs). A function that cannot be rewritten (the position used other than as a kernel's
@@ -44,7 +48,7 @@ def record_arguments(recorded: list):
     @tvm.transform.module_pass(opt_level=0, name="RecordArguments")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         bb = relax.BlockBuilder(mod)
-        kernels: dict = {}   # (kernel, argument index, position expression) -> rewritten kernel
+        kernels: dict = {}   # kernels added here, by what they are (see _kernel_reading, _copy_kernel)
         rewritten = []
         for gv, func in list(mod.functions_items()):
             if isinstance(func, relax.Function) and func.attrs is not None and "num_input" in func.attrs:
@@ -107,8 +111,9 @@ def _rewrite(bb, func, kernels):
     if flat is None:
         return None
     params, body, states = flat
+    body = _outputs_copied_last(bb, body, kernels)
     new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
-    if position is not None and start in list(relax.analysis.free_symbolic_vars(new)):
+    if position is not None and any(v.same_as(start) for v in relax.analysis.free_symbolic_vars(new)):
         return None
     new = new.with_attr(NUM_ARGS, int(func.attrs["num_input"])).with_attr("num_input", 0)
     return new.with_attr(STATES, states) if states is not None else new
@@ -141,6 +146,63 @@ def _flattened_states(params, body):
         blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
                       else relax.BindingBlock(bindings))
     return params[:i] + fields + params[i + 1:], relax.SeqExpr(blocks, body.body), [i, len(fields)]
+
+
+def _outputs_copied_last(bb, body, kernels):
+    """body with the tensors it returns (not the states) copied by one kernel just before it
+    returns: the kernels that compute the outputs then write planned storage, inside the graph, and
+    only the copy, at the end, writes the tensors allocated at each call (a kernel writing one of
+    those in the middle of the step splits the graph in two)."""
+    from tvm import relax
+
+    out = body.body
+    blocks = []
+    for block in body.blocks:
+        bindings = []
+        for b in block.bindings:
+            if b.var.same_as(out) and isinstance(b.value, relax.Tuple):
+                tensors = [f for f in b.value.fields if isinstance(f, relax.Var) and isinstance(f.ty, relax.TensorType)]
+                if tensors:
+                    types = [t.ty for t in tensors]
+                    one = len(types) == 1   # call_tir of one output returns the tensor, not a tuple
+                    copies = relax.Var("outputs", types[0] if one else relax.TupleType(types))
+                    bindings.append(relax.VarBinding(copies, relax.call_tir(
+                        _copy_kernel(bb, types, kernels), tensors, types[0] if one else types)))
+                    fields, n = [], 0
+                    for f in b.value.fields:
+                        if any(f.same_as(t) for t in tensors):
+                            copy = copies if one else relax.Var(f"{f.name}_out", f.ty)
+                            if not one:
+                                bindings.append(relax.VarBinding(copy, relax.TupleGetItem(copies, n)))
+                            f, n = copy, n + 1
+                        fields.append(f)
+                    b = relax.VarBinding(b.var, relax.Tuple(fields))
+            bindings.append(b)
+        blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
+                      else relax.BindingBlock(bindings))
+    return relax.SeqExpr(blocks, out)
+
+
+def _copy_kernel(bb, types, kernels):
+    """An opaque (never fused) kernel copying tensors of the given types."""
+    from tvm import te
+
+    from .fusion import OPAQUE
+
+    key = ("copy", tuple(str(t) for t in types))
+    if key not in kernels:
+        ins = [te.placeholder([int(d) for d in t.shape.values], t.dtype, f"a{i}") for i, t in enumerate(types)]
+        outs = [_copy_of(a, f"copy{j}") for j, a in enumerate(ins)]
+        name = f"output_copy{len(kernels)}"
+        kernels[key] = bb.add_func(te.create_prim_func([*ins, *outs]).with_attr("op_pattern", OPAQUE)
+                                   .with_attr("global_symbol", name), name)
+    return kernels[key]
+
+
+def _copy_of(a, name: str):
+    from tvm import te
+
+    return te.compute(a.shape, lambda *i: a(*i), name=name)
 
 
 def _mentions(value, var) -> bool:
@@ -229,21 +291,63 @@ def _kernel_reading(bb, gv, index: int, expr, start, kernels):
 
 
 def trim_outside_graphs():
-    """A pass (last, on the VM-level functions) for functions that replay a CUDA graph: the
-    returned states become the state parameters (see above), the graph results then unread are not
-    read out, and the kills of values read out of a tuple (state arguments, the graph's cached
-    storage) go: the tuple keeps each object alive anyway, so each was a VM instruction that freed
-    nothing."""
+    """A pass (last, on the VM-level functions) for functions that replay a CUDA graph: the graph's
+    cached storage goes to the captured function as its one tuple, the returned states become the
+    state parameters (see above), the graph results then unread are not read out, and kills that
+    free nothing go (of values read out of a tuple, which keeps them alive; in a recorded function,
+    every kill: the little it allocates outside the graph is freed when the call returns)."""
     from tvm import relax
 
     @tvm.transform.module_pass(opt_level=0, name="TrimOutsideGraphs")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for gv, func in list(mod.functions_items()):
             if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr) and _replays_graph(func):
-                mod[gv] = _trimmed(func)
+                mod[gv] = _trimmed(_storage_as_tuple(mod, func))
         return mod
 
     return _pass
+
+
+CACHED_ALLOC = "vm.builtin.cuda_graph.get_cached_alloc"
+
+
+def _storage_as_tuple(mod, func):
+    """func with its graph call passing the graph's cached storage as the one tuple it is cached in
+    (the captured function reads the storages out of it), instead of reading each storage out of
+    that tuple outside the graph at every call: the captured function runs only at capture."""
+    from tvm import relax
+
+    from .report import GRAPH_CALL, _builtin
+
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    cached = next((b.var for b in bindings if isinstance(b.value, relax.Call) and _builtin(b.value) == CACHED_ALLOC), None)
+    call = next((b for b in bindings if isinstance(b.value, relax.Call) and _builtin(b.value) == GRAPH_CALL), None)
+    if cached is None or call is None:
+        return func
+    index = {b.var: int(b.value.index) for b in bindings
+             if isinstance(b.value, relax.TupleGetItem) and b.value.tuple_value.same_as(cached)}
+    capture_gv, args, *rest = call.value.args[1].fields
+    capture = mod[capture_gv]
+    whole = relax.Var("cached", cached.ty)
+    keep, reads = [], []
+    for arg, param in zip(args.fields, capture.params):
+        i = next((i for v, i in index.items() if v.same_as(arg)), None)
+        if i is None:
+            keep.append((arg, param))
+        else:
+            reads.append(relax.VarBinding(param, relax.TupleGetItem(whole, i)))
+    if not reads:
+        return func
+    mod[capture_gv] = relax.Function([p for _, p in keep] + [whole],
+                                     relax.SeqExpr([relax.BindingBlock(reads), *capture.body.blocks], capture.body.body),
+                                     capture.ret_ty, capture.is_pure, capture.attrs, capture.span)
+    value = relax.Call(call.value.op, [call.value.args[0], relax.Tuple([capture_gv, relax.Tuple([a for a, _ in keep] + [cached]),
+                                                                       *rest])], call.value.attrs, call.value.ty_args)
+    kill = tvm.ir.Op.get("relax.vm.kill_object")
+    bindings = [relax.VarBinding(b.var, value) if b is call else b for b in bindings
+                if not (isinstance(b.value, relax.Call) and b.value.op == kill and b.value.args[0].same_as(cached))]
+    return relax.Function(func.params, relax.SeqExpr([relax.BindingBlock(bindings)], func.body.body), func.ret_ty,
+                          func.is_pure, func.attrs, func.span)
 
 
 def _replays_graph(func) -> bool:
@@ -267,11 +371,15 @@ def _trimmed(func):
         bindings = [relax.VarBinding(b.var, _states_returned(b.value, states)) if b.var.same_as(func.body.body)
                     else b for b in bindings]
     borrowed = [b.var for b in bindings if isinstance(b.value, relax.TupleGetItem)]
+    recorded = NUM_ARGS in attrs
 
-    def kills_borrowed(b) -> bool:
-        return isinstance(b.value, relax.Call) and b.value.op == kill and any(v.same_as(b.value.args[0]) for v in borrowed)
+    def frees_nothing(b) -> bool:
+        """A kill of a value read out of a tuple, or any kill in a recorded function: what runs
+        outside its graph are the few allocations of its outputs, freed when the call returns."""
+        return isinstance(b.value, relax.Call) and b.value.op == kill and \
+            (recorded or any(v.same_as(b.value.args[0]) for v in borrowed))
 
-    bindings = [b for b in bindings if not kills_borrowed(b)]
+    bindings = [b for b in bindings if not frees_nothing(b)]
     while True:   # tuple reads nothing reads any more
         used = [v for b in bindings for v in relax.analysis.free_vars(b.value)] + [func.body.body]
         unread = [b for b in bindings if isinstance(b.value, relax.TupleGetItem) and not any(u.same_as(b.var) for u in used)]

@@ -39,7 +39,7 @@ def _compile(demo_pair, tmp_path, target):
     out = tmp_path / "art"
     heads = onnx_models.save(onnx_models.medusa(64, 512, 3, tokens=True), tmp_path / "heads.onnx")
     r = run_ds4_compile(model, "--mtp", support, "--draft-onnx", heads, "--target", target, "-o", out,
-                        "--max-context", "512", "--max-verify", "8", "--quiet")
+                        "--max-context", "512", "--max-verify", "8", "--quiet", "--report", tmp_path / "report.json")
     if r.returncode == 2 and " need " in r.stderr:
         pytest.skip(f"toolchain for {target} absent: {r.stderr.strip()}")
     assert r.returncode == 0, r.stderr
@@ -75,6 +75,11 @@ def test_cuda_artifact_holds_sass_for_each_architecture(demo_pair, tmp_path, tar
         pytest.skip("nvcc is absent")
     art, m = _compile(demo_pair, tmp_path, target)
     assert m.device == "cuda" and m.arches == arches
+    decode = json.loads((tmp_path / "report.json").read_text())["functions"]["decode"]
+    # decode replays one CUDA graph; outside it: the copy of its outputs, their allocations, the replay
+    assert decode["graph_regions"] == 1 and decode["outside_graphs"] <= 20, decode["outside_by_kind"]
+    assert [k["kernel"] for k in decode["kernels"] if not k["in_graph"]] == ["output_copy0"] or \
+        len([k for k in decode["kernels"] if not k["in_graph"]]) == 1
     listing = subprocess.run([str(tool), "--list-elf", str(_fatbin(art / m.library, tmp_path))],
                              capture_output=True, text=True, check=True).stdout
     assert sorted(re.findall(r"\.(sm_\d+)\.cubin", listing)) == sorted(arches), listing
@@ -198,6 +203,6 @@ def test_qwen4exp_compiles(tmp_path, target):
         recorded = {f["name"] for f in m.functions if f.get("recorded")}
         assert "decode" in recorded and "verify" not in recorded
         decode = report["decode"]
-        assert 1 <= decode["graph_regions"] <= 2 and decode["outside_by_kind"]["kernel"] <= 4, decode["outside_by_kind"]
+        assert 1 <= decode["graph_regions"] <= 2 and decode["outside_graphs"] <= 20, decode["outside_by_kind"]
         assert decode["kernels_in_graphs"] >= 0.9 * decode["n_kernels"]
         assert report["verify"]["graph_regions"] == 0
