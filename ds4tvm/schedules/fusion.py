@@ -68,10 +68,16 @@ def _with_read_dependencies(bb, func, call_tir, inplace, writers):
                     if isinstance(a, relax.Var):
                         readers.setdefault(a, []).append(b.var)
             bindings.append(b)
-        blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
-                      else relax.BindingBlock(bindings))
+        blocks.append(block_like(block, bindings))
     return relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty,
                           func.is_pure, func.attrs, func.span)
+
+
+def block_like(block, bindings):
+    """A binding block of the same kind as block (dataflow or not) holding bindings."""
+    from tvm import relax
+
+    return relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock) else relax.BindingBlock(bindings)
 
 
 def _is_tensor(var) -> bool:

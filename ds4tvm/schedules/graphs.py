@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import tvm
 
+from .fusion import OPAQUE, block_like
+
 NUM_ARGS = "ds4.num_args"
 STATES = "ds4.states"   # [first parameter, count] of the state tensors of a recorded function
 
@@ -143,8 +145,7 @@ def _flattened_states(params, body):
             elif _mentions(v, p):
                 return None
             bindings.append(b)
-        blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
-                      else relax.BindingBlock(bindings))
+        blocks.append(block_like(block, bindings))
     return params[:i] + fields + params[i + 1:], relax.SeqExpr(blocks, body.body), [i, len(fields)]
 
 
@@ -178,16 +179,13 @@ def _outputs_copied_last(bb, body, kernels):
                         fields.append(f)
                     b = relax.VarBinding(b.var, relax.Tuple(fields))
             bindings.append(b)
-        blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
-                      else relax.BindingBlock(bindings))
+        blocks.append(block_like(block, bindings))
     return relax.SeqExpr(blocks, out)
 
 
 def _copy_kernel(bb, types, kernels):
     """An opaque (never fused) kernel copying tensors of the given types."""
     from tvm import te
-
-    from .fusion import OPAQUE
 
     key = ("copy", tuple(str(t) for t in types))
     if key not in kernels:
@@ -243,8 +241,7 @@ def _with_position_tensor(bb, body, start, pos, kernels):
                     v = relax.Call(v.op, [gv, relax.Tuple(args), *v.args[2:]], v.attrs, v.ty_args)
                     b = relax.VarBinding(b.var, v)
             bindings.append(b)
-        blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
-                      else relax.BindingBlock(bindings))
+        blocks.append(block_like(block, bindings))
     return relax.SeqExpr(blocks, body.body)
 
 

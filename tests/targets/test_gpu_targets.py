@@ -109,7 +109,9 @@ def test_metal_artifact_is_a_tar_with_msl_source(demo_pair, tmp_path):
     assert msl and sum(s.count(b"kernel void") for s in msl) > 50
 
 
-@pytest.mark.parametrize("target", ["cuda:sm_90", pytest.param("rocm:gfx942", marks=pytest.mark.slow),
+# all under -m slow for the default run's time: Qwen3.8's CUDA compile (below) has the GPU delta rule
+@pytest.mark.parametrize("target", [pytest.param("cuda:sm_90", marks=pytest.mark.slow),
+                                    pytest.param("rocm:gfx942", marks=pytest.mark.slow),
                                     pytest.param("metal", marks=pytest.mark.slow)])
 def test_glm5next_with_its_mtp_layer_compiles(tmp_path, target):
     """GLM-5.3's kernels on GPUs: the delta rule's GPU form (one block per head, a thread per value
