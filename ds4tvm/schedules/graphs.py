@@ -21,7 +21,7 @@ so that nothing in it is per call:
   step splits the graph); after capture, the graph's cached storage reaches the captured function
   as one tuple, and kills that free nothing go (trim_outside_graphs).
 
-The exported input count is kept as `ds4.num_args` (schedules/report.py reads it to tell weights
+The input parameters are counted in `ds4.num_args` (schedules/report.py reads it to tell weights
 from inputs). A function that cannot be rewritten (the position used other than as a kernel's
 scalar argument) is left as it was and is not recorded.
 """
@@ -37,7 +37,9 @@ STATES = "ds4.states"   # [first parameter, count] of the state tensors of a rec
 
 
 def num_args(func) -> int:
-    """The exported function's input count (ids, position, states...), before any rewrite here."""
+    """How many leading parameters are the function's inputs (ids, position, states...), the rest
+    being weights: its num_input, or for a function rewritten here the inputs it had (the states
+    tuple counted per tensor)."""
     attrs = func.attrs or {}
     return int(attrs[NUM_ARGS]) if NUM_ARGS in attrs else int(attrs["num_input"])
 
@@ -117,7 +119,8 @@ def _rewrite(bb, func, kernels):
     new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
     if position is not None and any(v.same_as(start) for v in relax.analysis.free_symbolic_vars(new)):
         return None
-    new = new.with_attr(NUM_ARGS, int(func.attrs["num_input"])).with_attr("num_input", 0)
+    inputs = int(func.attrs["num_input"]) + (states[1] - 1 if states is not None else 0)   # the tuple, flattened
+    new = new.with_attr(NUM_ARGS, inputs).with_attr("num_input", 0)
     return new.with_attr(STATES, states) if states is not None else new
 
 
