@@ -71,7 +71,9 @@ def resolve(value: str) -> Target:
             arches = tuple(sorted(arches, key=lambda a: int(a[3:])))
             # the code follows the lowest architecture; the fatbin holds SASS for each
             return Target("cuda-" + "+".join(arches), "cuda",
-                          {"kind": "cuda", "arch": arches[0], "host": {"kind": "llvm"}}, arches)
+                          # 48 KB: the shared memory a block may use on every architecture without opting in
+                          {"kind": "cuda", "arch": arches[0], "max_shared_memory_per_block": 49152,
+                           "host": {"kind": "llvm"}}, arches)
     if kind == "rocm" and rest in ROCM_ARCHES:
         return Target(f"rocm-{rest}", "rocm", {"kind": "rocm", "mcpu": rest, "host": {"kind": "llvm"}}, (rest,))
     raise Ds4Error(f"--target {value!r} is not a target; expected one of: {_valid()}")

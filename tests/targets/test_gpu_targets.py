@@ -64,7 +64,7 @@ def _fatbin(library: Path, tmp_path: Path) -> Path:
 
 CUDA = [pytest.param("cuda:sm_80,sm_90", ["sm_80", "sm_90"], marks=pytest.mark.slow),
         pytest.param("cuda:sm_80", ["sm_80"], marks=pytest.mark.slow),
-        pytest.param("cuda:sm_90", ["sm_90"]),
+        pytest.param("cuda:sm_90", ["sm_90"], marks=pytest.mark.slow),
         pytest.param("cuda:sm_121", ["sm_121"], marks=pytest.mark.slow)]
 
 
@@ -85,8 +85,7 @@ def test_cuda_artifact_holds_sass_for_each_architecture(demo_pair, tmp_path, tar
     assert sorted(re.findall(r"\.(sm_\d+)\.cubin", listing)) == sorted(arches), listing
 
 
-# under -m slow for the default run's time (CUDA for sm_90 stays in it; its two-architecture
-# fatbin runs with -m slow)
+# under -m slow for the default run's time (Qwen3.8's CUDA compile below stays in it)
 @pytest.mark.parametrize("gfx", [pytest.param("gfx1151", marks=pytest.mark.slow),
                                  pytest.param("gfx942", marks=pytest.mark.slow)])
 def test_rocm_artifact_holds_an_amd_code_object_for_the_gfx(demo_pair, tmp_path, gfx):
@@ -201,10 +200,11 @@ def test_qwen4exp_compiles(tmp_path, target):
         assert linears and all(k["rule"] in GEMV_RULES for k in linears), (fn, [k for k in linears if k["rule"] not in
                                                                                  GEMV_RULES])
         assert f["weights_only"] == [] and f["n_kernels"] == sum(f["by_rule"].values()), fn
-    if target.startswith("cuda"):   # decode (static shapes) replays CUDA graphs (at most 2 regions); verify none
+    if target.startswith("cuda"):   # decode (static shapes) replays one CUDA graph; verify none
         recorded = {f["name"] for f in m.functions if f.get("recorded")}
         assert "decode" in recorded and "verify" not in recorded
         decode = report["decode"]
-        assert 1 <= decode["graph_regions"] <= 2 and decode["outside_graphs"] <= 20, decode["outside_by_kind"]
-        assert decode["kernels_in_graphs"] >= 0.9 * decode["n_kernels"]
+        # outside the graph: the copy of decode's outputs, their allocations, the replay
+        assert decode["graph_regions"] == 1 and decode["outside_graphs"] <= 20, decode["outside_by_kind"]
+        assert len([k for k in decode["kernels"] if not k["in_graph"]]) == 1
         assert report["verify"]["graph_regions"] == 0
