@@ -4,10 +4,12 @@ linear, in one run. Prints ms per call and the weight bytes read per second (GB/
 the experts a call uses, or of the whole matrix) at one token (decode) and at --tokens (prefill).
 
     python benchmarks/cpu_kernels.py [--types q8_0,q4_k,q2_k,iq2_xxs,mxfp4] [--shape 16,512,512,4]
-        [--tokens 64] [--threads 2] [--no-int8]
+        [--tokens 64] [--threads 2] [--no-int8] [--blockings 4x6,2x2]
 
 --shape is E,N,K,J: E experts of N x K weights, J chosen per token (the benchmark model's routed
-gate/up by default); the dense linear is one N*E/4 x K matrix."""
+gate/up by default); the dense linear is one N*E/4 x K matrix. --blockings times the hand kernels in each register
+blocking given (ROWSxTOKENS, nn/cpu_kernels.Blocking) side by side; by default the one this CPU
+takes. The int8 kernels take the CPU's dot instruction (AVX-512 VNNI's or AVX2's)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from ds4tvm.nn.qweight import QWeight, for_cpu
 from ds4tvm.schedules.llvm import pipeline
 
 
-def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, kernel: str):
+def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, kernel: str, blocking=None):
     class M(nn.Module):
         def __init__(self):
             self.w = QWeight("w", qtype, (N * E // 4, K))
@@ -41,12 +43,13 @@ def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, kernel: str):
     mode = {"param_mode": "plain", "effect_mode": "none"}
     spec = {"dense": {"x": nn.spec.Tensor(["t", K], "float32"), "$": mode},
             "experts": {"x": nn.spec.Tensor(["t", K], "float32"), "sel": nn.spec.Tensor(["t", J], "int32"), "$": mode}}
+    target = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": threads})
     if kernel != "TE":
-        with for_cpu(threads, int8_activations=kernel == "int8"):
+        with for_cpu(threads, blocking or cpu_kernels.blocking_for(target),
+                     int8_dot=cpu_kernels.int8_dot_for(target) if kernel == "int8" else None):
             mod, params = M().export_tvm(spec=spec)
     else:
         mod, params = M().export_tvm(spec=spec)
-    target = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": threads})
     return relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu()), params
 
 
@@ -58,8 +61,13 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
-                    help="also the int8-activation kernels (--int8-activations; needs AVX-512 VNNI)")
+                    help="also the int8-activation kernels (--int8-activations; AVX-512 VNNI or AVX2)")
+    ap.add_argument("--blockings", default="", help="register blockings ROWSxTOKENS of the hand kernels, e.g. 4x6,2x2")
     a = ap.parse_args()
+    system = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+    dot = cpu_kernels.int8_dot_for(system)
+    blockings = [cpu_kernels.Blocking(*map(int, b.split("x"))) for b in a.blockings.split(",") if b] or \
+        [cpu_kernels.blocking_for(system)]
     os.environ["TVM_NUM_THREADS"] = str(a.threads)   # TVM's default counts x86 cores as hyperthread pairs
     E, N, K, J = (int(v) for v in a.shape.split(","))
     rng = np.random.default_rng(0)
@@ -72,28 +80,30 @@ def main():
         raw = {o: random_blocks(qtype, s, rng) for o, s in shapes.items()}
         planes = {o: to_planes(raw[o], qtype, s) for o, s in shapes.items()}
         nbytes = {o: sum(v.nbytes for v in planes[o].fields.values()) for o in shapes}
-        times = {}
-        kernels = ["int8", "hand", "TE"] if a.int8 and cpu_kernels.takes_int8(qtype, K) else ["hand", "TE"]
-        for kernel in kernels:
-            vm, params = build(qtype, E, N, K, J, a.threads, kernel)
-            args = [tvm.runtime.tensor(np.ascontiguousarray(planes[n.split(".")[0]].fields[n.split("plane_")[1]]))
-                    for n, _ in params]
-            row = []
-            for T in (1, a.tokens):
-                x = tvm.runtime.tensor(rng.standard_normal((T, K)).astype(np.float32))
-                sel_np = np.stack([rng.choice(E, J, replace=False) for _ in range(T)]).astype(np.int32)
-                sel = tvm.runtime.tensor(sel_np)
-                used = len(np.unique(sel_np))
-                vm["dense"](x, *args), vm["experts"](x, sel, *args)   # warm up: thread pool, first-touch pages
-                dense = vm.time_evaluator("dense", tvm.cpu(), number=20, repeat=a.repeat)(x, *args)
-                exp = vm.time_evaluator("experts", tvm.cpu(), number=20, repeat=a.repeat)(x, sel, *args)
-                row += [(dense.median, nbytes["w"]), (exp.median, nbytes["we"] * used / E)]
-            times[kernel] = row
-        for kernel in kernels:
-            cells = " | ".join(f"{t * 1e3:.3f} ({b / t / 1e9:.1f})" for t, b in times[kernel])
-            ratio = f"{times['TE'][1][0] / times[kernel][1][0]:.1f}x" if kernel != "TE" else ""
-            print(f"| {qtype.name} | {kernel} | {cells} | {ratio} |", flush=True)
-
+        kernels = [("int8", "int8", blockings[0])] if a.int8 and dot and cpu_kernels.takes_int8(qtype, K, dot) else []
+        kernels += [(f"hand {b.rows}x{b.tokens}", "hand", b) for b in blockings] + [("TE", "TE", None)]
+        built = {}
+        for label, kernel, blocking in kernels:
+            vm, params = build(qtype, E, N, K, J, a.threads, kernel, blocking)
+            built[label] = vm, [tvm.runtime.tensor(np.ascontiguousarray(planes[n.split(".")[0]].fields[n.split("plane_")[1]]))
+                                for n, _ in params]
+        cases = []   # (name, T, inputs, bytes read)
+        for T in (1, a.tokens):
+            x = tvm.runtime.tensor(rng.standard_normal((T, K)).astype(np.float32))
+            sel_np = np.stack([rng.choice(E, J, replace=False) for _ in range(T)]).astype(np.int32)
+            used = len(np.unique(sel_np))
+            cases += [("dense", [x], nbytes["w"]), ("experts", [x, tvm.runtime.tensor(sel_np)], nbytes["we"] * used / E)]
+        samples = {label: [[] for _ in cases] for label in built}
+        for _ in range(a.repeat):   # the kernels alternate, so the machine's drift falls on all of them
+            for label, (vm, args) in built.items():
+                for i, (fn, inputs, _) in enumerate(cases):
+                    vm[fn](*inputs, *args)   # warm: thread pool, first-touch pages
+                    samples[label][i].append(vm.time_evaluator(fn, tvm.cpu(), number=20, repeat=1)(*inputs, *args).mean)
+        times = {label: [float(np.median(s)) for s in rows] for label, rows in samples.items()}
+        for label in built:
+            cells = " | ".join(f"{t * 1e3:.3f} ({c[2] / t / 1e9:.1f})" for t, c in zip(times[label], cases))
+            ratio = f"{times['TE'][1] / times[label][1]:.1f}x" if label != "TE" else ""
+            print(f"| {qtype.name} | {label} | {cells} | {ratio} |", flush=True)
 
 if __name__ == "__main__":
     main()

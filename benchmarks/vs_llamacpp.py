@@ -4,7 +4,7 @@
         [--modes fp32,int8]
 
 --modes: ds4tvm compiled with float inputs to its linears (fp32) and with --int8-activations (int8,
-on CPUs with AVX-512 VNNI), each a row of the table.
+on CPUs with AVX-512 VNNI or AVX2), each a row of the table.
 
 llama-cpp-python compiles llama.cpp from source (~6 minutes), so it lives in its own virtual
 environment: DIR (default .bench/llamacpp-env) is created on first use and reused. Both engines

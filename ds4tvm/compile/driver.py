@@ -188,7 +188,7 @@ def _with_heads(mod, functions, heads, path: Path, tgt_spec, out_dir: Path, para
     except Exception as e:  # noqa: BLE001 - the frontend's converters raise anything on what they cannot take
         raise Ds4Error(f"{path}: TVM's ONNX frontend cannot import it ({onnx_heads.first_line(e)})") from None
     if tgt_spec.device == "cpu":
-        mod = onnx_heads.add_to_module(mod, func, cpu_threads=int(tgt_spec.tvm.get("num-cores", 1)))
+        mod = onnx_heads.add_to_module(mod, func, cpu=cpu_kernel_shape(tgt_spec))
     else:
         mod = onnx_heads.add_to_module(mod, func, gpu_target=tvm.target.Target(tgt_spec.tvm))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -205,23 +205,34 @@ def _with_heads(mod, functions, heads, path: Path, tgt_spec, out_dir: Path, para
     return mod, [replace(f, params=(0, n)) for f in functions] + [spec]
 
 
-def has_vnni(tgt_spec) -> bool:
-    """Whether a CPU target's code may use AVX-512 VNNI (its -mcpu has it)."""
+def int8_dot(tgt_spec) -> str | None:
+    """The int8 dot instruction a CPU target's -mcpu has (nn/cpu_int8.py): AVX-512 VNNI's or AVX2's."""
     import tvm
-    from tvm.target import codegen
 
-    return bool(codegen.target_has_features("avx512vnni", tvm.target.Target(tgt_spec.tvm)))
+    from ..nn import cpu_kernels
+
+    return cpu_kernels.int8_dot_for(tvm.target.Target(tgt_spec.tvm))
 
 
 def check_int8_activations(tgt_spec, wanted: bool) -> None:
-    """The int8 path's dot products are AVX-512 VNNI instructions: only CPU targets that have them."""
+    """The int8 path's dot products are AVX-512 VNNI or AVX2 instructions: only CPU targets that
+    have one."""
     if not wanted:
         return
     if tgt_spec.device != "cpu":
         raise Ds4Error(f"--int8-activations: a CPU option; {tgt_spec.name} is a {tgt_spec.device} target")
-    if not has_vnni(tgt_spec):
-        raise Ds4Error(f"--int8-activations: target {tgt_spec.name} has no AVX-512 VNNI (vpdpbusd); use "
-                       f"--target cpu on a CPU that has it (Ice Lake / Zen 4 or later), or compile without it")
+    if int8_dot(tgt_spec) is None:
+        raise Ds4Error(f"--int8-activations: target {tgt_spec.name} has neither AVX-512 VNNI (vpdpbusd) nor AVX2 "
+                       f"(vpmaddubsw); use --target cpu on a CPU that has one, or compile without it")
+
+
+def cpu_kernel_shape(tgt_spec) -> tuple:
+    """(threads, register blocking) of a CPU target's hand-written kernels (nn/cpu_kernels.py)."""
+    import tvm
+
+    from ..nn import cpu_kernels
+
+    return int(tgt_spec.tvm.get("num-cores", 1)), cpu_kernels.blocking_for(tvm.target.Target(tgt_spec.tvm))
 
 
 def _export(model, tgt_spec, int8_activations: bool = False, gpu_forms: bool | None = None):
@@ -232,12 +243,12 @@ def _export(model, tgt_spec, int8_activations: bool = False, gpu_forms: bool | N
 
     cpu = tgt_spec.device == "cpu"
     gpu_forms = not cpu if gpu_forms is None else gpu_forms
-    threads = int(tgt_spec.tvm.get("num-cores", 1))
     with contextlib.ExitStack() as stack:
         if gpu_forms:
             stack.enter_context(qweight.gpu_forms(on_gpu=not cpu))
         elif cpu:
-            stack.enter_context(qweight.for_cpu(threads, int8_activations))
+            stack.enter_context(qweight.for_cpu(*cpu_kernel_shape(tgt_spec),
+                                                int8_dot(tgt_spec) if int8_activations else None))
         return model.export_tvm(spec=model.spec())
 
 

@@ -284,9 +284,9 @@ def import_function(model):
     return mod["main"].without_attr("params")
 
 
-def add_to_module(mod, func, cpu_threads: int | None = None, gpu_target=None):
+def add_to_module(mod, func, cpu: tuple | None = None, gpu_target=None):
     """mod with func as `draft_onnx`, its products with a weight as one x @ W^T kernel each (see
-    the module docstring): cpu_threads, the CPU target's cores, for the hand-written kernel; else
+    the module docstring): cpu, the CPU target's (threads, blocking) for the hand-written kernel; else
     a TE kernel, scheduled here for gpu_target by dlight's LowBatchGEMV (the drafter calls the
     heads with one row; the Matmul rule, first in the GPU pipeline's order, would import TVM's
     tensor intrinsics, a minute per compile, for kernels that never see a tile's worth of rows)."""
@@ -306,10 +306,10 @@ def add_to_module(mod, func, cpu_threads: int | None = None, gpu_target=None):
     def product(xs, ws, N: int, K: int):
         """xs [n, K] @ ws^T for ws [N, K], float32 or float16 (read as float32)."""
         qtype = QT.F32 if ws.ty.dtype == "float32" else QT.F16
-        if cpu_threads is not None and cpu_kernels.supports(qtype, N, K):
+        if cpu is not None and cpu_kernels.supports(qtype, N, K):
             key = (qtype, N, K)
             if key not in kernels:
-                kernels[key] = bb.add_func(cpu_kernels.dense_linear(qtype, N, K, cpu_threads),
+                kernels[key] = bb.add_func(cpu_kernels.dense_linear(qtype, N, K, *cpu),
                                            f"onnx_linear_{qtype.name.lower()}_{N}x{K}")
             return relax.call_tir(kernels[key], [xs, *cpu_kernels.weight_args([ws])],
                                   relax.TensorType([xs.ty.shape[0], N], "float32"))

@@ -22,7 +22,7 @@ ROCM_ARCHES = {"gfx90a": "CDNA2 (MI200)", "gfx942": "CDNA3 (MI300)", "gfx1100": 
 # (value, what it is for, what the build machine needs)
 LISTED = [
     ("llvm", "any CPU of this machine's architecture (generic code)", "gcc"),
-    ("cpu", "this machine's CPU micro-architecture (AVX-512 etc. where present)", "gcc"),
+    ("cpu", "this machine's CPU micro-architecture (kernels shaped for its AVX-512, AVX2 or narrower vectors)", "gcc"),
     ("cuda:sm_80", "NVIDIA A100", "nvcc (CUDA 13); no GPU or driver"),
     ("cuda:sm_90", "NVIDIA H100 / H200", "nvcc (CUDA 13); no GPU or driver"),
     ("cuda:sm_121", "NVIDIA DGX Spark (GB10)", "nvcc (CUDA 13); no GPU or driver"),

@@ -1,8 +1,10 @@
 """The int8-activation path of the CPU linears (a compile option, `ds4-compile --int8-activations`):
 each token's input is quantized to int8 in blocks of 32 (gguf's Q8_0 rounding, the scale kept in
-float32) and multiplied by the weights' integer codes with AVX-512 VNNI dot products (vpdpbusd:
-64 u8 x s8 products summed into 16 int32 lanes per instruction), as llama.cpp's CPU backend does.
-It reads the same planes as nn/cpu_kernels.py and replaces that module's float micro-kernel only.
+float32) and multiplied by the weights' integer codes with integer dot products, as llama.cpp's CPU
+backend does: AVX-512 VNNI's vpdpbusd (64 u8 x s8 products summed into 16 int32 lanes per
+instruction) or, on AVX2, vpmaddubsw (u8 x s8 pairs summed into int16, saturating) then vpmaddwd
+(int16 pairs into int32), on each half of the 64 (`int8_dot_for` picks by the target). It reads the
+same planes as nn/cpu_kernels.py and replaces that module's float micro-kernel only.
 
 The logits change: every input is rounded to 8 bits (a relative error of about 1/254 of its
 block's largest magnitude), so they no longer match transformers to ~1e-6; what the kernels
@@ -15,7 +17,12 @@ Each format decodes a block of 256 weights of a row into four chunks of 64 unsig
 per 16 weights M (f32 x 16), such that weight = S * u - M. With the token's input scales per lane
 D and its sums of 16 inputs X (the scale times the codes' sum), each chunk adds
 cvt(dot(u, q)) * S * D to the token's 16 partial sums and the block subtracts M * X. Signed codes
-(Q8_0, IQ2_XXS) are biased by 128 to be unsigned, M = 128 S.
+(Q8_0, IQ2_XXS) are biased by 128 to be unsigned, M = 128 S, for vpdpbusd. vpmaddubsw would
+saturate on biased codes (255 x 127 x 2 > 32767), so on AVX2 they stay signed (no M): the
+instruction takes |w| and the input with w's sign, as llama.cpp's AVX2 kernels do (|w| <= 128 and
+|q| <= 127 keep a pair's sum within int16). Each sums the same four products into a lane; the
+VNNI path's biased sums less the offsets round differently in float32 than the AVX2 path's
+direct ones, so the two builds' logits differ in the last bits.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from ..gguf.quant import _iq2_tables, plane_format
 
 F32 = "float32"
 CHUNK = 64          # weights per dot product
+VPDPBUSD, VPMADDUBSW = "vpdpbusd", "vpmaddubsw"   # the int8 dot products: AVX-512 VNNI, AVX2
+SIGNED = (QT.Q8_0, QT.IQ2_XXS)                     # signed codes: biased for vpdpbusd, kept for vpmaddubsw
 BLOCK = 256         # weights per decoded block: four chunks
 ACT_BLOCK = 32      # inputs per int8 scale
 
@@ -65,14 +74,14 @@ def _f16(P, name, r, i):
     return P[name][(*r, i)].astype(F32)
 
 
-def _q4_k(P, r, s):
+def _q4_k(P, r, s, _dot):
     sc = _vec(P["sc"], r, s * 8, 8).astype("float32x8") * tirx.Broadcast(_f16(P, "d", r, s), 8)
     mn = _vec(P["mn"], r, s * 8, 8).astype("float32x8") * tirx.Broadcast(_f16(P, "dmin", r, s), 8)
     codes = [_nibbles(_vec(P["qs"], r, s * 128 + j * 32, 32), (0, 4), 15) for j in range(4)]
     return codes, [_spread(sc, 2 * j, 8) for j in range(4)], _spread(mn, 0, 2)
 
 
-def _q2_k(P, r, s):
+def _q2_k(P, r, s, _dot):
     raw = _vec(P["sc"], r, s * 16, 16)
     sc = (raw & _bc(15, "uint8", 16)).astype("float32x16") * tirx.Broadcast(_f16(P, "d", r, s), 16)
     mn = (raw >> _bc(4, "uint8", 16)).astype("float32x16") * tirx.Broadcast(_f16(P, "dmin", r, s), 16)
@@ -80,10 +89,12 @@ def _q2_k(P, r, s):
     return codes, [_spread(sc, 4 * j, 4) for j in range(4)], mn
 
 
-def _q8_0(P, r, s):
+def _q8_0(P, r, s, dot):
     d = _vec(P["d"], r, s * 8, 8).astype("float32x8")
-    codes = [tirx.reinterpret("uint8x64", _vec(P["qs"], r, s * 256 + j * CHUNK, 64)) ^ _bc(128, "uint8", 64)
-             for j in range(4)]
+    codes = [_vec(P["qs"], r, s * 256 + j * CHUNK, 64) for j in range(4)]
+    if signed_codes(QT.Q8_0, dot):
+        return codes, [_spread(d, 2 * j, 8) for j in range(4)], None
+    codes = [tirx.reinterpret("uint8x64", c) ^ _bc(128, "uint8", 64) for c in codes]
     return codes, [_spread(d, 2 * j, 8) for j in range(4)], _spread(d, 0, 2) * _bc(128.0, F32, 16)
 
 
@@ -98,7 +109,7 @@ def _iq2_xxs_codes(P, r, s, aux, j):
     return tirx.reinterpret("uint8x64", _gather_rows(P["iq2_codes"], grid * _bc(128, "int32", 8) + sign_idx))
 
 
-def _iq2_xxs(P, r, s):
+def _iq2_xxs(P, r, s, _dot):
     aux = _vec(P["aux"], r, s * 8, 8)
     db = (tirx.Broadcast(_f16(P, "d", r, s), 8) * (_bc(0.5, F32, 8) + (aux >> _bc(28, "uint32", 8)).astype("float32x8"))
           * _bc(0.25, F32, 8))
@@ -107,7 +118,15 @@ def _iq2_xxs(P, r, s):
 
 
 BLOCKS = {QT.Q4_K: _q4_k, QT.Q2_K: _q2_k, QT.Q8_0: _q8_0, QT.IQ2_XXS: _iq2_xxs}
-FORMATS = tuple(BLOCKS)
+# IQ2_XXS gathers eight table rows per chunk: with AVX2 (two 4-row gathers, or eight loads) its
+# int8 kernel was no faster than the float one at one token and 2-3x slower at 64 tokens
+# (benchmarks/cpu_kernels.py on a Zen 3, BENCHMARKS.md), so there it keeps the float kernel.
+FORMATS = {VPDPBUSD: tuple(BLOCKS), VPMADDUBSW: (QT.Q4_K, QT.Q2_K, QT.Q8_0)}
+
+
+def signed_codes(qtype: QT, dot: str) -> bool:
+    """Whether a format's codes stay signed (no bias, no offsets) for the dot instruction."""
+    return dot == VPMADDUBSW and qtype in SIGNED
 
 
 def tables(qtype: QT) -> dict:
@@ -122,14 +141,15 @@ def tables(qtype: QT) -> dict:
     return {"iq2_codes": np.ascontiguousarray(codes.reshape(-1, 8)).view(np.uint64).reshape(-1)}
 
 
-def block_decoder(qtype: QT):
+def block_decoder(qtype: QT, dot: str):
     """dec(rows, blk, ws) -> (codes, scales, mins) of 256-weight block blk of a weight row: the
-    four chunks' codes (u8 x 64) and scales S (f32 x 16, one per dot-product lane), and the
-    block's offsets (f32 x 16, one per 16 weights); the chunks' scales are lanes of one vector
-    of the block's, which LLVM loads and converts once."""
+    four chunks' codes (u8 x 64, or s8 x 64 where signed_codes) and scales S (f32 x 16, one per
+    dot-product lane), and the block's offsets (f32 x 16, one per 16 weights; None for signed
+    codes); the chunks' scales are lanes of one vector of the block's, which LLVM loads and
+    converts once."""
     names = [f.name for f in plane_format(qtype).fields] + list(tables(qtype))
     dec = BLOCKS[qtype]
-    return lambda r, blk, ws: dec(dict(zip(names, ws)), r, blk)
+    return lambda r, blk, ws: dec(dict(zip(names, ws)), r, blk, dot)
 
 
 def _roundf(v):
@@ -167,12 +187,30 @@ def _lanes16(buf, i0: tuple, start):
     return tirx.BufferLoad(buf, [*i0, tirx.Ramp(start, 1, 16)])
 
 
-def chunk_update(acc, t, n, u, S, xq, D, row, col):
+def _halves(v, lanes: int):
+    return [tirx.Shuffle([v], list(range(h * lanes, (h + 1) * lanes))) for h in range(2)]
+
+
+def _dot(u, q, dot: str, signed: bool):
+    """16 int32 lanes, lane l the sum of products 4l .. 4l+3 of codes u (u8 x 64, or s8 x 64:
+    signed) and inputs q (s8 x 64)."""
+    if dot == VPDPBUSD:
+        return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", _bc(0, "int32", 16), u, q)
+    if signed:   # |w| times q with w's sign
+        q = tirx.Select(u < _bc(0, "int8", 64), _bc(0, "int8", 64) - q, q)
+        u = tirx.reinterpret("uint8x64", T.abs(u))
+    ones = _bc(1, "int16", 16)
+    parts = [T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd",
+                                     T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", uh, qh), ones)
+             for uh, qh in zip(_halves(u, 32), _halves(q, 32))]
+    return tirx.Shuffle(parts, list(range(16)))
+
+
+def chunk_update(acc, t, n, u, S, xq, D, row, col, dot: str, signed: bool):
     """(token t, row n)'s 16 partial sums plus chunk u, S at input column col of quantized row
     `row`: cvt(dot(u, q)) * S * D."""
     q = _vec(xq, (row,), col, 64)
-    dot = T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", _bc(0, "int32", 16), u, q)
-    return _lanes16(acc, (t, n), 0) + dot.astype("float32x16") * (S * _lanes16(D, (row,), col // 4))
+    return _lanes16(acc, (t, n), 0) + _dot(u, q, dot, signed).astype("float32x16") * (S * _lanes16(D, (row,), col // 4))
 
 
 def offset_update(acc, t, n, M, X, row, col):

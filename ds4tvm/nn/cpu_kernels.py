@@ -3,13 +3,15 @@ Q8_0, Q4_1, Q4_K, Q2_K, Q6_K, MXFP4, IQ2_XXS), written in TVMScript because thei
 blocking is beyond the TE schedules in schedules/llvm.py (which keep the shapes these do not take).
 
 The core is a micro-kernel of TB tokens x NR output rows whose TB*NR accumulators are 16-lane
-vectors of partial sums over k, summed in halves (16->8->4->2->1) at the end: 24 of the 32
-AVX-512 registers, each weight vector loaded once for TB tokens and each token vector once for NR
-rows. Weights come from nn/dequant.py's expressions (gguf's float operations, so every path
-rounds alike), VW lanes at a time, the k loop unrolled over one block of the format so that its
-scales are loaded and converted once. Output rows go in tiles of RB; with fewer than HT tokens a
-tile's weights are dequantized in registers inside the micro-kernel; with more the tile is
-dequantized once into a [RB, K] buffer (32 KB at K = 512) that every token block reads (from 12
+vectors of partial sums over k, summed in halves (16->8->4->2->1) at the end, each weight vector
+loaded once for TB tokens and each token vector once for NR rows. TB and NR follow the target's
+vector registers (Blocking): 6 x 4 with AVX-512 (24 of its 32 registers); 3 x 2 with AVX2, where
+an accumulator takes two of the 16 registers (6 x 4 spilled there: 2.5-3.6x slower at 64
+tokens). The order of a token's sums does not depend on TB or NR. Weights come from
+nn/dequant.py's expressions (gguf's float operations, so every path rounds alike), VW lanes at a
+time, the k loop unrolled over one block of the format so that its scales are loaded and
+converted once. Output rows go in tiles of RB; with fewer than HT tokens a tile's weights are
+dequantized in registers inside the micro-kernel; with more the tile is dequantized once into a [RB, K] buffer (32 KB at K = 512) that every token block reads (from 12
 tokens for the one-plane formats, from 2 for the others, whose dequantization costs more than the
 product). Leftover tokens run 4-, 2- and 1-token variants of the same core, so they still share
 each weight vector. A token's outputs do not depend on the tokens beside it, bit for bit.
@@ -25,8 +27,9 @@ Accumulators are global-scope buffers: TVM keeps one under 1 KB on the stack, wh
 in registers, while a "local" one came from the workspace pool at every micro-kernel call (and the
 products went through memory).
 
-With int8=True (ds4-compile --int8-activations) the Q8_0/Q4_K/Q2_K/IQ2_XXS kernels quantize their
-inputs to int8 first and run nn/cpu_int8.py's VNNI micro-kernel in the same tiles and token blocks.
+With int8 set (ds4-compile --int8-activations: the target's int8 dot instruction, vpdpbusd or
+vpmaddubsw) the Q8_0/Q4_K/Q2_K kernels (and IQ2_XXS's with vpdpbusd) quantize their inputs to
+int8 first and run nn/cpu_int8.py's integer micro-kernel in the same tiles and token blocks.
 
 benchmarks/cpu_kernels.py times each format against the TE kernels; BENCHMARKS.md has the numbers.
 """
@@ -34,6 +37,7 @@ benchmarks/cpu_kernels.py times each format against the TE kernels; BENCHMARKS.m
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
@@ -44,24 +48,54 @@ from ..gguf.quant import plane_format
 from . import cpu_int8
 from .dequant import DEQUANT, tables
 
-RB, NR, TB = 16, 4, 6             # row tile, rows per micro-kernel, tokens per micro-kernel
+RB = 16                           # output rows per tile
 PARALLEL_MIN_WEIGHTS = 1 << 16    # smaller linears run on one core (the pool's launch costs more)
 ARGS = 7                          # weight arguments of every kernel: Q4_K's five planes, IQ2_XXS's 3 + 2 tables
 FORMATS = tuple(DEQUANT)
 ONE_PLANE = (QT.F32, QT.F16, QT.BF16, QT.Q8_0)   # one value plane (and a scale): cheap to dequantize
 
 
+@dataclass(frozen=True)
+class Blocking:
+    """The micro-kernel's register blocking: `tokens` (TB) x `rows` (NR) accumulators of 16 float
+    lanes, which must stay in the target's vector registers (one AVX-512 register each, two AVX2
+    ones, four SSE or NEON ones) next to the vectors being multiplied."""
+    rows: int
+    tokens: int
+
+
+# by vector register width; 512 and 256 measured (benchmarks/cpu_kernels.py, BENCHMARKS.md), 128
+# (x86-64 without AVX2, e.g. the generic `llvm` target, and NEON) sized by the same register count
+BLOCKINGS = {512: Blocking(rows=4, tokens=6), 256: Blocking(rows=2, tokens=3), 128: Blocking(rows=2, tokens=1)}
+
+
+def blocking_for(target) -> Blocking:
+    """The Blocking of a TVM CPU target, by the widest float vectors its -mcpu has."""
+    from tvm.target import codegen
+
+    has = functools.partial(codegen.target_has_features, target=target)
+    return BLOCKINGS[512 if has("avx512f") else 256 if has("avx2") else 128]
+
+
+def int8_dot_for(target) -> str | None:
+    """The int8 dot instruction of a TVM CPU target (nn/cpu_int8.py), None where it has neither."""
+    from tvm.target import codegen
+
+    has = functools.partial(codegen.target_has_features, target=target)
+    return cpu_int8.VPDPBUSD if has("avx512vnni") else cpu_int8.VPMADDUBSW if has("avx2") else None
+
+
 def supports(qtype: QT, N: int, K: int, groups: int = 1) -> bool:
     return qtype in FORMATS and N % (RB * groups) == 0 and K % max(32, GGML_QUANT_SIZES[qtype][0]) == 0
 
 
-def takes_int8(qtype: QT, K: int) -> bool:
-    """Whether the int8-activation path (nn/cpu_int8.py) has a decoder for the format and K is a
-    whole number of its 256-weight blocks."""
-    return qtype in cpu_int8.FORMATS and K % cpu_int8.BLOCK == 0
+def takes_int8(qtype: QT, K: int, dot: str) -> bool:
+    """Whether the int8-activation path (nn/cpu_int8.py) takes the format with the dot instruction
+    and K is a whole number of its 256-weight blocks."""
+    return qtype in cpu_int8.FORMATS[dot] and K % cpu_int8.BLOCK == 0
 
 
-def takes_experts(qtype: QT, N: int, K: int, tokens, int8: bool = False) -> bool:
+def takes_experts(qtype: QT, N: int, K: int, tokens, int8: str | None = None) -> bool:
     """Whether expert_linear serves a routed-expert call of `tokens` tokens. A one-token call in
     a one-plane format keeps the TE kernel: there it is faster (Q8_0 0.065 against 0.089 ms per
     call, benchmarks/cpu_kernels.py; decode 0.89x before this was kept), and it sums each output in
@@ -98,12 +132,12 @@ def _parallel(threads: int, N: int, K: int) -> bool:
     return threads > 1 and N * K >= PARALLEL_MIN_WEIGHTS
 
 
-def kernel_tables(qtype: QT, int8: bool = False) -> dict:
+def kernel_tables(qtype: QT, int8: str | None = None) -> dict:
     """The lookup tables a kernel takes after the planes (the int8 path gathers its own)."""
     return cpu_int8.tables(qtype) if int8 else tables(qtype)
 
 
-def _arg_types(qtype: QT, lead: tuple, K: int, int8: bool) -> list[tuple[tuple, str]]:
+def _arg_types(qtype: QT, lead: tuple, K: int, int8: str | None) -> list[tuple[tuple, str]]:
     """(shape, dtype) of each weight argument: the planes, then the tables."""
     planes = [((*lead, f.per_row(K)), f.dtype) for f in plane_format(qtype).fields]
     return weight_args(planes + [(t.shape, str(t.dtype)) for t in kernel_tables(qtype, int8).values()])
@@ -116,9 +150,9 @@ def _dequant(qtype: QT):
 
 
 @T.macro
-def _zero(acc, nt):
+def _zero(acc, nt, nr):
     for t in T.unroll(nt):
-        for n in T.unroll(NR):
+        for n in T.unroll(nr):
             for lane in T.vectorized(16):
                 acc[t, n, lane] = T.float32(0)
 
@@ -135,17 +169,18 @@ def _lane_sum(acc, t, n):
 
 
 @T.macro
-def _store_sums(y, acc, nt, y_at, ctx, i0, tile, rb):
+def _store_sums(y, acc, nt, nr, y_at, ctx, i0, tile, rb):
     """Each accumulator's lane sum into its output, y_at(ctx, i, tile, r) (a micro-kernel's end)."""
     for t in T.unroll(nt):
-        for n in T.unroll(NR):
-            T.buffer_store(y, _lane_sum(acc, t, n), y_at(ctx, i0 + t, tile, rb * NR + n))
+        for n in T.unroll(nr):
+            T.buffer_store(y, _lane_sum(acc, t, n), y_at(ctx, i0 + t, tile, rb * nr + n))
 
 
-def _token_blocks(micro):
+def _token_blocks(micro, b: Blocking):
     """A macro blocks(inline, first, count, tile, ...) that runs `micro` over token rows first ..
     first+count-1 in blocks of TB, the last count % TB rows in blocks of 4, 2, 1 (still sharing
     each weight vector)."""
+    NR, TB = b.rows, b.tokens
 
     @T.macro
     def blocks(inline, first, count, tile, x, y, ctx, wt, ws):
@@ -162,12 +197,13 @@ def _token_blocks(micro):
     return blocks
 
 
-def _int8_row_tiles(qtype: QT, K: int, x_loc, w_row, y_at):
+def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at):
     """The row_tile macro of the int8-activation path (nn/cpu_int8.py): x is the tuple (xq, D, X)
     of quantized inputs, x_loc(ctx, i, tile) the quantized row and first column of list entry i,
     w_row(tile, r) the weight row index of tile row r. Weights are always decoded in registers:
     their codes feed the dot products directly."""
-    dec = cpu_int8.block_decoder(qtype)
+    dec, signed = cpu_int8.block_decoder(qtype, dot), cpu_int8.signed_codes(qtype, dot)
+    NR = b.rows
 
     def row(ctx, i, tile):
         return x_loc(ctx, i, tile)[0]
@@ -182,25 +218,31 @@ def _int8_row_tiles(qtype: QT, K: int, x_loc, w_row, y_at):
             S = T.bind(dec(w_row(tile, rb * NR + n), blk, ws)[1][j])
             for t in T.unroll(nt):
                 T.buffer_store(acc, cpu_int8.chunk_update(acc, t, n, u, S, x[0], x[1], row(ctx, i0 + t, tile),
-                                                          col(ctx, i0 + t, tile, blk, j)), [t, n, tirx.Ramp(0, 1, 16)])
+                                                          col(ctx, i0 + t, tile, blk, j), dot, signed),
+                               [t, n, tirx.Ramp(0, 1, 16)])
+
+    @T.macro
+    def offsets(acc, nt, i0, tile, rb, blk, x, ctx, ws):
+        for n in T.unroll(NR):
+            M = T.bind(dec(w_row(tile, rb * NR + n), blk, ws)[2])
+            for t in T.unroll(nt):
+                T.buffer_store(acc, cpu_int8.offset_update(acc, t, n, M, x[2], row(ctx, i0 + t, tile),
+                                                           col(ctx, i0 + t, tile, blk, 0)), [t, n, tirx.Ramp(0, 1, 16)])
 
     @T.macro
     def micro(_inline, nt, i0, tile, rb, x, y, ctx, _wt, ws):
         acc = T.decl_buffer((nt, NR, 16), "float32")   # global scope: see the module docstring
-        _zero(acc, nt)
+        _zero(acc, nt, NR)
         for blk in range(K // cpu_int8.BLOCK):
             chunk(acc, nt, i0, tile, rb, blk, 0, x, ctx, ws)
             chunk(acc, nt, i0, tile, rb, blk, 1, x, ctx, ws)
             chunk(acc, nt, i0, tile, rb, blk, 2, x, ctx, ws)
             chunk(acc, nt, i0, tile, rb, blk, 3, x, ctx, ws)
-            for n in T.unroll(NR):
-                M = T.bind(dec(w_row(tile, rb * NR + n), blk, ws)[2])
-                for t in T.unroll(nt):
-                    T.buffer_store(acc, cpu_int8.offset_update(acc, t, n, M, x[2], row(ctx, i0 + t, tile),
-                                                               col(ctx, i0 + t, tile, blk, 0)), [t, n, tirx.Ramp(0, 1, 16)])
-        _store_sums(y, acc, nt, y_at, ctx, i0, tile, rb)
+            if not signed:   # signed codes have no offsets
+                offsets(acc, nt, i0, tile, rb, blk, x, ctx, ws)
+        _store_sums(y, acc, nt, NR, y_at, ctx, i0, tile, rb)
 
-    blocks = _token_blocks(micro)
+    blocks = _token_blocks(micro, b)
 
     @T.macro
     def row_tile(first, count, tile, x, y, ctx, ws):
@@ -209,7 +251,7 @@ def _int8_row_tiles(qtype: QT, K: int, x_loc, w_row, y_at):
     return row_tile
 
 
-def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
+def _row_tiles(K: int, b: Blocking, VW: int, HT: int, U: int, x_at, w_at, y_at):
     """The tiled product both kernels share, as a macro row_tile(first, count, tile, x, y, ctx, ws):
     output rows tile*RB .. for the `count` token rows first .. first+count-1 of a list. The
     accessors, evaluated while parsing, say where those rows live: x_at(x, ctx, i, tile, k) the
@@ -218,7 +260,7 @@ def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
     arguments ws, or read from wt). Weights are dequantized VW lanes at a time, into wt from HT
     tokens; the k loop is unrolled by U vectors of 16 (a block of the format), so the block's
     scales are loaded and converted once for all its vectors."""
-    KC, H = K // 16, 16 // VW
+    KC, H, NR = K // 16, 16 // VW, b.rows
 
     def unroll(dequantizing):   # reading a dequantized tile has no scales to share
         return U if dequantizing else 1
@@ -229,7 +271,7 @@ def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
     @T.macro
     def micro(inline, nt, i0, tile, rb, x, y, ctx, wt, ws):
         acc = T.decl_buffer((nt, NR, 16), "float32")   # global scope: see the module docstring
-        _zero(acc, nt)
+        _zero(acc, nt, NR)
         for kb in range(KC // unroll(inline)):
             for u in T.unroll(unroll(inline)):
                 for t in T.unroll(nt):
@@ -239,9 +281,9 @@ def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
                                 acc[t, n, h * VW + lane] = acc[t, n, h * VW + lane] + x_at(
                                     x, ctx, i0 + t, tile, k_of(kb, u, h, lane, inline)) * w_at(
                                     inline, tile, rb * NR + n, k_of(kb, u, h, lane, inline), wt, ws)
-        _store_sums(y, acc, nt, y_at, ctx, i0, tile, rb)
+        _store_sums(y, acc, nt, NR, y_at, ctx, i0, tile, rb)
 
-    blocks = _token_blocks(micro)
+    blocks = _token_blocks(micro, b)
 
     @T.macro
     def row_tile(first, count, tile, x, y, ctx, ws):
@@ -262,24 +304,25 @@ def _row_tiles(K: int, VW: int, HT: int, U: int, x_at, w_at, y_at):
     return row_tile
 
 
-def _tiles(qtype: QT, K: int, int8: bool, x_at, x_loc, w_row, y_at):
+def _tiles(qtype: QT, K: int, b: Blocking, int8: str | None, x_at, x_loc, w_row, y_at):
     """The row_tile macro of the float path (x_at: an input element) or of the int8 path (x_loc:
     a quantized input row and its first column); w_row(tile, r): the weight row of tile row r."""
     if int8:
-        return _int8_row_tiles(qtype, K, x_loc, w_row, y_at)
+        return _int8_row_tiles(qtype, K, b, int8, x_loc, w_row, y_at)
     deq = _dequant(qtype)
 
     def w_at(inline, tile, r, k, wt, ws):
         return deq(w_row(tile, r), k, ws) if inline else wt[r, k]
 
-    return _row_tiles(K, _lanes(qtype), _tile_from(qtype), _unroll(qtype), x_at, w_at, y_at)
+    return _row_tiles(K, b, _lanes(qtype), _tile_from(qtype), _unroll(qtype), x_at, w_at, y_at)
 
 
 @functools.lru_cache(maxsize=None)   # one PrimFunc per shape, shared by the layers
-def dense_linear(qtype: QT, N: int, K: int, threads: int, groups: int = 1, int8: bool = False):
+def dense_linear(qtype: QT, N: int, K: int, threads: int, blocking: Blocking, groups: int = 1,
+                 int8: str | None = None):
     """y[T, N] = x[T, K] @ W[N, K]^T for any T. With groups G, x is [T, G*K] and output rows
-    g*N/G .. (g+1)*N/G read x[:, g*K : (g+1)*K] (a grouped projection). int8: inputs quantized
-    to int8 (nn/cpu_int8.py)."""
+    g*N/G .. (g+1)*N/G read x[:, g*K : (g+1)*K] (a grouped projection). int8: the dot
+    instruction inputs quantized to int8 feed (nn/cpu_int8.py), or None."""
     parallel = _parallel(threads, N, K)
     rows_per_group = N // groups
     a = _arg_types(qtype, (N,), K, int8)
@@ -293,7 +336,7 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, groups: int = 1, int8:
     def y_at(_ctx, i, rt, r):
         return [i, rt * RB + r]
 
-    row_tile = _tiles(qtype, K, int8, x_at, x_loc, lambda rt, r: (rt * RB + r,), y_at)
+    row_tile = _tiles(qtype, K, blocking, int8, x_at, x_loc, lambda rt, r: (rt * RB + r,), y_at)
 
     @T.macro
     def tiles(n_tok, x, y, ws):
@@ -311,7 +354,7 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, groups: int = 1, int8:
         n_tok = T.int32()
         x = T.match_buffer(x_h, (n_tok, groups * K), "float32")
         y = T.match_buffer(y_h, (n_tok, N), "float32")
-        if int8:
+        if int8 is not None:
             xq = T.decl_buffer((n_tok, groups * K), "int8")
             D = T.decl_buffer((n_tok, groups * K // 4), "float32")
             X = T.decl_buffer((n_tok, groups * K // 16), "float32")
@@ -329,11 +372,11 @@ def _row_of_2d(x, r, k):
 
 @functools.lru_cache(maxsize=None)
 def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool, threads: int,
-                  int8: bool = False):
+                  blocking: Blocking, int8: str | None = None):
     """y[T, J, N] = x[T, (J|1), K] @ W[ids[t, j], N, K]^T for any T, grouped by expert: the
     (token, slot) pairs are sorted by expert, and the row tiles of the experts in use (in order
     of expert id) are shared among the cores, so a decode's six experts keep both cores busy.
-    int8: inputs quantized to int8 (nn/cpu_int8.py)."""
+    int8: the dot instruction inputs quantized to int8 feed (nn/cpu_int8.py), or None."""
     parallel = _parallel(threads, N, K)
     a = _arg_types(qtype, (E, N), K, int8)
     NT, XJ = N // RB, (J if per_slot_input else 1)
@@ -350,7 +393,7 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
     def x_row(x, r, k):
         return x[r // XJ, r % XJ, k]
 
-    row_tile = _tiles(qtype, K, int8, x_at, x_loc, lambda et, r: (et // NT, et % NT * RB + r), y_at)
+    row_tile = _tiles(qtype, K, blocking, int8, x_at, x_loc, lambda et, r: (et // NT, et % NT * RB + r), y_at)
 
     @T.macro
     def used_tile(ut, x, y, slots, cnt, off, used, ws):
@@ -396,7 +439,7 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
             slots[fill[ids[s // J, s % J]]] = s
             fill[ids[s // J, s % J]] = fill[ids[s // J, s % J]] + 1
         n_used: T.int32 = used[E]
-        if int8:
+        if int8 is not None:
             xq = T.decl_buffer((n_tok * XJ, K), "int8")
             D = T.decl_buffer((n_tok * XJ, K // 4), "float32")
             X = T.decl_buffer((n_tok * XJ, K // 16), "float32")

@@ -20,15 +20,16 @@ from .dequant import DEQUANT, tables
 from ..gguf.quant import TO_F32, plane_format
 
 F32 = "float32"
-# Set while a module is exported for a CPU target: the number of cores it is compiled for, and
-# whether inputs are quantized to int8 (nn/cpu_int8.py). Linears whose format nn/cpu_kernels.py
-# covers then use those kernels instead of TE kernels.
-_CPU: contextvars.ContextVar[tuple[int, bool] | None] = contextvars.ContextVar("ds4_cpu", default=None)
+# Set while a module is exported for a CPU target: the number of cores it is compiled for, the
+# register blocking its vectors take (cpu_kernels.blocking_for) and, where inputs are quantized
+# to int8, the dot instruction they feed (nn/cpu_int8.py). Linears whose format nn/cpu_kernels.py covers then use those kernels
+# instead of TE kernels.
+_CPU: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("ds4_cpu", default=None)
 
 
 @contextlib.contextmanager
-def for_cpu(threads: int, int8_activations: bool = False):
-    token = _CPU.set((threads, int8_activations))
+def for_cpu(threads: int, blocking: cpu_kernels.Blocking, int8_dot: str | None = None):
+    token = _CPU.set((threads, blocking, int8_dot))
     try:
         yield
     finally:
@@ -63,10 +64,11 @@ def gpu_forms(on_gpu: bool = True):
         _GPU.reset(token)
 
 
-def _cpu_mode(qtype: QT, K: int) -> tuple[int | None, bool]:
-    """(threads, int8) of the CPU kernels while exporting for a CPU target; threads None otherwise."""
-    threads, int8 = _CPU.get() or (None, False)
-    return threads, int8 and cpu_kernels.takes_int8(qtype, K)
+def _cpu_mode(qtype: QT, K: int) -> tuple:
+    """(threads, blocking, int8) of the CPU kernels while exporting for a CPU target; threads None
+    otherwise."""
+    threads, blocking, int8 = _CPU.get() or (None, None, None)
+    return threads, blocking, int8 if int8 and cpu_kernels.takes_int8(qtype, K, int8) else None
 
 
 # Block names the CPU schedule looks for (schedules/llvm.py), and the GPU forms' (dlight's
@@ -146,7 +148,7 @@ class QWeight(nn.Module):
         consts = tables(self.qtype)
         return self.planes() + [nn.Tensor.from_const(v) for v in consts.values()], self.fields + list(consts)
 
-    def _cpu_args(self, int8: bool) -> list[nn.Tensor]:
+    def _cpu_args(self, int8: str | None) -> list[nn.Tensor]:
         self._check_planes()
         consts = cpu_kernels.kernel_tables(self.qtype, int8)
         return cpu_kernels.weight_args(self.planes() + [nn.Tensor.from_const(v) for v in consts.values()])
@@ -154,9 +156,9 @@ class QWeight(nn.Module):
     def linear(self, x: nn.Tensor, name: str = "qlinear") -> nn.Tensor:
         """y[t, n] = sum_k x[t, k] * W[n, k] for x of shape [T, K]."""
         N, K = self.shape
-        threads, int8 = _cpu_mode(self.qtype, K)
+        threads, blocking, int8 = _cpu_mode(self.qtype, K)
         if threads is not None and cpu_kernels.supports(self.qtype, N, K):
-            func = cpu_kernels.dense_linear(self.qtype, N, K, threads, 1, int8)
+            func = cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, 1, int8)
             return op.tensor_ir_op(func, name, [x, *self._cpu_args(int8)],
                                    nn.Tensor.placeholder((x.shape[0], N), F32))
         args, names = self._te_args()
@@ -174,9 +176,9 @@ class QWeight(nn.Module):
         """x [T, G, Kg] -> y [T, G, N/G]: group g uses rows g*N/G.. of W (columns are Kg wide)."""
         N, K = self.shape
         No = N // groups
-        threads, int8 = _cpu_mode(self.qtype, K)
+        threads, blocking, int8 = _cpu_mode(self.qtype, K)
         if threads is not None and cpu_kernels.supports(self.qtype, N, K, groups):
-            func = cpu_kernels.dense_linear(self.qtype, N, K, threads, groups, int8)
+            func = cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, groups, int8)
             T = x.shape[0]
             y = op.tensor_ir_op(func, name, [op.reshape(x, (T, groups * K)), *self._cpu_args(int8)],
                                 nn.Tensor.placeholder((T, N), F32))
@@ -195,11 +197,12 @@ class QWeight(nn.Module):
         are read. x is [T, K] (shared by the chosen experts) or [T, J, K]."""
         E, N, K = self.shape
         per_expert_input = len(x.shape) == 3
-        (threads, int8), T, J = _cpu_mode(self.qtype, K), x.shape[0], experts.shape[1]
+        (threads, blocking, int8), T, J = _cpu_mode(self.qtype, K), x.shape[0], experts.shape[1]
         blockized = _GPU.get() is not None and gpu_kernels.takes_blockized(self.qtype, K)
         if blockized or (threads is not None and cpu_kernels.takes_experts(self.qtype, N, K, T, int8)):
             func = (gpu_kernels.expert_gemv(self.qtype, E, N, K, J, per_expert_input, _GPU.get()) if blockized
-                    else cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads, int8))
+                    else cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads, blocking,
+                                                   int8))
             xs = x if per_expert_input else op.reshape(x, (T, 1, K))
             return op.tensor_ir_op(func, name, [xs, experts, *self._cpu_args(int8)],
                                    nn.Tensor.placeholder((T, J, N), F32))

@@ -56,7 +56,7 @@ def test_imported_heads_equal_onnxruntime(tmp_path):
     from tvm import relax
 
     from ds4tvm.compile import onnx_heads
-    from ds4tvm.compile.driver import _compile_module
+    from ds4tvm.compile.driver import _compile_module, cpu_kernel_shape
     from ds4tvm.compile.targets import resolve
 
     rng = np.random.default_rng(7)
@@ -64,7 +64,8 @@ def test_imported_heads_equal_onnxruntime(tmp_path):
         path = onnx_models.save(onnx_models.medusa(D, V, K, seed=3, tokens=tokens, dtype=dtype), tmp_path / "h.onnx")
         heads = onnx_heads.read(path, D, V, 8)
         model, keep = onnx_heads.prepare(heads.model)
-        mod = onnx_heads.add_to_module(tvm.IRModule(), onnx_heads.import_function(model), 2)
+        mod = onnx_heads.add_to_module(tvm.IRModule(), onnx_heads.import_function(model),
+                                       cpu=cpu_kernel_shape(resolve("llvm")))
         # the products with a weight run the hand-written linear of the weight's type
         linears = [gv.name_hint for gv in mod.functions if gv.name_hint.startswith("onnx_linear_")]
         kind = {np.float32: "f32", np.float16: "f16"}[dtype]

@@ -6,6 +6,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from ds4tvm.gguf.quant import random_blocks, to_planes
+from ds4tvm.nn import cpu_int8
 
 tvm = pytest.importorskip("tvm")
 pytestmark = pytest.mark.compile
@@ -74,25 +75,43 @@ def test_cpu_kernels_match_gguf_dequantize(qtype):
     linears, for token counts that take every path (register dequantization, a dequantized tile
     from 12 tokens, every leftover of blocks of 6 in blocks of 4/2/1, experts with no, one, few and
     many slots)."""
-    _check_cpu_kernels(qtype, int8=False)
+    _check_cpu_kernels(qtype, int8=None)
 
 
-INT8_DEFAULT = (QT.IQ2_XXS,)   # gathered codes, scales and offsets; the others under -m slow
+@pytest.mark.parametrize("qtype", (QT.Q8_0, QT.IQ2_XXS), ids=lambda t: t.name)
+def test_cpu_kernels_round_alike_in_every_register_blocking(qtype):
+    """The AVX2 and SSE/NEON blockings (2 rows x 3 or 1 tokens: other token blocks and leftovers) against gguf's
+    dequantizer as above, and bit for bit equal to the AVX-512 blocking's outputs: the order of a
+    token's sums does not depend on the blocking."""
+    from ds4tvm.nn.cpu_kernels import BLOCKINGS
+
+    outputs = {bits: _check_cpu_kernels(qtype, int8=None, blocking=BLOCKINGS[bits]) for bits in (512, 256, 128)}
+    for bits in (256, 128):
+        assert all(np.array_equal(a, b) for a, b in zip(outputs[512], outputs[bits], strict=True)), bits
 
 
-@pytest.mark.parametrize("qtype", [pytest.param(t, marks=() if t in INT8_DEFAULT else pytest.mark.slow)
-                                   for t in (QT.Q8_0, QT.Q4_K, QT.Q2_K, QT.IQ2_XXS)], ids=lambda t: t.name)
-def test_int8_activation_kernels_match_gguf_q8_0_inputs(qtype):
-    """The --int8-activations kernels (nn/cpu_int8.py), in every form and token count as above,
-    against gguf's dequantized weights times the inputs as gguf's Q8_0 quantizer rounds them (its
-    codes, with the block scale kept in float32). Their difference from the float inputs' product
-    (~1e-3 of the largest output) is 100x the tolerance, so a kernel that skipped the rounding fails."""
-    from ds4tvm.compile.driver import has_vnni
+# (format, dot instruction): IQ2_XXS's gathered codes on VNNI, Q8_0's signed codes and Q4_K's
+# unsigned codes with offsets on AVX2 by default; the others under -m slow
+INT8_DEFAULT = {(QT.IQ2_XXS, "vpdpbusd"), (QT.Q8_0, "vpmaddubsw"), (QT.Q4_K, "vpmaddubsw")}
+FEATURE = {"vpdpbusd": "avx512vnni", "vpmaddubsw": "avx2"}
+
+
+@pytest.mark.parametrize("qtype,dot", [pytest.param(t, d, marks=() if (t, d) in INT8_DEFAULT else pytest.mark.slow,
+                                                    id=f"{t.name}-{d}")
+                                       for d in FEATURE for t in cpu_int8.FORMATS[d]])
+def test_int8_activation_kernels_match_gguf_q8_0_inputs(qtype, dot):
+    """The --int8-activations kernels (nn/cpu_int8.py) with each dot instruction this CPU has (an
+    AVX-512 VNNI CPU runs the AVX2 one too), in every form and token count as above, against gguf's
+    dequantized weights times the inputs as gguf's Q8_0 quantizer rounds them (its codes, with the
+    block scale kept in float32). Their difference from the float inputs' product (~1e-3 of the
+    largest output) is 100x the tolerance, so a kernel that skipped the rounding fails."""
+    from tvm.target import codegen
+
     from ds4tvm.compile.targets import resolve
 
-    if not has_vnni(resolve("cpu")):
-        pytest.skip("this CPU has no AVX-512 VNNI, which the int8-activation kernels need")
-    _check_cpu_kernels(qtype, int8=True)
+    if not codegen.target_has_features(FEATURE[dot], tvm.target.Target(resolve("cpu").tvm)):
+        pytest.skip(f"this CPU has no {FEATURE[dot]}, which the {dot} kernels need")
+    _check_cpu_kernels(qtype, int8=dot)
 
 
 def q8_0_inputs(x: np.ndarray) -> np.ndarray:
@@ -104,13 +123,17 @@ def q8_0_inputs(x: np.ndarray) -> np.ndarray:
     return (codes.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
 
 
-def _check_cpu_kernels(qtype, int8: bool):
+def _check_cpu_kernels(qtype, int8: str | None, blocking=None) -> list:
+    """Checks the kernels of one format (by default in the AVX-512 blocking, whose token blocks of
+    6 have every leftover) and returns their outputs."""
     from tvm import relax
     from tvm.relax.frontend import nn
     from tvm.target import codegen
 
     from ds4tvm.nn import cpu_kernels
     from ds4tvm.nn.qweight import QWeight, for_cpu
+
+    blocking = blocking or cpu_kernels.BLOCKINGS[512]
     from ds4tvm.schedules.llvm import pipeline
 
     E, N, K, G, J = 4, 64, 256, 2, 3
@@ -133,12 +156,12 @@ def _check_cpu_kernels(qtype, int8: bool):
                 "xe": nn.spec.Tensor([t, J, K], "float32"), "sel": nn.spec.Tensor([t, J], "int32"),
                 "$": {"param_mode": "plain", "effect_mode": "none"}}
 
-    with for_cpu(2, int8_activations=int8):
+    with for_cpu(2, blocking, int8_dot=int8):
         mod, params = M().export_tvm(spec={"f": inputs("t"), "f1": inputs(1)})
     script = mod.script()
     assert "row_matmul" not in script   # no TE linear left but one-token experts in one-plane formats
     assert ("expert_matmul" in script) == (qtype in cpu_kernels.ONE_PLANE and not int8)
-    assert ("vpdpbusd" in script) == int8
+    assert ("vpdpbusd" in script) == (int8 == "vpdpbusd") and ("pmadd.ub.sw" in script) == (int8 == "vpmaddubsw")
     target = tvm.target.Target({"kind": "llvm", "num-cores": 2,
                                 **({"mcpu": codegen.llvm_get_system_cpu()} if int8 else {})})
     vm = relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu())
@@ -148,6 +171,7 @@ def _check_cpu_kernels(qtype, int8: bool):
     args = [tvm.runtime.tensor(np.ascontiguousarray(planes[n.split(".")[0]].fields[n.split("plane_")[1]]))
             for n, _ in params]
     seen = q8_0_inputs if int8 else (lambda a: a)
+    outputs = []
     for T in (1, 2, 3, 4, 5, 7, 11, 12, 13, 17, 23, 30):
         x = rng.standard_normal((T, K)).astype(np.float32)
         xg = rng.standard_normal((T, G, K)).astype(np.float32)
@@ -157,6 +181,7 @@ def _check_cpu_kernels(qtype, int8: bool):
                                  tvm.runtime.tensor(sel), *args)
         refs = [seen(x) @ W.T, np.einsum("tgk,gok->tgo", seen(xg), W.reshape(G, N // G, K)),
                 np.einsum("tk,tjnk->tjn", seen(x), We[sel]), np.einsum("tjk,tjnk->tjn", seen(xe), We[sel])]
+        outputs += [a.numpy() for a in (y, yg, ye, ye2)]
         for got, ref in zip((y, yg, ye, ye2), refs):
             assert np.abs(got.numpy() - ref).max() <= 1e-5 * np.abs(ref).max(), (T, qtype)
         # a token's outputs do not depend on the tokens beside it, bit for bit, whichever kernel a
@@ -167,3 +192,4 @@ def _check_cpu_kernels(qtype, int8: bool):
             one = vm[fn](*(tvm.runtime.tensor(a[t:t + 1]) for a in (x, xg, xe, sel)), *args)
             for got, alone in zip((y, yg, ye, ye2), one):
                 assert np.array_equal(got.numpy()[t:t + 1], alone.numpy()), (T, qtype, fn)
+    return outputs
