@@ -1,5 +1,5 @@
 """Where ds4tvm keeps what it derives from model files: compiled artifacts, unpacked packages,
-hash stamps, the host CPU's name. DS4TVM_CACHE moves it (CI and tests use a scratch folder)."""
+hash stamps, the host CPU's name, parsed hand-written kernels. DS4TVM_CACHE moves it (CI and tests use a scratch folder)."""
 
 from __future__ import annotations
 
@@ -7,5 +7,14 @@ import os
 from pathlib import Path
 
 
+def _base() -> Path:
+    return Path(os.environ.get("DS4TVM_CACHE", Path.home() / ".cache" / "ds4tvm"))
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get("DS4TVM_CACHE", Path.home() / ".cache" / "ds4tvm")) / "artifacts"
+    return _base() / "artifacts"
+
+
+def kernel_cache() -> Path:
+    """Hand-written kernels as parsed TIR (nn/cpu_kernels.py: parsing one takes seconds)."""
+    return _base() / "kernels"

@@ -46,6 +46,7 @@ from tvm.script import tirx as T
 
 from ..gguf.quant import plane_format
 from . import cpu_int8
+from . import dequant as dequant_module
 from .dequant import DEQUANT, tables
 
 RB = 16                           # output rows per tile
@@ -317,7 +318,56 @@ def _tiles(qtype: QT, K: int, b: Blocking, int8: str | None, x_at, x_loc, w_row,
     return _row_tiles(K, b, _lanes(qtype), _tile_from(qtype), _unroll(qtype), x_at, w_at, y_at)
 
 
-@functools.lru_cache(maxsize=None)   # one PrimFunc per shape, shared by the layers
+@functools.cache
+def _source_digest() -> str:
+    """What a kernel's TIR follows from besides its arguments: the sources that write it and TVM."""
+    import hashlib
+    import pathlib
+
+    import tvm
+
+    from ..gguf import quant
+
+    h = hashlib.sha256(tvm.__version__.encode())
+    for module in (__file__, cpu_int8.__file__, dequant_module.__file__, quant.__file__):
+        h.update(pathlib.Path(module).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _parsed_once(build):
+    """One PrimFunc per shape, shared by the layers and kept on disk (cache.kernel_cache()):
+    parsing the TVMScript of one kernel takes 1-4 s, most of a small model's compile. The key is
+    the arguments and a digest of the sources that write the kernel."""
+    import hashlib
+    import os
+
+    import tvm
+
+    from ..cache import kernel_cache
+
+    @functools.lru_cache(maxsize=None)
+    @functools.wraps(build)
+    def get(*args):
+        key = hashlib.sha256(repr((build.__name__, args, _source_digest())).encode()).hexdigest()[:32]
+        path = kernel_cache() / f"{build.__name__}-{key}.json"
+        try:
+            return tvm.ir.load_json(path.read_text())
+        except (OSError, ValueError, RuntimeError):   # absent or unreadable: parse it again
+            pass
+        func = build(*args)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(tvm.ir.save_json(func))
+            os.replace(tmp, path)   # whole or absent for a reader in another process
+        except OSError:
+            pass
+        return func
+
+    return get
+
+
+@_parsed_once
 def dense_linear(qtype: QT, N: int, K: int, threads: int, blocking: Blocking, groups: int = 1,
                  int8: str | None = None):
     """y[T, N] = x[T, K] @ W[N, K]^T for any T. With groups G, x is [T, G*K] and output rows
@@ -370,7 +420,7 @@ def _row_of_2d(x, r, k):
     return x[r, k]
 
 
-@functools.lru_cache(maxsize=None)
+@_parsed_once
 def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool, threads: int,
                   blocking: Blocking, int8: str | None = None):
     """y[T, J, N] = x[T, (J|1), K] @ W[ids[t, j], N, K]^T for any T, grouped by expert: the

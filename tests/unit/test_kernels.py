@@ -193,3 +193,23 @@ def _check_cpu_kernels(qtype, int8: str | None, blocking=None) -> list:
             for got, alone in zip((y, yg, ye, ye2), one):
                 assert np.array_equal(got.numpy()[t:t + 1], alone.numpy()), (T, qtype, fn)
     return outputs
+
+
+def test_parsed_kernels_are_kept_on_disk_and_a_damaged_one_is_parsed_again(tmp_path, monkeypatch):
+    """cpu_kernels keeps each parsed kernel in the cache folder (parsing takes seconds): a second
+    process loads the same TIR, and a damaged file is parsed again and replaced."""
+    import tvm_ffi
+
+    from ds4tvm.nn import cpu_kernels
+
+    monkeypatch.setenv("DS4TVM_CACHE", str(tmp_path))
+    parse_or_load = cpu_kernels.dense_linear.__wrapped__   # past the in-process cache, as a new process
+    args = (QT.Q8_0, 32, 64, 1, cpu_kernels.BLOCKINGS[128])
+    first = parse_or_load(*args)
+    files = list((tmp_path / "kernels").iterdir())
+    assert len(files) == 1 and files[0].suffix == ".json"
+    assert tvm_ffi.structural_equal(parse_or_load(*args), first)
+    files[0].write_text('{"damaged": ')
+    assert tvm_ffi.structural_equal(parse_or_load(*args), first)
+    assert tvm_ffi.structural_equal(tvm.ir.load_json(files[0].read_text()), first)
+    assert list((tmp_path / "kernels").iterdir()) == files   # no temporary file left
