@@ -85,14 +85,15 @@ def main():
         built = {}
         for label, kernel, blocking in kernels:
             vm, params = build(qtype, E, N, K, J, a.threads, kernel, blocking)
-            built[label] = vm, [tvm.runtime.tensor(np.ascontiguousarray(planes[n.split(".")[0]].fields[n.split("plane_")[1]]))
-                                for n, _ in params]
-        cases = []   # (name, T, inputs, bytes read)
+            built[label] = vm, [tvm.runtime.tensor(np.ascontiguousarray(planes[n.split(".")[0]].fields[
+                n.split("plane_")[1]])) for n, _ in params]
+        cases = []   # (function, inputs, bytes read)
         for T in (1, a.tokens):
             x = tvm.runtime.tensor(rng.standard_normal((T, K)).astype(np.float32))
             sel_np = np.stack([rng.choice(E, J, replace=False) for _ in range(T)]).astype(np.int32)
             used = len(np.unique(sel_np))
-            cases += [("dense", [x], nbytes["w"]), ("experts", [x, tvm.runtime.tensor(sel_np)], nbytes["we"] * used / E)]
+            cases += [("dense", [x], nbytes["w"]),
+                      ("experts", [x, tvm.runtime.tensor(sel_np)], nbytes["we"] * used / E)]
         samples = {label: [[] for _ in cases] for label in built}
         for _ in range(a.repeat):   # the kernels alternate, so the machine's drift falls on all of them
             for label, (vm, args) in built.items():

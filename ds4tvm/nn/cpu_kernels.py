@@ -11,9 +11,9 @@ tokens). The order of a token's sums does not depend on TB or NR. Weights come f
 nn/dequant.py's expressions (gguf's float operations, so every path rounds alike), VW lanes at a
 time, the k loop unrolled over one block of the format so that its scales are loaded and
 converted once. Output rows go in tiles of RB; with fewer than HT tokens a tile's weights are
-dequantized in registers inside the micro-kernel; with more the tile is dequantized once into a [RB, K] buffer (32 KB at K = 512) that every token block reads (from 12
-tokens for the one-plane formats, from 2 for the others, whose dequantization costs more than the
-product). Leftover tokens run 4-, 2- and 1-token variants of the same core, so they still share
+dequantized in registers inside the micro-kernel; with more the tile is dequantized once into a
+[RB, K] buffer (32 KB at K = 512) that every token block reads (from 12 tokens for the one-plane
+formats, from 2 for the others, whose dequantization costs more than the product). Leftover tokens run 4-, 2- and 1-token variants of the same core, so they still share
 each weight vector. A token's outputs do not depend on the tokens beside it, bit for bit.
 
 Routed experts sort the (token, slot) pairs by expert first (a counting sort in the kernel), list

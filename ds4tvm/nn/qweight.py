@@ -22,8 +22,8 @@ from ..gguf.quant import TO_F32, plane_format
 F32 = "float32"
 # Set while a module is exported for a CPU target: the number of cores it is compiled for, the
 # register blocking its vectors take (cpu_kernels.blocking_for) and, where inputs are quantized
-# to int8, the dot instruction they feed (nn/cpu_int8.py). Linears whose format nn/cpu_kernels.py covers then use those kernels
-# instead of TE kernels.
+# to int8, the dot instruction they feed (nn/cpu_int8.py). Linears whose format nn/cpu_kernels.py
+# covers then use those kernels instead of TE kernels.
 _CPU: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("ds4_cpu", default=None)
 
 
