@@ -317,11 +317,11 @@ def _storage_as_tuple(mod, func):
     that tuple outside the graph at every call: the captured function runs only at capture."""
     from tvm import relax
 
-    from .report import GRAPH_CALL, _builtin
+    from .report import GRAPH_CALL, calls_builtin
 
     bindings = [b for block in func.body.blocks for b in block.bindings]
-    cached = next((b.var for b in bindings if isinstance(b.value, relax.Call) and _builtin(b.value) == CACHED_ALLOC), None)
-    call = next((b for b in bindings if isinstance(b.value, relax.Call) and _builtin(b.value) == GRAPH_CALL), None)
+    cached = next((b.var for b in bindings if calls_builtin(b.value, CACHED_ALLOC)), None)
+    call = next((b for b in bindings if calls_builtin(b.value, GRAPH_CALL)), None)
     if cached is None or call is None:
         return func
     index = {b.var: int(b.value.index) for b in bindings
@@ -351,12 +351,9 @@ def _storage_as_tuple(mod, func):
 
 
 def _replays_graph(func) -> bool:
-    from tvm import relax
+    from .report import GRAPH_CALL, calls_builtin
 
-    from .report import GRAPH_CALL, _builtin
-
-    return any(isinstance(b.value, relax.Call) and _builtin(b.value) == GRAPH_CALL
-               for block in func.body.blocks for b in block.bindings)
+    return any(calls_builtin(b.value, GRAPH_CALL) for block in func.body.blocks for b in block.bindings)
 
 
 def _trimmed(func):

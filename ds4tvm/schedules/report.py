@@ -104,12 +104,19 @@ def _builtin(v) -> str | None:
     return None
 
 
+def calls_builtin(v, name: str) -> bool:
+    """Whether binding value v is a call of the VM built-in `name`."""
+    from tvm import relax
+
+    return isinstance(v, relax.Call) and _builtin(v) == name
+
+
 def _captured(v):
     """The captured function a CUDA graph call replays (vm.builtin.cuda_graph.run_or_capture)."""
     import tvm
     from tvm import relax
 
-    if isinstance(v, relax.Call) and _builtin(v) == GRAPH_CALL:
+    if calls_builtin(v, GRAPH_CALL):
         first = v.args[1].fields[0] if isinstance(v.args[0], relax.ExternFunc) else v.args[0]
         return first if isinstance(first, tvm.ir.GlobalVar) else None
     return None
