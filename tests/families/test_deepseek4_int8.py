@@ -8,7 +8,7 @@ the 8-bit rounding of every linear's input allows."""
 import numpy as np
 import pytest
 
-from conftest import run_ds4, run_ds4_compile
+from conftest import compile_here, run_ds4, run_ds4_compile
 
 pytestmark = [pytest.mark.compile]
 N_TOKENS = 96
@@ -47,9 +47,8 @@ def test_int8_activation_logits_near_transformers_and_batching_blind(tmp_path):
 
     gguf = _model(tmp_path / "model.gguf")
     art = tmp_path / "art"
-    r = run_ds4_compile(gguf, "--target", "cpu", "--int8-activations", "-o", art, "--max-context", "256",
-                        "--no-kv-rounding", "--quiet")
-    assert r.returncode == 0, r.stderr
+    compile_here(gguf, "--target", "cpu", "--int8-activations", "-o", art, "--max-context", "256",
+                 "--no-kv-rounding", "--quiet")
     model = hf_model_from_gguf(gguf)
     ids = np.random.default_rng(3).integers(0, model.config.vocab_size, N_TOKENS)
     with torch.no_grad():

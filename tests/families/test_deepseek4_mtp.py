@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import run_ds4, run_ds4_compile
+from conftest import compile_here, run_ds4
 
 pytestmark = pytest.mark.compile
 PROMPT = [7, 8, 9, 10, 11]
@@ -24,9 +24,8 @@ def target(tmp_path_factory):
 
 
 def _compile(d, model, support, name, *extra):
-    r = run_ds4_compile(model, "--target", "llvm", "-o", d / name, "--max-context", "512", "--max-verify", "8",
-                        "--mtp", support, "--quiet", *extra)
-    assert r.returncode == 0, r.stderr
+    compile_here(model, "--target", "llvm", "-o", d / name, "--max-context", "512", "--max-verify", "8",
+                 "--mtp", support, "--quiet", *extra)
     return d / name
 
 

@@ -11,7 +11,7 @@ returns the captured hidden states (the drafter's functions change nothing of th
 import numpy as np
 import pytest
 
-from conftest import ds4_logits, rows_through_rejections, run_ds4, run_ds4_compile
+from conftest import compile_here, ds4_logits, rows_through_rejections, run_ds4
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS = 300
@@ -42,9 +42,8 @@ def case(request, tmp_path_factory):
 
         cfg = Config.from_gguf(open_gguf(gguf))
         support = ["--mtp", write_random_dspark(d / "support.gguf", cfg, seed=4, target_layer_ids=CAPTURED)]
-    r = run_ds4_compile(gguf, "--target", "llvm", "-o", art, "--max-context", "512", "--no-kv-rounding", "--quiet",
-                        *support)
-    assert r.returncode == 0, r.stderr
+    compile_here(gguf, "--target", "llvm", "-o", art, "--max-context", "512", "--no-kv-rounding", "--quiet",
+                 *support)
     ids = np.random.default_rng(request.param).integers(0, 512, N_TOKENS)
     model = DeepseekV4ForCausalLM.from_pretrained(hf).eval()
     with torch.no_grad():
@@ -123,8 +122,7 @@ def test_fp8_fp4_rounding_stays_close_to_the_unrounded_model(case, tmp_path):
     if "topk8" not in art.parent.name:
         pytest.skip("measured once, on the selecting configuration")
     rounded = tmp_path / "rounded"
-    r = run_ds4_compile(art.parent / "tiny.gguf", "--target", "llvm", "-o", rounded, "--max-context", "512", "--quiet")
-    assert r.returncode == 0, r.stderr
+    compile_here(art.parent / "tiny.gguf", "--target", "llvm", "-o", rounded, "--max-context", "512", "--quiet")
     outs = {}
     for name, a in (("rounded", rounded), ("plain", art)):
         out = tmp_path / f"{name}.npy"

@@ -7,7 +7,7 @@ test_kernels.py), so what remains is the float32 summation order, the same as in
 import numpy as np
 import pytest
 
-from conftest import run_ds4, run_ds4_compile
+from conftest import compile_here, run_ds4
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS = 160
@@ -48,8 +48,7 @@ def test_quantized_logits_match_transformers_on_dequantized_weights(case, tiny_h
     types = {t.ggml_type.name for t in open_gguf(gguf).tensors.values()}
     print(case, sorted(types))
     art = tmp_path / "art"
-    r = run_ds4_compile(gguf, "--target", "llvm", "-o", art, "--max-context", "256", "--no-kv-rounding", "--quiet")
-    assert r.returncode == 0, r.stderr
+    compile_here(gguf, "--target", "llvm", "-o", art, "--max-context", "256", "--no-kv-rounding", "--quiet")
     model = hf_model_from_gguf(gguf)
     n_vocab = model.config.vocab_size
     ids = np.random.default_rng(3).integers(0, n_vocab, N_TOKENS)

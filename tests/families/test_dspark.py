@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import run_ds4, run_ds4_compile
+from conftest import compile_here, run_ds4, run_ds4_compile
 
 pytestmark = pytest.mark.compile
 
@@ -56,9 +56,8 @@ def disagreeing(pair, tmp_path_factory):
     for t in set(want[10:60:7]):
         wrong[t] = (wrong[t] + 1) % cfg.n_vocab
     support = write_markov_dspark(d / "disagree.gguf", cfg, wrong, seed=5)
-    r = run_ds4_compile(model, "--target", "llvm", "-o", d / "art", "--max-context", "512", "--max-verify", "8",
-                        "--mtp", support, "--quiet")
-    assert r.returncode == 0, r.stderr
+    compile_here(model, "--target", "llvm", "-o", d / "art", "--max-context", "512", "--max-verify", "8",
+                 "--mtp", support, "--quiet")
     return Engine(d / "art")
 
 

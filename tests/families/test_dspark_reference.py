@@ -7,7 +7,7 @@ the weights are the same dequantized values on both sides, FP8 rounding off)."""
 import numpy as np
 import pytest
 
-from conftest import run_ds4_compile
+from conftest import compile_here
 
 pytestmark = pytest.mark.compile
 TOL = 1e-4
@@ -39,9 +39,8 @@ def pair(tmp_path_factory, request):
     model = write_random_deepseek4(d / "target.gguf", cfg, seed=31)
     support = write_random_dspark(d / "support.gguf", cfg, seed=32,
                                   type_of=_quantized if request.param != "f16" else default_type)
-    r = run_ds4_compile(model, "--target", "llvm", "-o", d / "art", "--max-context", "512", "--max-verify", "8",
-                        "--mtp", support, "--no-kv-rounding", "--quiet")
-    assert r.returncode == 0, r.stderr
+    compile_here(model, "--target", "llvm", "-o", d / "art", "--max-context", "512", "--max-verify", "8",
+                 "--mtp", support, "--no-kv-rounding", "--quiet")
     return model, support, d / "art"
 
 

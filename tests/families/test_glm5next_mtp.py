@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import exact_sampling_outcomes, run_ds4, run_ds4_compile
+from conftest import compile_here, exact_sampling_outcomes, run_ds4
 
 pytestmark = pytest.mark.compile
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(0, 512, 41)]   # > 16 positions: the indexer selects
@@ -22,8 +22,7 @@ def model(tmp_path_factory):
     d = tmp_path_factory.mktemp("glm_mtp")
     cfg = tiny_config()
     gguf = write_random_glm5next(d / "glm.gguf", cfg, seed=3, type_of=lambda spec: _f32())
-    r = run_ds4_compile(gguf, "--target", "llvm", "-o", d / "art", "--max-context", "256", "--quiet")
-    assert r.returncode == 0, r.stderr
+    compile_here(gguf, "--target", "llvm", "-o", d / "art", "--max-context", "256", "--quiet")
     return d / "art", gguf, cfg
 
 

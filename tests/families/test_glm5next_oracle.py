@@ -15,7 +15,7 @@ order, so its float32 logits are not the better oracle.
 import numpy as np
 import pytest
 
-from conftest import ds4_logits, rows_through_rejections, run_ds4, run_ds4_compile
+from conftest import compile_here, ds4_logits, rows_through_rejections, run_ds4
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS = 300
@@ -38,8 +38,7 @@ def _compiled(d, layout: str):
     assert f"{layout} GGUF layout" in r.stdout and "KKDKKD (K = KDA, D = DSA; 1 dense" in r.stdout
     assert "glm5next (glm5-next, target)" in r.stdout and "mtp layer     none" in r.stdout
     art = d / f"art-{layout}"
-    r = run_ds4_compile(gguf, "--target", "llvm", "-o", art, "--max-context", "512", "--max-verify", "4", "--quiet")
-    assert r.returncode == 0, r.stderr
+    compile_here(gguf, "--target", "llvm", "-o", art, "--max-context", "512", "--max-verify", "4", "--quiet")
     return art
 
 

@@ -11,7 +11,7 @@ logit: 1e-4 of max(1, max |logit|)."""
 import numpy as np
 import pytest
 
-from conftest import ds4_logits, run_ds4_compile
+from conftest import compile_here, ds4_logits
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS = 120
@@ -69,8 +69,7 @@ def test_q2_recipe_logits_match_transformers_on_dequantized_weights(tmp_path):
     assert router >= 3e-5 and indexer >= 3e-5
 
     art = tmp_path / "art"
-    r = run_ds4_compile(gguf, "--target", "llvm", "-o", art, "--max-context", "256", "--quiet")
-    assert r.returncode == 0, r.stderr
+    compile_here(gguf, "--target", "llvm", "-o", art, "--max-context", "256", "--quiet")
     got = ds4_logits(art, ids, "prefill", tmp_path)
     err = np.abs(got - ref).max()
     print(f"q2 recipe: max |delta| {err:.3g}, logits up to {np.abs(ref).max():.2f}")

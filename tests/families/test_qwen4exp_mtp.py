@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import exact_sampling_outcomes, run_ds4, run_ds4_compile
+from conftest import compile_here, exact_sampling_outcomes, run_ds4
 
 pytestmark = [pytest.mark.compile, pytest.mark.oracle]
 EOS = 7
@@ -143,8 +143,7 @@ def model(tmp_path_factory):
     cfg = _integrated(d / "nine.gguf", d / "model.gguf", w)
     hf.set_experts_implementation("eager")
     hf = hf.double()
-    r = run_ds4_compile(d / "model.gguf", "--target", "llvm", "-o", d / "art", "--max-context", "256", "--quiet")
-    assert r.returncode == 0, r.stderr
+    compile_here(d / "model.gguf", "--target", "llvm", "-o", d / "art", "--max-context", "256", "--quiet")
     torch.manual_seed(0)
     return d / "art", d / "model.gguf", cfg, Reference(hf, w)
 

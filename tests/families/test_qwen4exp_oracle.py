@@ -7,7 +7,7 @@ decode and verify modes, with the QSA indexer selecting (budget 32: from positio
 import numpy as np
 import pytest
 
-from conftest import ds4_logits, rows_through_rejections, run_ds4, run_ds4_compile
+from conftest import compile_here, ds4_logits, rows_through_rejections, run_ds4
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS, EOS = 300, 7
@@ -53,8 +53,7 @@ def case(request, tmp_path_factory):
     assert "qwen4exp (qwen4exp, target)" in r.stdout and "GGGAGGGA (G = Gated DeltaNet" in r.stdout
     assert "layer 1: 8 heads x 8, 620 table rows" in r.stdout
     art = d / "art"
-    r = run_ds4_compile(gguf, "--target", "llvm", "-o", art, "--max-context", "512", "--max-verify", "4", "--quiet")
-    assert r.returncode == 0, r.stderr
+    compile_here(gguf, "--target", "llvm", "-o", art, "--max-context", "512", "--max-verify", "4", "--quiet")
     return art, ids, ref
 
 

@@ -17,7 +17,7 @@ left is float32 arithmetic against transformers' float64, as in the F32 oracle
 import numpy as np
 import pytest
 
-from conftest import ds4_logits, run_ds4_compile
+from conftest import compile_here, ds4_logits
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS = 120
@@ -94,8 +94,7 @@ def test_q4k_recipe_logits_match_transformers_on_dequantized_weights(tmp_path):
     assert router >= 3e-5 and indexer >= 3e-5
 
     art = tmp_path / "art"
-    r = run_ds4_compile(gguf, "--target", "llvm", "-o", art, "--max-context", "256", "--quiet")
-    assert r.returncode == 0, r.stderr
+    compile_here(gguf, "--target", "llvm", "-o", art, "--max-context", "256", "--quiet")
     err = np.abs(ds4_logits(art, ids, "prefill", tmp_path) - ref).max()
     print(f"q4k recipe: max |delta| {err:.3g}, logits up to {np.abs(ref).max():.2f}")
     assert err <= 1e-4 * max(1.0, np.abs(ref).max())

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_ds4, run_ds4_compile
+from conftest import compile_here, run_ds4, run_ds4_compile
 from gguf.quants import dequantize
 
 import onnx_models
@@ -41,9 +41,8 @@ def heads_art(demo_pair, tmp_path_factory):
     for a, b in zip(seq, seq[1:]):
         successor[a] = b
     heads = onnx_models.save(onnx_models.successor_heads(successor, K, D), d / "successors.onnx")
-    r = run_ds4_compile(model, "--draft-onnx", heads, "-o", d / "art", "--max-context", "512", "--max-verify", "8",
-                        "--quiet")
-    assert r.returncode == 0, r.stderr
+    compile_here(model, "--draft-onnx", heads, "-o", d / "art", "--max-context", "512", "--max-verify", "8",
+                 "--quiet")
     return d / "art", heads, prompt
 
 

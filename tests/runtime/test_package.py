@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from conftest import run_ds4, run_ds4_compile
+from conftest import compile_here, run_ds4, run_ds4_compile
 
 from random_demo import PROMPT
 
@@ -15,12 +15,29 @@ pytestmark = pytest.mark.compile
 
 @pytest.fixture(scope="module")
 def package(demo_pair, tmp_path_factory):
-    model, support, _, _ = demo_pair
-    out = tmp_path_factory.mktemp("pkg") / "demo.pkg"
+    """The demo pair packaged for two targets: the demo artifact (compiled for this CPU) and one for
+    generic llvm, bundled as `ds4-compile --package` bundles what it compiles (its command line with
+    two targets: test_compile_package_command_line, -m slow)."""
+    from ds4tvm.package import build_package
+
+    model, support, art, _ = demo_pair
+    d = tmp_path_factory.mktemp("pkg")
+    compile_here(model, "--mtp", support, "--target", "llvm", "-o", d / "llvm", "--max-context", "512",
+                 "--max-verify", "8", "--quiet")
+    return build_package([art, d / "llvm"], d / "demo.pkg")
+
+
+@pytest.mark.slow   # two compiles; the package fixture bundles the demo artifact and one compile
+def test_compile_package_command_line(demo_pair, tmp_path):
+    model, support, art, _ = demo_pair
+    out = tmp_path / "demo.pkg"
     r = run_ds4_compile(model, "--mtp", support, "--target", "cpu", "--target", "llvm", "--package", out,
                         "--max-context", "512", "--max-verify", "8", "--quiet")
     assert r.returncode == 0, r.stderr
-    return out
+    meta = json.loads((out / "package.json").read_text())
+    here = json.loads((art / "manifest.json").read_text())["target_name"]
+    assert sorted(t["name"] for t in meta["targets"]) == sorted(["llvm", here])
+    assert _run_json(out, "--dspark")["tokens"] == _run_json(art, "--dspark")["tokens"]
 
 
 def _run_json(model, *extra):
