@@ -51,32 +51,44 @@ def tiny_hf_dir(tmp_path_factory):
     return write_tiny_deepseek_v4(tmp_path_factory.mktemp("hf") / "tiny-v4")
 
 
-@pytest.fixture(scope="session")
-def tiny_artifact(tmp_path_factory):
-    """A small random DeepSeek-V4 (every layer kind) compiled for llvm, shared by runtime tests."""
+def _once_per_run(tmp_path_factory, name: str, build):
+    """build(folder) run once for all the test workers of this run (the first runs it under a
+    lock, the others wait and reuse what it wrote); its result returned in every worker."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent   # shared by the workers of this run
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build(root / f"{name}-shared")
+
+
+def _tiny_artifact(d: Path) -> Path:
     from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
 
-    d = tmp_path_factory.mktemp("tiny-art")
-    model = write_random_deepseek4(d / "tiny.gguf", tiny_config(), seed=21)
-    compile_here(model, "--target", "llvm", "-o", d / "art", "--max-context", "512", "--max-verify", "8", "--quiet")
+    if not (d / "art" / "manifest.json").is_file():
+        d.mkdir(parents=True, exist_ok=True)
+        model = write_random_deepseek4(d / "tiny.gguf", tiny_config(), seed=21)
+        compile_here(model, "--target", "llvm", "-o", d / "art", "--max-context", "512", "--max-verify", "8",
+                     "--quiet")
     return d / "art"
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory):
+    """A small random DeepSeek-V4 (every layer kind) compiled for llvm, shared by runtime tests
+    (and by the test workers)."""
+    return _once_per_run(tmp_path_factory, "tiny-art", _tiny_artifact)
 
 
 @pytest.fixture(scope="session")
 def demo_pair(tmp_path_factory):
     """The random demo pair (tests/random_demo.py): tiny DeepSeek-V4 + agreeing DSpark support, one
-    artifact holding both; built once for all test workers (the first builds it under a lock, the
-    others reuse it)."""
-    import fcntl
-
+    artifact holding both; built once for all test workers."""
     from random_demo import build_random_demo
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent   # shared by the workers of this run
-    with open(root / "demo.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return build_random_demo(root / "demo-shared")
+    return _once_per_run(tmp_path_factory, "demo", build_random_demo)
 
 
 def rows_through_rejections(engine, ids, n_vocab: int, seed: int = 7):
