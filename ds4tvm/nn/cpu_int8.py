@@ -32,12 +32,12 @@ from gguf import GGMLQuantizationType as QT
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..gguf.quant import _iq2_tables, plane_format
+from ..gguf.quant import MXFP4_VALUES, _iq2_tables, plane_format
 
 F32 = "float32"
 CHUNK = 64          # weights per dot product
 VPDPBUSD, VPMADDUBSW = "vpdpbusd", "vpmaddubsw"   # the int8 dot products: AVX-512 VNNI, AVX2
-SIGNED = (QT.Q8_0, QT.IQ2_XXS)                     # signed codes: biased for vpdpbusd, kept for vpmaddubsw
+SIGNED = (QT.Q8_0, QT.IQ2_XXS, QT.MXFP4)           # signed codes: biased for vpdpbusd, kept for vpmaddubsw
 BLOCK = 256         # weights per decoded block: four chunks
 ACT_BLOCK = 32      # inputs per int8 scale
 
@@ -117,11 +117,37 @@ def _iq2_xxs(P, r, s, _dot):
     return codes, [_spread(db, 2 * j, 8) for j in range(4)], _spread(db, 0, 2) * _bc(128.0, F32, 16)
 
 
-BLOCKS = {QT.Q4_K: _q4_k, QT.Q2_K: _q2_k, QT.Q8_0: _q8_0, QT.IQ2_XXS: _iq2_xxs}
+def _e8m0_half(e):
+    """gguf's e8m0_to_fp32_half of a vector of exponent bytes: 2^(e-128), the two smallest as
+    denormals (nn/dequant.py's expression, lane by lane)."""
+    n = e.ty.dtype.lanes
+    e = e.astype(f"uint32x{n}")
+    small = _bc(0x00200000, "uint32", n) << e
+    big = (e - _bc(1, "uint32", n)) << _bc(23, "uint32", n)
+    return tirx.reinterpret(f"float32x{n}", tirx.Select(e < _bc(2, "uint32", n), small, big))
+
+
+def _mxfp4(P, r, s, _dot):
+    """MXFP4's 4-bit codes looked up in its doubled e2m1 values (-12 .. 12) with vpshufb, 32 at
+    a time: a chunk's 64 codes are two 32-weight blocks, each 16 low nibbles then 16 high ones.
+    Signed codes (vpmaddubsw; AVX-512 VNNI's biased form is not built: not tested on such a CPU)."""
+    half = _e8m0_half(_vec(P["e"], r, s * 8, 8))
+    values = _vec(P["mxfp4_values"], (), 0, 32)
+    codes = []
+    for j in range(4):
+        v = _vec(P["qs"], r, s * 128 + j * 32, 32)
+        lo, hi = (tirx.reinterpret("int8x32", n) for n in (v & _bc(15, "uint8", 32), v >> _bc(4, "uint8", 32)))
+        L, H = (T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b", values, n) for n in (lo, hi))
+        codes.append(tirx.Shuffle([L, H], [*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]))
+    return codes, [_spread(half, 2 * j, 8) for j in range(4)], None
+
+
+BLOCKS = {QT.Q4_K: _q4_k, QT.Q2_K: _q2_k, QT.Q8_0: _q8_0, QT.IQ2_XXS: _iq2_xxs, QT.MXFP4: _mxfp4}
 # IQ2_XXS gathers eight table rows per chunk: with AVX2 (two 4-row gathers, or eight loads) its
 # int8 kernel was no faster than the float one at one token and 2-3x slower at 64 tokens
 # (benchmarks/cpu_kernels.py on a Zen 3, BENCHMARKS.md), so there it keeps the float kernel.
-FORMATS = {VPDPBUSD: tuple(BLOCKS), VPMADDUBSW: (QT.Q4_K, QT.Q2_K, QT.Q8_0)}
+# MXFP4 (a vpshufb lookup) is built for AVX2 only: its biased VNNI form has not run on such a CPU.
+FORMATS = {VPDPBUSD: (QT.Q4_K, QT.Q2_K, QT.Q8_0, QT.IQ2_XXS), VPMADDUBSW: (QT.Q4_K, QT.Q2_K, QT.Q8_0, QT.MXFP4)}
 
 
 def signed_codes(qtype: QT, dot: str) -> bool:
@@ -130,8 +156,11 @@ def signed_codes(qtype: QT, dot: str) -> bool:
 
 
 def tables(qtype: QT) -> dict:
-    """The table the IQ2_XXS decoder gathers 64-bit rows from: the codes of every (grid entry,
-    sign pattern) pair, [256 * 128] (256 KB, one copy in a compiled module)."""
+    """The tables the decoders read: MXFP4's 16 values twice (vpshufb looks up within each
+    16-byte half), IQ2_XXS's 64-bit rows of the codes of every (grid entry, sign pattern) pair,
+    [256 * 128] (256 KB, one copy in a compiled module)."""
+    if qtype == QT.MXFP4:   # vpshufb's table, once per 128-bit lane
+        return {"mxfp4_values": np.tile(MXFP4_VALUES, 2)}
     if qtype != QT.IQ2_XXS:
         return {}
     grid, ksigns = _iq2_tables()

@@ -28,7 +28,7 @@ in registers, while a "local" one came from the workspace pool at every micro-ke
 products went through memory).
 
 With int8 set (ds4-compile --int8-activations: the target's int8 dot instruction, vpdpbusd or
-vpmaddubsw) the Q8_0/Q4_K/Q2_K kernels (and IQ2_XXS's with vpdpbusd) quantize their inputs to
+vpmaddubsw) the Q8_0/Q4_K/Q2_K/MXFP4 kernels (and IQ2_XXS's with vpdpbusd) quantize their inputs to
 int8 first and run nn/cpu_int8.py's integer micro-kernel in the same tiles and token blocks.
 
 benchmarks/cpu_kernels.py times each format against the TE kernels; BENCHMARKS.md has the numbers.
