@@ -636,8 +636,8 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                                                          help="tuning database directory to apply and tune into "
                                                               "(default: ds4tvm/schedules/tuned/<target>)"),
                   int8_activations: bool = typer.Option(False, "--int8-activations",
-                                                        help="CPU: quantize the inputs of the Q8_0/Q4_K/Q2_K/MXFP4 "
-                                                             "(and with AVX-512 VNNI IQ2_XXS) linears to int8 and use "
+                                                        help="CPU: quantize the inputs of the Q8_0/Q4_K/Q2_K/IQ2_XXS "
+                                                             "(and on AVX2 MXFP4) linears to int8 and use "
                                                              "integer dot products (AVX-512 VNNI or AVX2; faster "
                                                              "decode; logits change by the 8-bit rounding)"),
                   report: Optional[Path] = typer.Option(None, "--report", metavar="FILE.json",

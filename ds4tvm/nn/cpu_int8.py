@@ -20,7 +20,8 @@ cvt(dot(u, q)) * S * D to the token's 16 partial sums and the block subtracts M 
 (Q8_0, IQ2_XXS) are biased by 128 to be unsigned, M = 128 S, for vpdpbusd. vpmaddubsw would
 saturate on biased codes (255 x 127 x 2 > 32767), so on AVX2 they stay signed (no M): the
 instruction takes |w| and the input with w's sign, as llama.cpp's AVX2 kernels do (|w| <= 128 and
-|q| <= 127 keep a pair's sum within int16). Each sums the same four products into a lane; the
+|q| <= 127 keep a pair's sum within int16; IQ2_XXS's magnitudes and sign rows come from two small
+tables and vpsignb puts the signs on the inputs; MXFP4 looks its codes up with vpshufb). Each sums the same four products into a lane; the
 VNNI path's biased sums less the offsets round differently in float32 than the AVX2 path's
 direct ones, so the two builds' logits differ in the last bits.
 """
@@ -109,12 +110,29 @@ def _iq2_xxs_codes(P, r, s, aux, j):
     return tirx.reinterpret("uint8x64", _gather_rows(P["iq2_codes"], grid * _bc(128, "int32", 8) + sign_idx))
 
 
-def _iq2_xxs(P, r, s, _dot):
+def _iq2_xxs_apart(P, r, s, aux, j):
+    """Chunk j's magnitudes (u8 x 64) and signs (+-1 x 64) apart, each eight 64-bit rows of a small
+    table (grid 2 KB, signs 1 KB) read with scalar indices (a vector of indices costs an extract
+    per lane): on AVX2 the signs go onto the inputs (vpsignb), as in llama.cpp."""
+    def row(table, index):
+        return tirx.BufferLoad(P[table], [index.astype("int32")])
+
+    grid = [row("iq2_grid8", P["grid"][(*r, s * 32 + j * 8 + i)]) for i in range(8)]
+    words = [P["aux"][(*r, s * 8 + 2 * j + i // 4)] for i in range(8)]
+    signs = [row("iq2_signs8", (w >> tirx.const(7 * (i % 4), "uint32")) & tirx.const(127, "uint32"))
+             for i, w in enumerate(words)]
+    return (tirx.reinterpret("uint8x64", tirx.Shuffle(grid, list(range(8)))),
+            tirx.reinterpret("int8x64", tirx.Shuffle(signs, list(range(8)))))
+
+
+def _iq2_xxs(P, r, s, dot):
     aux = _vec(P["aux"], r, s * 8, 8)
     db = (tirx.Broadcast(_f16(P, "d", r, s), 8) * (_bc(0.5, F32, 8) + (aux >> _bc(28, "uint32", 8)).astype("float32x8"))
           * _bc(0.25, F32, 8))
-    codes = [_iq2_xxs_codes(P, r, s, aux, j) for j in range(4)]
-    return codes, [_spread(db, 2 * j, 8) for j in range(4)], _spread(db, 0, 2) * _bc(128.0, F32, 16)
+    scales = [_spread(db, 2 * j, 8) for j in range(4)]
+    if signs_apart(QT.IQ2_XXS, dot):
+        return [_iq2_xxs_apart(P, r, s, aux, j) for j in range(4)], scales, None
+    return [_iq2_xxs_codes(P, r, s, aux, j) for j in range(4)], scales, _spread(db, 0, 2) * _bc(128.0, F32, 16)
 
 
 def _e8m0_half(e):
@@ -143,11 +161,11 @@ def _mxfp4(P, r, s, _dot):
 
 
 BLOCKS = {QT.Q4_K: _q4_k, QT.Q2_K: _q2_k, QT.Q8_0: _q8_0, QT.IQ2_XXS: _iq2_xxs, QT.MXFP4: _mxfp4}
-# IQ2_XXS gathers eight table rows per chunk: with AVX2 (two 4-row gathers, or eight loads) its
-# int8 kernel was no faster than the float one at one token and 2-3x slower at 64 tokens
-# (benchmarks/cpu_kernels.py on a Zen 3, BENCHMARKS.md), so there it keeps the float kernel.
+# IQ2_XXS on AVX2 reads its grid and sign rows with scalar indices: with its combined table
+# gathered (two 4-row gathers, or a vector of indices) it was no faster than the float kernel.
 # MXFP4 (a vpshufb lookup) is built for AVX2 only: its biased VNNI form has not run on such a CPU.
-FORMATS = {VPDPBUSD: (QT.Q4_K, QT.Q2_K, QT.Q8_0, QT.IQ2_XXS), VPMADDUBSW: (QT.Q4_K, QT.Q2_K, QT.Q8_0, QT.MXFP4)}
+FORMATS = {VPDPBUSD: (QT.Q4_K, QT.Q2_K, QT.Q8_0, QT.IQ2_XXS),
+           VPMADDUBSW: (QT.Q4_K, QT.Q2_K, QT.Q8_0, QT.MXFP4, QT.IQ2_XXS)}
 
 
 def signed_codes(qtype: QT, dot: str) -> bool:
@@ -155,19 +173,30 @@ def signed_codes(qtype: QT, dot: str) -> bool:
     return dot == VPMADDUBSW and qtype in SIGNED
 
 
-def tables(qtype: QT) -> dict:
+def tables(qtype: QT, dot: str) -> dict:
     """The tables the decoders read: MXFP4's 16 values twice (vpshufb looks up within each
-    16-byte half), IQ2_XXS's 64-bit rows of the codes of every (grid entry, sign pattern) pair,
-    [256 * 128] (256 KB, one copy in a compiled module)."""
+    16-byte half); IQ2_XXS's 64-bit rows of its grid and of its sign patterns (AVX2), or of the
+    codes of every (grid entry, sign pattern) pair, [256 * 128] (256 KB, one copy in a module)."""
     if qtype == QT.MXFP4:   # vpshufb's table, once per 128-bit lane
         return {"mxfp4_values": np.tile(MXFP4_VALUES, 2)}
     if qtype != QT.IQ2_XXS:
         return {}
     grid, ksigns = _iq2_tables()
-    mag = grid.astype(np.uint8)[:, None, :]                                         # [256, 1, 8]
-    neg = ((ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1).astype(bool)[None]  # [1, 128, 8]
-    codes = np.where(neg, np.uint8(128) - mag, np.uint8(128) + mag).astype(np.uint8)
-    return {"iq2_codes": np.ascontiguousarray(codes.reshape(-1, 8)).view(np.uint64).reshape(-1)}
+    mag = grid.astype(np.uint8)                                                    # [256, 8]
+    neg = ((ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1).astype(bool)     # [128, 8]
+
+    def rows(a):
+        return np.ascontiguousarray(a).view(np.uint64).reshape(-1)
+
+    if signs_apart(qtype, dot):
+        return {"iq2_grid8": rows(mag), "iq2_signs8": rows(np.where(neg, -1, 1).astype(np.int8))}
+    codes = np.where(neg[None], np.uint8(128) - mag[:, None], np.uint8(128) + mag[:, None]).astype(np.uint8)
+    return {"iq2_codes": rows(codes.reshape(-1, 8))}
+
+
+def signs_apart(qtype: QT, dot: str) -> bool:
+    """Whether a format's decoder gives each chunk as (magnitudes, signs): IQ2_XXS on AVX2."""
+    return qtype == QT.IQ2_XXS and dot == VPMADDUBSW
 
 
 def block_decoder(qtype: QT, dot: str):
@@ -176,7 +205,7 @@ def block_decoder(qtype: QT, dot: str):
     dot-product lane), and the block's offsets (f32 x 16, one per 16 weights; None for signed
     codes); the chunks' scales are lanes of one vector of the block's, which LLVM loads and
     converts once."""
-    names = [f.name for f in plane_format(qtype).fields] + list(tables(qtype))
+    names = [f.name for f in plane_format(qtype).fields] + list(tables(qtype, dot))
     dec = BLOCKS[qtype]
     return lambda r, blk, ws: dec(dict(zip(names, ws)), r, blk, dot)
 
@@ -225,7 +254,11 @@ def _dot(u, q, dot: str, signed: bool):
     signed) and inputs q (s8 x 64)."""
     if dot == VPDPBUSD:
         return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", _bc(0, "int32", 16), u, q)
-    if signed:   # |w| times q with w's sign
+    if isinstance(u, tuple):   # magnitudes and signs apart: the signs go onto the inputs
+        u, signs = u
+        q = tirx.Shuffle([T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", qh, sh)
+                          for qh, sh in zip(_halves(q, 32), _halves(signs, 32))], list(range(64)))
+    elif signed:   # |w| times q with w's sign
         q = tirx.Select(u < _bc(0, "int8", 64), _bc(0, "int8", 64) - q, q)
         u = tirx.reinterpret("uint8x64", T.abs(u))
     ones = _bc(1, "int16", 16)

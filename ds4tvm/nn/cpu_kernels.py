@@ -28,7 +28,7 @@ in registers, while a "local" one came from the workspace pool at every micro-ke
 products went through memory).
 
 With int8 set (ds4-compile --int8-activations: the target's int8 dot instruction, vpdpbusd or
-vpmaddubsw) the Q8_0/Q4_K/Q2_K/MXFP4 kernels (and IQ2_XXS's with vpdpbusd) quantize their inputs to
+vpmaddubsw) the Q8_0/Q4_K/Q2_K/IQ2_XXS kernels (and MXFP4's with vpmaddubsw) quantize their inputs to
 int8 first and run nn/cpu_int8.py's integer micro-kernel in the same tiles and token blocks.
 
 benchmarks/cpu_kernels.py times each format against the TE kernels; BENCHMARKS.md has the numbers.
@@ -48,6 +48,29 @@ from ..gguf.quant import plane_format
 from . import cpu_int8
 from . import dequant as dequant_module
 from .dequant import DEQUANT, tables
+
+def _find_macro_parser_on_bare_frames():
+    """TVMScript finds the parser a macro call expands in through inspect.getouterframes, which
+    builds a frame record (reading source lines, scanning sys.modules) for every frame of the
+    stack at every macro call: 75% of the time to parse one of these kernels (cProfile, TVM
+    0.27). The same search over the bare frames (same frames, same order, same answer)."""
+    import sys
+
+    from tvm.script.parser.core.parser import ScriptMacro
+
+    def _find_parser_def(self):
+        frame = sys._getframe(0)
+        while frame is not None:
+            parser = frame.f_globals.get(ScriptMacro.parser_object_name)
+            if parser is not None:
+                return parser
+            frame = frame.f_back
+        raise RuntimeError(f"{ScriptMacro.parser_object_name} not available")
+
+    ScriptMacro._find_parser_def = _find_parser_def
+
+
+_find_macro_parser_on_bare_frames()
 
 RB = 16                           # output rows per tile
 PARALLEL_MIN_WEIGHTS = 1 << 16    # smaller linears run on one core (the pool's launch costs more)
@@ -135,7 +158,7 @@ def _parallel(threads: int, N: int, K: int) -> bool:
 
 def kernel_tables(qtype: QT, int8: str | None = None) -> dict:
     """The lookup tables a kernel takes after the planes (the int8 path gathers its own)."""
-    return cpu_int8.tables(qtype) if int8 else tables(qtype)
+    return cpu_int8.tables(qtype, int8) if int8 else tables(qtype)
 
 
 def _arg_types(qtype: QT, lead: tuple, K: int, int8: str | None) -> list[tuple[tuple, str]]:
@@ -204,6 +227,7 @@ def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at
     w_row(tile, r) the weight row index of tile row r. Weights are always decoded in registers:
     their codes feed the dot products directly."""
     dec, signed = cpu_int8.block_decoder(qtype, dot), cpu_int8.signed_codes(qtype, dot)
+    apart = cpu_int8.signs_apart(qtype, dot)
     NR = b.rows
 
     def row(ctx, i, tile):
@@ -212,15 +236,27 @@ def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at
     def col(ctx, i, tile, blk, j):   # input column of chunk j of block blk
         return x_loc(ctx, i, tile)[1] + blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK
 
+    def codes(rows, blk, ws, j, part):   # a chunk's codes, or (apart) its magnitudes or signs
+        c = dec(rows, blk, ws)[0][j]
+        return c[part] if apart else c
+
+    @T.macro
+    def update(acc, nt, i0, tile, n, blk, j, u, S, x, ctx):
+        for t in T.unroll(nt):
+            T.buffer_store(acc, cpu_int8.chunk_update(acc, t, n, u, S, x[0], x[1], row(ctx, i0 + t, tile),
+                                                      col(ctx, i0 + t, tile, blk, j), dot, signed),
+                           [t, n, tirx.Ramp(0, 1, 16)])
+
     @T.macro
     def chunk(acc, nt, i0, tile, rb, blk, j, x, ctx, ws):
         for n in T.unroll(NR):   # a row's chunk is decoded once (bound) for all nt tokens
-            u = T.bind(dec(w_row(tile, rb * NR + n), blk, ws)[0][j])
+            u = T.bind(codes(w_row(tile, rb * NR + n), blk, ws, j, 0))
             S = T.bind(dec(w_row(tile, rb * NR + n), blk, ws)[1][j])
-            for t in T.unroll(nt):
-                T.buffer_store(acc, cpu_int8.chunk_update(acc, t, n, u, S, x[0], x[1], row(ctx, i0 + t, tile),
-                                                          col(ctx, i0 + t, tile, blk, j), dot, signed),
-                               [t, n, tirx.Ramp(0, 1, 16)])
+            if apart:
+                signs = T.bind(codes(w_row(tile, rb * NR + n), blk, ws, j, 1))
+                update(acc, nt, i0, tile, n, blk, j, (u, signs), S, x, ctx)
+            else:
+                update(acc, nt, i0, tile, n, blk, j, u, S, x, ctx)
 
     @T.macro
     def offsets(acc, nt, i0, tile, rb, blk, x, ctx, ws):
