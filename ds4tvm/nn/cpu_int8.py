@@ -20,10 +20,11 @@ cvt(dot(u, q)) * S * D to the token's 16 partial sums and the block subtracts M 
 (Q8_0, IQ2_XXS) are biased by 128 to be unsigned, M = 128 S, for vpdpbusd. vpmaddubsw would
 saturate on biased codes (255 x 127 x 2 > 32767), so on AVX2 they stay signed (no M): the
 instruction takes |w| and the input with w's sign, as llama.cpp's AVX2 kernels do (|w| <= 128 and
-|q| <= 127 keep a pair's sum within int16; IQ2_XXS's magnitudes and sign rows come from two small
-tables and vpsignb puts the signs on the inputs; MXFP4 looks its codes up with vpshufb). Each sums the same four products into a lane; the
-VNNI path's biased sums less the offsets round differently in float32 than the AVX2 path's
-direct ones, so the two builds' logits differ in the last bits.
+|q| <= 127 keep a pair's sum within int16). There IQ2_XXS reads its magnitudes and its sign rows
+from two small tables, vpsignb putting the signs on the inputs, and MXFP4 looks its codes up with
+vpshufb. Each sums the same four products into a lane; the VNNI path's biased sums less the
+offsets round differently in float32 than the AVX2 path's direct ones, so the two builds' logits
+differ in the last bits.
 """
 
 from __future__ import annotations

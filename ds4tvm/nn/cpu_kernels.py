@@ -28,8 +28,9 @@ in registers, while a "local" one came from the workspace pool at every micro-ke
 products went through memory).
 
 With int8 set (ds4-compile --int8-activations: the target's int8 dot instruction, vpdpbusd or
-vpmaddubsw) the Q8_0/Q4_K/Q2_K/IQ2_XXS kernels (and MXFP4's with vpmaddubsw) quantize their inputs to
-int8 first and run nn/cpu_int8.py's integer micro-kernel in the same tiles and token blocks.
+vpmaddubsw) the Q8_0/Q4_K/Q2_K/IQ2_XXS kernels (and MXFP4's with vpmaddubsw) quantize their
+inputs to int8 first and run nn/cpu_int8.py's integer micro-kernel in the same tiles and token
+blocks.
 
 benchmarks/cpu_kernels.py times each format against the TE kernels; BENCHMARKS.md has the numbers.
 """
@@ -48,6 +49,7 @@ from ..gguf.quant import plane_format
 from . import cpu_int8
 from . import dequant as dequant_module
 from .dequant import DEQUANT, tables
+
 
 def _find_macro_parser_on_bare_frames():
     """TVMScript finds the parser a macro call expands in through inspect.getouterframes, which
