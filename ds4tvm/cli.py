@@ -688,7 +688,7 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
     if shapes_only:
         from .compile.driver import compile_shapes
 
-        out = out or Path(f"ds4-flash-shapes-{resolve(targets[0]).name}")
+        out = out or Path(f"{fam.name}-shapes-{resolve(targets[0]).name}")
         _echo_json(compile_shapes(family, targets[0], bounds, out, progress=not quiet,
                                   int8_activations=int8_activations, report=report))
         return

@@ -25,3 +25,17 @@ def test_usage_errors_exit_2():
     assert r.returncode == 2
     r = run_ds4("no-such-command")
     assert r.returncode == 2
+
+
+def test_shapes_only_names_its_output_after_the_family(monkeypatch, tmp_path):
+    """`ds4-compile --shapes-only --family F` without -o writes F-shapes-<target> (the compile
+    itself is replaced: tests/targets and the real-size runs in BENCHMARKS.md do it whole)."""
+    import ds4tvm.compile.driver as driver
+    from ds4tvm.cli import compile_app
+
+    written = []
+    monkeypatch.setattr(driver, "compile_shapes", lambda family, target, bounds, out, **_: written.append(out) or {})
+    monkeypatch.chdir(tmp_path)
+    for family in ("deepseek4", "glm5next", "qwen4exp"):
+        compile_app(["--shapes-only", "--family", family, "--target", "llvm", "--quiet"], standalone_mode=False)
+    assert [str(p) for p in written] == ["deepseek4-shapes-llvm", "glm5next-shapes-llvm", "qwen4exp-shapes-llvm"]
