@@ -90,10 +90,10 @@ def test_cpu_kernels_round_alike_in_every_register_blocking(qtype):
         assert all(np.array_equal(a, b) for a, b in zip(outputs[512], outputs[bits], strict=True)), bits
 
 
-# (format, dot instruction) in the default run: IQ2_XXS's gathered codes on VNNI, MXFP4's looked-up
-# signed codes on AVX2; the others (Q8_0's signed codes, Q4_K's and Q2_K's unsigned ones with
-# offsets) under -m slow
-INT8_DEFAULT = {(QT.IQ2_XXS, "vpdpbusd"), (QT.MXFP4, "vpmaddubsw")}
+# (format, dot instruction) in the default run: IQ2_XXS's gathered codes on VNNI, its magnitudes
+# and signs apart on AVX2, MXFP4's looked-up signed codes on AVX2; the others (Q8_0's signed codes,
+# Q4_K's and Q2_K's unsigned ones with offsets) under -m slow
+INT8_DEFAULT = {(QT.IQ2_XXS, "vpdpbusd"), (QT.IQ2_XXS, "vpmaddubsw"), (QT.MXFP4, "vpmaddubsw")}
 FEATURE = {"vpdpbusd": "avx512vnni", "vpmaddubsw": "avx2"}
 
 
