@@ -405,6 +405,31 @@ def _parsed_once(build):
     return get
 
 
+def _prefetch_tile(qtype: QT, K: int):
+    """A macro prefetch(ws, at) asking for the cache lines of the next row tile a core will read,
+    in the format's largest plane, element at(r, c) for tile row r, column c: the hardware
+    prefetcher alone left a one-token call at half the memory's speed (a Q8_0 71 MB matrix: int8
+    11.6 -> 18.9 GB/s, float 10.2 -> 12.4; BENCHMARKS.md). None for IQ2_XXS: its kernels, which
+    read table rows by index, ran 10-90% slower with it."""
+    import tvm
+
+    fields = plane_format(qtype).fields
+    size = [f.per_row(K) * tvm.DataType(f.dtype).bits // 8 for f in fields]
+    big = size.index(max(size))
+    elems = fields[big].per_row(K)
+    per_line = 64 * elems // size[big]   # elements per 64-byte line
+
+    lines = 0 if qtype == QT.IQ2_XXS else RB * elems // per_line
+
+    @T.macro
+    def prefetch(ws, at):
+        for ln in range(lines):
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(
+                ws[big][at(ln * per_line // elems, ln * per_line % elems)]), T.int32(0), T.int32(3), T.int32(1)))
+
+    return prefetch
+
+
 @_parsed_once
 def dense_linear(qtype: QT, N: int, K: int, threads: int, blocking: Blocking, groups: int = 1,
                  int8: str | None = None):
@@ -425,11 +450,13 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, blocking: Blocking, gr
         return [i, rt * RB + r]
 
     row_tile = _tiles(qtype, K, blocking, int8, x_at, x_loc, lambda rt, r: (rt * RB + r,), y_at)
+    prefetch = _prefetch_tile(qtype, K)
 
     @T.macro
     def tiles(n_tok, x, y, ws):
         if parallel:
-            for rt in T.parallel(N // RB):
+            for rt in T.parallel(N // RB):   # each core takes a run of tiles: prefetch its next
+                prefetch(ws, lambda r, c: (T.min(rt + 1, N // RB - 1) * RB + r, c))
                 row_tile(0, n_tok, rt, x, y, None, ws)
         else:
             for rt in T.serial(N // RB):
@@ -487,11 +514,18 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
     def used_tile(ut, x, y, slots, cnt, off, used, ws):
         row_tile(off[used[ut // NT]], cnt[used[ut // NT]], used[ut // NT] * NT + ut % NT, x, y, slots, ws)
 
+    prefetch = _prefetch_tile(qtype, K)
+
+    def next_row(used, ut, r):   # row r of the tile after used tile ut, as [expert, row]
+        et = used[ut // NT] * NT + ut % NT
+        return et // NT, et % NT * RB + r
+
     @T.macro
     def tiles(n_used, x, y, slots, cnt, off, used, ws):
         if parallel:
             for p in T.parallel(threads):   # tiles dealt round-robin: balanced whatever the experts
                 for i in range((n_used * NT - p + threads - 1) // threads):
+                    prefetch(ws, lambda r, c: (*next_row(used, T.min(p + (i + 1) * threads, n_used * NT - 1), r), c))
                     used_tile(p + i * threads, x, y, slots, cnt, off, used, ws)
         else:
             for ut in T.serial(n_used * NT):
