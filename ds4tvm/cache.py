@@ -1,5 +1,6 @@
 """Where ds4tvm keeps what it derives from model files: compiled artifacts, unpacked packages,
-hash stamps, the host CPU's name, parsed hand-written kernels. DS4TVM_CACHE moves it (CI and tests use a scratch folder)."""
+hash stamps, the host CPU's name, parsed hand-written kernels. DS4TVM_CACHE moves it (CI and
+tests use a scratch folder)."""
 
 from __future__ import annotations
 
@@ -16,5 +17,5 @@ def cache_root() -> Path:
 
 
 def kernel_cache() -> Path:
-    """Hand-written kernels as parsed TIR (nn/cpu_kernels.py: parsing one takes seconds)."""
+    """Hand-written kernels as parsed TIR (nn/cpu_kernels.py)."""
     return _base() / "kernels"

@@ -34,7 +34,8 @@ from gguf import GGMLQuantizationType as QT
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..gguf.quant import MXFP4_VALUES, _iq2_tables, plane_format
+from ..gguf.quant import MXFP4_VALUES, plane_format
+from . import dequant
 
 F32 = "float32"
 CHUNK = 64          # weights per dot product
@@ -119,9 +120,9 @@ def _iq2_xxs_apart(P, r, s, aux, j):
         return tirx.BufferLoad(P[table], [index.astype("int32")])
 
     grid = [row("iq2_grid8", P["grid"][(*r, s * 32 + j * 8 + i)]) for i in range(8)]
-    words = [P["aux"][(*r, s * 8 + 2 * j + i // 4)] for i in range(8)]
-    signs = [row("iq2_signs8", (w >> tirx.const(7 * (i % 4), "uint32")) & tirx.const(127, "uint32"))
-             for i, w in enumerate(words)]
+    words = [P["aux"][(*r, s * 8 + 2 * j + h)] for h in range(2)]   # 4 x 7 sign bits each
+    signs = [row("iq2_signs8", (words[i // 4] >> tirx.const(7 * (i % 4), "uint32")) & tirx.const(127, "uint32"))
+             for i in range(8)]
     return (tirx.reinterpret("uint8x64", tirx.Shuffle(grid, list(range(8)))),
             tirx.reinterpret("int8x64", tirx.Shuffle(signs, list(range(8)))))
 
@@ -182,16 +183,16 @@ def tables(qtype: QT, dot: str) -> dict:
         return {"mxfp4_values": np.tile(MXFP4_VALUES, 2)}
     if qtype != QT.IQ2_XXS:
         return {}
-    grid, ksigns = _iq2_tables()
-    mag = grid.astype(np.uint8)                                                    # [256, 8]
-    neg = ((ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1).astype(bool)     # [128, 8]
+    float_tables = dequant.tables(qtype)   # the float kernels' grid magnitudes and +-1 signs
+    mag = float_tables["iq2_grid"].astype(np.uint8)                                # [256, 8]
+    sign = float_tables["iq2_signs"].astype(np.int8)                               # [128, 8]
 
     def rows(a):
         return np.ascontiguousarray(a).view(np.uint64).reshape(-1)
 
     if signs_apart(qtype, dot):
-        return {"iq2_grid8": rows(mag), "iq2_signs8": rows(np.where(neg, -1, 1).astype(np.int8))}
-    codes = np.where(neg[None], np.uint8(128) - mag[:, None], np.uint8(128) + mag[:, None]).astype(np.uint8)
+        return {"iq2_grid8": rows(mag), "iq2_signs8": rows(sign)}
+    codes = (128 + sign[None].astype(np.int16) * mag[:, None]).astype(np.uint8)   # [256, 128, 8]
     return {"iq2_codes": rows(codes.reshape(-1, 8))}
 
 

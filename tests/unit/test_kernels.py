@@ -197,8 +197,8 @@ def _check_cpu_kernels(qtype, int8: str | None, blocking=None) -> list:
 
 
 def test_parsed_kernels_are_kept_on_disk_and_a_damaged_one_is_parsed_again(tmp_path, monkeypatch):
-    """cpu_kernels keeps each parsed kernel in the cache folder (parsing takes seconds): a second
-    process loads the same TIR, and a damaged file is parsed again and replaced."""
+    """cpu_kernels keeps each parsed kernel in the cache folder: a second process loads the same
+    TIR, and a damaged file is parsed again and replaced."""
     import tvm_ffi
 
     from ds4tvm.nn import cpu_kernels
