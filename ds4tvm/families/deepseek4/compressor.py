@@ -4,11 +4,12 @@ compressed rows."""
 
 from __future__ import annotations
 
-from tvm import te, tirx
+from tvm import s_tir, te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...nn.blocks import F32, NEG_INF
+from ...nn.qweight import exporting_for_cpu
 
 
 def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width: int, compact: bool,
@@ -18,7 +19,9 @@ def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width
     (positions p with (p + 1) % ratio == 0: (start + n) // ratio - start // ratio rows, in order),
     the only rows ever stored. ctx rows are positions start-2*ratio ... For ratio 4 the window is
     8 tokens through two lanes: the previous 4 positions read lane 0 (first `width` channels), the
-    current 4 lane 1; the previous lane is absent for the first window. Other ratios: one lane."""
+    current 4 lane 1; the previous lane is absent for the first window. Other ratios: one lane.
+    Without compact (a decode step's static shape) the row of a token that ends no window is
+    zeros: emit_rows drops it."""
     two = ratio == 4
 
     def f(kv, sc, s):
@@ -63,6 +66,29 @@ def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width
             return te.sum(w * kv[row, ch], axis=a3)
 
         num = te.compute((m, width), pooled, name=name + "_num")
-        return te.compute((m, width), lambda i, d: num[i, d] / den[i, d], name=name)
+        if compact:
+            return te.compute((m, width), lambda i, d: num[i, d] / den[i, d], name=name)
+        return te.compute((m, width), lambda i, d: tirx.if_then_else(
+            tirx.floormod(s + i + 1, ratio) == 0, num[i, d] / den[i, d], tirx.const(0, F32)), name=name)
 
-    return op.tensor_expr_op(f, name, [kv_ctx, sc_ctx, start])
+    if compact or kv_ctx.shape[0] != 2 * ratio + 1 or not exporting_for_cpu():
+        return op.tensor_expr_op(f, name, [kv_ctx, sc_ctx, start])
+    return op.tensor_ir_op(_pooled_if_window_ends(f, kv_ctx.shape, ratio), name, args=[kv_ctx, sc_ctx, start],
+                           out=nn.Tensor.placeholder((1, width), F32))
+
+
+def _pooled_if_window_ends(f, ctx_shape, ratio: int):
+    """f's kernel for one token (a CPU decode step) with its reductions run only when the token
+    ends a window; otherwise the row is zeros, which emit_rows drops. At ratio 128 the pool's
+    exponentials were ~6% of a decode step (perf, 2026-12-03). TE's reductions would take the
+    condition (`where`) but TVM 0.27's create_prim_func drops it; dlight's rules would not read
+    this form, so GPU decode keeps f's."""
+    kv, sc = te.placeholder(ctx_shape, F32, "kv"), te.placeholder(ctx_shape, F32, "score")
+    start = tirx.Var("start", "int64")
+    func = te.create_prim_func([kv, sc, start, f(kv, sc, start)])
+    root = func.body.block
+    *reductions, row = root.body.seq
+    body = tirx.SeqStmt([tirx.IfThenElse(tirx.floormod(start + 1, ratio) == 0, tirx.SeqStmt(reductions), None), row])
+    root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint, body, root.init,
+                        root.alloc_buffers, root.match_buffers, root.annotations)
+    return func.with_body(s_tir.SBlockRealize([], True, root)).without_attr("global_symbol")
