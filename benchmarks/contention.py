@@ -3,10 +3,9 @@ one run: each setting is a fresh process (TVM's pool reads its environment once)
 beside a busy loop pinned to the last core. Usage:
     python benchmarks/contention.py ARTIFACT [--threads 2] [-n 24] [--repeats 1]
 
-Settings: the engine's default (TVM_NUM_THREADS = --threads, workers that sleep at once:
-runtime/engine.py sets TVM_THREAD_POOL_SPIN_COUNT=0), pools whose idle workers spin before they
-sleep, bound to cores or not (TVM_BIND_THREADS=0), and one thread fewer. Prints decode tok/s
-and contended/quiet."""
+Settings: the engine's default (TVM_NUM_THREADS = --threads; workers spin between kernels and the
+pool shrinks to one thread while another process keeps a core busy: runtime/threads.py), workers
+that sleep at once (no spinning), and one thread fewer. Prints decode tok/s and contended/quiet."""
 
 from __future__ import annotations
 
@@ -34,14 +33,11 @@ BUSY = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:
 
 
 def settings(threads: int) -> dict[str, dict[str, str]]:
-    out = {f"engine default (no spinning), {threads} threads": {"TVM_NUM_THREADS": str(threads)}}
-    for spin in (30000, 3000):
-        out[f"spin count {spin}, {threads} threads"] = {"TVM_NUM_THREADS": str(threads),
-                                                         "TVM_THREAD_POOL_SPIN_COUNT": str(spin)}
-    out[f"spin count 3000, {threads} threads, unbound"] = {"TVM_NUM_THREADS": str(threads),
-                                                         "TVM_THREAD_POOL_SPIN_COUNT": "3000", "TVM_BIND_THREADS": "0"}
-    out[f"{max(1, threads - 1)} thread(s)"] = {"TVM_NUM_THREADS": str(max(1, threads - 1))}
-    return out
+    return {f"engine default (spinning workers, one thread beside a busy core), {threads} threads":
+            {"TVM_NUM_THREADS": str(threads)},
+            f"workers that sleep at once (TVM_THREAD_POOL_SPIN_COUNT=0), {threads} threads":
+            {"TVM_NUM_THREADS": str(threads), "TVM_THREAD_POOL_SPIN_COUNT": "0"},
+            f"{max(1, threads - 1)} thread(s)": {"TVM_NUM_THREADS": str(max(1, threads - 1))}}
 
 
 def decode_rate(artifact: str, n: int, env: dict[str, str]) -> float:

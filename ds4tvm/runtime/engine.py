@@ -25,6 +25,7 @@ from ..devices import device_for
 from ..errors import Cancelled, Ds4Error
 from ..gguf import open_gguf
 from ..gguf.quant import ALIGN, derived_plane, to_planes
+from . import threads
 
 SMALL_MODEL_BYTES = 64 << 20   # weight files below this run on one CPU thread unless told otherwise
 
@@ -88,11 +89,10 @@ class Engine:
         # prefilled no slower); the 160 MB benchmark model decodes alike on both, prefills faster on two.
         small = sum(os.path.getsize(p) for p in paths.values()) < SMALL_MODEL_BYTES
         os.environ.setdefault("TVM_NUM_THREADS", "1" if small else str(len(os.sched_getaffinity(0))))
-        # Workers that spin between kernels lose their core to any other busy process and every
-        # parallel kernel then waits a scheduler slice for them: 2-thread decode fell from 84 to
-        # 2.3 tok/s beside one busy core with any spin count, 71 -> 45 with none (BENCHMARKS.md,
-        # benchmarks/contention.py). A machine kept for ds4 alone can set a count (e.g. 3000).
-        os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+        # Workers spin between kernels; beside a busy process the pool shrinks to one thread
+        # (runtime/threads.py; TVM_THREAD_POOL_SPIN_COUNT=0 in the environment turns spinning off).
+        os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", threads.SPIN_COUNT)
+        self._adapt_threads = threads.adapt if self.dev.dlpack_device_type() == 1 else (lambda: None)
         lib = tvm.runtime.load_module(str(self.dir / m.library))
         self.vm = VirtualMachine(lib, self.dev)
         self.params = self._bind_params()
@@ -296,6 +296,7 @@ class Engine:
             states = self.states[spec.states]
             args += states if spec.recorded else [states]
             self.seq.fed.add(spec.states)
+        self._adapt_threads()
         result = self.vm[fn](*args, *self._params_of[fn])
         result = [result] if hasattr(result, "numpy") else list(result)
         return {name: result[i].numpy() for i, name in enumerate(spec.outputs)}

@@ -1,0 +1,103 @@
+"""runtime/threads.py: the CPU pool shrinks to one thread while other processes keep this
+process's cores busy, and grows back when they stop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ds4tvm.runtime import threads
+
+
+class _Clock:
+    """Core seconds of every process and of this one, advanced by hand."""
+
+    def __init__(self):
+        self.now = self.busy = self.ours = 0.0
+
+    def advance(self, seconds: float, others: float, ours: float) -> None:
+        self.now += seconds
+        self.busy += (others + ours) * seconds
+        self.ours += ours * seconds
+
+
+@pytest.fixture
+def watch(monkeypatch):
+    clock, calls = _Clock(), []
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock.now)
+    monkeypatch.setattr(threads.time, "process_time", lambda: clock.ours)
+    monkeypatch.setattr(threads._CoreWatch, "_core_seconds", lambda self: clock.busy)
+    w = threads._CoreWatch([0, 1], 2, lambda mode, n: calls.append(n))
+    return w, clock, calls
+
+
+def test_a_busy_core_shrinks_the_pool_and_a_quiet_one_grows_it_back(watch):
+    w, clock, calls = watch
+    clock.advance(1.0, others=0.0, ours=2.0)
+    w.step()
+    assert calls == [] and w.active == 2
+    clock.advance(0.5, others=1.0, ours=0.1)       # a busy loop on one of our cores
+    w.step()
+    assert calls == [1] and w.active == 1
+    clock.advance(0.5, others=1.0, ours=1.0)
+    w.step()
+    assert calls == [1]                            # still busy: no reconfiguration
+    clock.advance(0.5, others=0.0, ours=1.0)
+    w.step()
+    assert calls == [1, 2] and w.active == 2
+
+
+def test_looks_are_spaced_and_small_loads_are_tolerated(watch):
+    w, clock, calls = watch
+    clock.advance(threads.INTERVAL, others=0.2, ours=2.0)
+    w.step()
+    assert calls == []                             # 0.2 of a core: a shell, a log writer
+    clock.advance(threads.INTERVAL / 2, others=2.0, ours=0.0)
+    w.step()
+    assert calls == []                             # too soon after the last look
+    clock.advance(threads.INTERVAL / 2, others=2.0, ours=0.0)
+    w.step()
+    assert calls == [1]
+
+
+def test_spare_cores_absorb_other_processes(monkeypatch):
+    clock, calls = _Clock(), []
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock.now)
+    monkeypatch.setattr(threads.time, "process_time", lambda: clock.ours)
+    monkeypatch.setattr(threads._CoreWatch, "_core_seconds", lambda self: clock.busy)
+    w = threads._CoreWatch([0, 1, 2, 3], 2, lambda mode, n: calls.append(n))
+    clock.advance(1.0, others=1.5, ours=2.0)       # two cores left free for them
+    w.step()
+    assert calls == []
+    clock.advance(1.0, others=2.5, ours=2.0)
+    w.step()
+    assert calls == [1]
+
+
+def test_one_thread_is_never_watched(monkeypatch):
+    monkeypatch.setenv("TVM_NUM_THREADS", "1")
+    assert threads._CoreWatch.start() is False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two cores")
+def test_a_real_busy_process_is_seen(monkeypatch):
+    """/proc/stat read for real: a busy loop pinned to one of this process's cores shrinks the pool."""
+    calls = []
+    cores = sorted(os.sched_getaffinity(0))
+    w = threads._CoreWatch(cores, len(cores), lambda mode, n: calls.append(n))
+    busy = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cores[-1]}}})\n"
+                             "while True: pass"])
+    try:
+        time.sleep(0.3)
+        w.at, w.busy, w.ours = time.monotonic(), w._core_seconds(), time.process_time()
+        time.sleep(2 * threads.INTERVAL)
+        w.step()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert calls == [1]
