@@ -25,6 +25,7 @@ from tvm.relax.frontend import nn
 from ds4tvm.gguf.quant import random_blocks, to_planes
 from ds4tvm.nn import cpu_kernels
 from ds4tvm.nn.qweight import QWeight, for_cpu
+from ds4tvm.runtime.threads import SPIN_COUNT
 from ds4tvm.schedules.llvm import pipeline
 
 
@@ -69,6 +70,7 @@ def main():
     blockings = [cpu_kernels.Blocking(*map(int, b.split("x"))) for b in a.blockings.split(",") if b] or \
         [cpu_kernels.blocking_for(system)]
     os.environ["TVM_NUM_THREADS"] = str(a.threads)   # TVM's default counts x86 cores as hyperthread pairs
+    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", SPIN_COUNT)   # the engine's pool (runtime/threads.py)
     E, N, K, J = (int(v) for v in a.shape.split(","))
     rng = np.random.default_rng(0)
     print(f"E={E} N={N} K={K} J={J}, dense {N * E // 4}x{K}, {a.threads} threads; ms per call (GB/s of weights)")

@@ -250,15 +250,29 @@ def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at
                            [t, n, tirx.Ramp(0, 1, 16)])
 
     @T.macro
-    def chunk(acc, nt, i0, tile, rb, blk, j, x, ctx, ws):
+    def chunk(acc, nt, i0, tile, rb, blk, j, x, ctx, wt, ws):
         for n in T.unroll(NR):   # a row's chunk is decoded once (bound) for all nt tokens
-            u = T.bind(codes(w_row(tile, rb * NR + n), blk, ws, j, 0))
-            S = T.bind(dec(w_row(tile, rb * NR + n), blk, ws)[1][j])
-            if apart:
-                signs = T.bind(codes(w_row(tile, rb * NR + n), blk, ws, j, 1))
+            if wt is not None:   # ... or read as decoded_tile left it
+                u = T.bind(cpu_int8._vec(wt[0], (rb * NR + n,), blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK, 64))
+                S = T.bind(cpu_int8._vec(wt[2], (rb * NR + n, blk * 4 + j), 0, 16))
+                signs = T.bind(cpu_int8._vec(wt[1], (rb * NR + n,), blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK, 64))
                 update(acc, nt, i0, tile, n, blk, j, (u, signs), S, x, ctx)
             else:
-                update(acc, nt, i0, tile, n, blk, j, u, S, x, ctx)
+                u = T.bind(codes(w_row(tile, rb * NR + n), blk, ws, j, 0))
+                S = T.bind(dec(w_row(tile, rb * NR + n), blk, ws)[1][j])
+                if apart:
+                    signs = T.bind(codes(w_row(tile, rb * NR + n), blk, ws, j, 1))
+                    update(acc, nt, i0, tile, n, blk, j, (u, signs), S, x, ctx)
+                else:
+                    update(acc, nt, i0, tile, n, blk, j, u, S, x, ctx)
+
+    @T.macro
+    def decoded_chunk(r, tile, blk, j, ws, wt):
+        T.buffer_store(wt[0], codes(w_row(tile, r), blk, ws, j, 0),
+                       [r, tirx.Ramp(blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK, 1, 64)])
+        T.buffer_store(wt[1], codes(w_row(tile, r), blk, ws, j, 1),
+                       [r, tirx.Ramp(blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK, 1, 64)])
+        T.buffer_store(wt[2], dec(w_row(tile, r), blk, ws)[1][j], [r, blk * 4 + j, tirx.Ramp(0, 1, 16)])
 
     @T.macro
     def offsets(acc, nt, i0, tile, rb, blk, x, ctx, ws):
@@ -269,14 +283,14 @@ def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at
                                                            col(ctx, i0 + t, tile, blk, 0)), [t, n, tirx.Ramp(0, 1, 16)])
 
     @T.macro
-    def micro(_inline, nt, i0, tile, rb, x, y, ctx, _wt, ws):
+    def micro(_inline, nt, i0, tile, rb, x, y, ctx, wt, ws):
         acc = T.decl_buffer((nt, NR, 16), "float32")   # global scope: see the module docstring
         _zero(acc, nt, NR)
         for blk in range(K // cpu_int8.BLOCK):
-            chunk(acc, nt, i0, tile, rb, blk, 0, x, ctx, ws)
-            chunk(acc, nt, i0, tile, rb, blk, 1, x, ctx, ws)
-            chunk(acc, nt, i0, tile, rb, blk, 2, x, ctx, ws)
-            chunk(acc, nt, i0, tile, rb, blk, 3, x, ctx, ws)
+            chunk(acc, nt, i0, tile, rb, blk, 0, x, ctx, wt, ws)
+            chunk(acc, nt, i0, tile, rb, blk, 1, x, ctx, wt, ws)
+            chunk(acc, nt, i0, tile, rb, blk, 2, x, ctx, wt, ws)
+            chunk(acc, nt, i0, tile, rb, blk, 3, x, ctx, wt, ws)
             if not signed:   # signed codes have no offsets
                 offsets(acc, nt, i0, tile, rb, blk, x, ctx, ws)
         _store_sums(y, acc, nt, NR, y_at, ctx, i0, tile, rb)
@@ -287,7 +301,24 @@ def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at
     def row_tile(first, count, tile, x, y, ctx, ws):
         blocks(True, first, count, tile, x, y, ctx, None, ws)
 
-    return row_tile
+    @T.macro
+    def row_tile_decoded_once(first, count, tile, x, y, ctx, ws):
+        if count > b.tokens:   # more than one token block: decode the tile once, for all of them
+            wt = (T.decl_buffer((RB, K), "uint8"), T.decl_buffer((RB, K), "int8"),
+                  T.decl_buffer((RB, K // cpu_int8.CHUNK, 16), "float32"))
+            for r, blk in T.grid(RB, K // cpu_int8.BLOCK):
+                decoded_chunk(r, tile, blk, 0, ws, wt)
+                decoded_chunk(r, tile, blk, 1, ws, wt)
+                decoded_chunk(r, tile, blk, 2, ws, wt)
+                decoded_chunk(r, tile, blk, 3, ws, wt)
+            blocks(True, first, count, tile, x, y, ctx, wt, ws)
+        else:
+            blocks(True, first, count, tile, x, y, ctx, None, ws)
+
+    # The table formats (signs apart: IQ2_XXS on AVX2) cost more to decode than to multiply: with
+    # many tokens their tiles are decoded once into buffers (exact codes and scales: the sums are
+    # the same bit for bit).
+    return row_tile_decoded_once if apart else row_tile
 
 
 def _row_tiles(K: int, b: Blocking, VW: int, HT: int, U: int, x_at, w_at, y_at):
