@@ -15,6 +15,7 @@ One thread beside a busy core keeps its quiet pace."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -25,6 +26,32 @@ BUSY_MARGIN = 0.3     # cores of other processes' work tolerated beyond the core
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)   # user, nice, system, irq, softirq, steal of a /proc/stat cpu line
 
 _local = threading.local()
+CGROUP_QUOTAS = (("/sys/fs/cgroup/cpu.max", None),   # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+                 ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"))   # v1
+
+
+def default_threads() -> int:
+    """Every core this process may run on, but no more than its CPU quota (a container limited to
+    2 CPUs of a 64-core host would otherwise start 64 workers that spin through its quota)."""
+    cores = len(os.sched_getaffinity(0))
+    quota = _cgroup_cpus()
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def _cgroup_cpus() -> float | None:
+    """The CPUs' worth of time this process's cgroup may use, None when unlimited or unknown."""
+    for quota_file, period_file in CGROUP_QUOTAS:
+        try:
+            with open(quota_file) as f:
+                fields = f.read().split()
+            if period_file is not None:
+                with open(period_file) as f:
+                    fields.append(f.read().strip())
+            quota, period = fields[0], float(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        return None if quota in ("max", "-1") or period <= 0 else float(quota) / period
+    return None
 
 
 def adapt() -> None:

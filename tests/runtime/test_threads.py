@@ -101,3 +101,23 @@ def test_a_real_busy_process_is_seen(monkeypatch):
         busy.kill()
         busy.wait()
     assert calls == [1]
+
+
+@pytest.mark.parametrize("files,cores,want", [
+    ({"v2": "200000 100000"}, 8, 2),          # a container of 2 CPUs on an 8-core host
+    ({"v2": "150000 100000"}, 8, 2),          # 1.5 CPUs: a second thread still has half a core
+    ({"v2": "max 100000"}, 8, 8),             # unlimited
+    ({"v1": ("400000", "100000")}, 2, 2),     # more quota than cores
+    ({"v1": ("-1", "100000")}, 6, 6),
+    ({}, 3, 3),                               # no cgroup files at all
+])
+def test_default_threads_respect_the_cgroup_quota(tmp_path, monkeypatch, files, cores, want):
+    v2, q1, p1 = tmp_path / "cpu.max", tmp_path / "cfs_quota_us", tmp_path / "cfs_period_us"
+    if "v2" in files:
+        v2.write_text(files["v2"] + "\n")
+    if "v1" in files:
+        q1.write_text(files["v1"][0] + "\n")
+        p1.write_text(files["v1"][1] + "\n")
+    monkeypatch.setattr(threads, "CGROUP_QUOTAS", ((str(v2), None), (str(q1), str(p1))))
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert threads.default_threads() == want
