@@ -12,6 +12,8 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 
+from .qweight import exporting_gpu_forms
+
 F32 = "float32"
 NEG_INF = -3.0e38
 
@@ -136,8 +138,14 @@ def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: fl
     n, _, D = X.shape
     flat = rms(op.reshape(X, (n, hc * D)), eps)
     mix = fn.linear(flat, name="hc_mix")
-    pre, post, c = hc_gates(mix, scale, base, hc, hc_eps)
-    c = sinkhorn(c, iters, hc_eps)
+    if exporting_gpu_forms():   # one kernel: there, a launch costs more than the work
+        func = _hc_gates_sinkhorn_func(int(hc), int(iters), float(hc_eps))
+        pre, post, c = op.tensor_ir_op(func, func.attrs["global_symbol"], args=[mix, scale, base],
+                                       out=[nn.Tensor.placeholder((n, hc), F32), nn.Tensor.placeholder((n, hc), F32),
+                                            nn.Tensor.placeholder((n, hc, hc), F32)])
+    else:
+        pre, post, c = hc_gates(mix, scale, base, hc, hc_eps)
+        c = sinkhorn(c, iters, hc_eps)
 
     def weighted(x_te, p_te):
         h = te.reduce_axis((0, hc), name="h")
@@ -173,6 +181,24 @@ def hc_gates(mix: nn.Tensor, scale: nn.Tensor, base: nn.Tensor, hc: int, hc_eps:
     return op.tensor_expr_op(f, "hc_gates", [mix, scale, base])
 
 
+@T.macro(hygienic=False)
+def _sinkhorn_rounds(O, S, vt, hc, iters, eps):
+    for it in range(iters):
+        if it > 0:  # rows (sum over src), from the second round on
+            for i in range(hc):
+                S[vt, i] = T.float32(0)
+                for j in range(hc):
+                    S[vt, i] = S[vt, i] + O[vt, i, j]
+                for j in range(hc):
+                    O[vt, i, j] = O[vt, i, j] / (S[vt, i] + T.float32(eps))
+        for j in range(hc):  # columns (sum over dst)
+            S[vt, j] = T.float32(0)
+            for i in range(hc):
+                S[vt, j] = S[vt, j] + O[vt, i, j]
+            for i in range(hc):
+                O[vt, i, j] = O[vt, i, j] / (S[vt, j] + T.float32(eps))
+
+
 @functools.lru_cache(maxsize=None)
 def _sinkhorn_func(hc: int, iters: int, eps: float):
     @T.prim_func(s_tir=True)
@@ -188,21 +214,45 @@ def _sinkhorn_func(hc: int, iters: int, eps: float):
                 T.writes(O[vt, 0:hc, 0:hc], S[vt, 0:hc])
                 for i, j in T.grid(hc, hc):
                     O[vt, i, j] = C[vt, i, j]
-                for it in range(iters):
-                    if it > 0:  # rows (sum over src), from the second round on
-                        for i in range(hc):
-                            S[vt, i] = T.float32(0)
-                            for j in range(hc):
-                                S[vt, i] = S[vt, i] + O[vt, i, j]
-                            for j in range(hc):
-                                O[vt, i, j] = O[vt, i, j] / (S[vt, i] + T.float32(eps))
-                    for j in range(hc):  # columns (sum over dst)
-                        S[vt, j] = T.float32(0)
-                        for i in range(hc):
-                            S[vt, j] = S[vt, j] + O[vt, i, j]
-                        for i in range(hc):
-                            O[vt, i, j] = O[vt, i, j] / (S[vt, j] + T.float32(eps))
+                _sinkhorn_rounds(O, S, vt, hc, iters, eps)
     return sinkhorn.with_attr("global_symbol", f"sinkhorn_{hc}x{iters}")
+
+
+@functools.lru_cache(maxsize=None)
+def _hc_gates_sinkhorn_func(hc: int, iters: int, eps: float):
+    """hc_gates and sinkhorn as one kernel (the GPU forms): the same expressions, per token."""
+    M = (2 + hc) * hc
+
+    @T.prim_func(s_tir=True)
+    def gates(mix: T.handle, scale: T.Buffer((3,), "float32"), base: T.Buffer((M,), "float32"), pre_h: T.handle,
+              post_h: T.handle, comb_h: T.handle):
+        n = T.int64()
+        m = T.match_buffer(mix, (n, M), "float32")
+        pre = T.match_buffer(pre_h, (n, hc), "float32")
+        post = T.match_buffer(post_h, (n, hc), "float32")
+        O = T.match_buffer(comb_h, (n, hc, hc), "float32")
+        S = T.alloc_buffer((n, hc), "float32")
+        for t in range(n):
+            with T.sblock("hc_gates_sinkhorn"):
+                vt = T.axis.spatial(n, t)
+                T.reads(m[vt, 0:M], scale[0:3], base[0:M])
+                T.writes(pre[vt, 0:hc], post[vt, 0:hc], O[vt, 0:hc, 0:hc], S[vt, 0:hc])
+                for j in range(hc):
+                    pre[vt, j] = T.sigmoid(m[vt, j] * scale[0] + base[j]) + T.float32(eps)
+                    post[vt, j] = T.sigmoid(m[vt, hc + j] * scale[1] + base[hc + j]) * T.float32(2.0)
+                for i in range(hc):   # the combine logits softmaxed over src, plus eps
+                    S[vt, i] = T.min_value("float32")
+                    for j in range(hc):
+                        S[vt, i] = T.max(S[vt, i], m[vt, 2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j])
+                    for j in range(hc):
+                        O[vt, i, j] = T.exp(m[vt, 2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j] - S[vt, i])
+                    S[vt, i] = T.float32(0)
+                    for j in range(hc):
+                        S[vt, i] = S[vt, i] + O[vt, i, j]
+                    for j in range(hc):
+                        O[vt, i, j] = O[vt, i, j] / S[vt, i] + T.float32(eps)
+                _sinkhorn_rounds(O, S, vt, hc, iters, eps)
+    return gates.with_attr("global_symbol", f"hc_gates_sinkhorn_{hc}x{iters}")
 
 
 def sinkhorn(c: nn.Tensor, iters: int, eps: float) -> nn.Tensor:
@@ -215,10 +265,23 @@ def sinkhorn(c: nn.Tensor, iters: int, eps: float) -> nn.Tensor:
 
 
 def hc_post(out: nn.Tensor, X: nn.Tensor, post: nn.Tensor, comb: nn.Tensor) -> nn.Tensor:
-    """X'[dst] = post[dst] * out + sum_src c[dst, src]... read as comb[dst + hc*src] = c[src, dst]."""
+    """X'[dst] = post[dst] * out + sum_src c[dst, src]... read as comb[dst + hc*src] = c[src, dst].
+    In the GPU forms one kernel (as relax ops: a transpose, then the matmul with its fused
+    epilogue); the CPU keeps the separate kernels, whose product and sum LLVM cannot contract
+    into one FMA, so its logits stay as they were."""
+    if exporting_gpu_forms():
+        return op.tensor_expr_op(_hc_post_te, "hc_post", [out, X, post, comb])
     n, hc, D = X.shape
     mixed = op.matmul(op.permute_dims(comb, [0, 2, 1]), X)          # [T, dst, D] = sum_src c[src, dst] X[src]
     return op.reshape(post, (n, hc, 1)) * op.reshape(out, (n, 1, D)) + mixed
+
+
+def _hc_post_te(o, x, p, c):
+    n, hc, D = x.shape
+    src = te.reduce_axis((0, hc), name="src")
+    mixed = te.compute((n, hc, D), lambda t, dst, d: te.sum(c[t, src, dst] * x[t, src, d], axis=src),
+                       name="hc_post_mix")
+    return te.compute((n, hc, D), lambda t, dst, d: p[t, dst] * o[t, d] + mixed[t, dst, d], name="hc_post")
 
 
 def hc_head(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, eps: float, hc_eps: float) -> nn.Tensor:

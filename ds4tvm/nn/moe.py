@@ -4,7 +4,7 @@ of one layer keyed by their GGUF suffix (`ffn_gate_exps.weight`, ...)."""
 
 from __future__ import annotations
 
-from tvm import te
+from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
@@ -18,12 +18,25 @@ def clamped_swiglu(gate: nn.Tensor, up: nn.Tensor, limit: float) -> nn.Tensor:
     return op.silu(gate) * up
 
 
-def chosen_scores(scores: nn.Tensor, experts: nn.Tensor) -> nn.Tensor:
-    """scores[t, experts[t, j]]: each token's scores of its chosen experts [T, k]."""
-    def gather(p_te, e_te):
-        return te.compute(e_te.shape, lambda t, j: p_te[t, e_te[t, j]], name="route_weight")
+def route_weights(scores: nn.Tensor, experts: nn.Tensor, denominator=None, scale: float = 1.0) -> nn.Tensor:
+    """Each token's weights of its chosen experts [T, k] in one kernel: scores[t, experts[t, j]],
+    divided by denominator(their sum) when given (a TIR expression of it), times scale. As relax ops
+    it was five kernels per MoE layer (gather, sum, clamp or shift, divide, multiply), the same
+    float operations in the same order (a division and a product: nothing for LLVM to contract)."""
+    def f(p_te, e_te):
+        n, k = e_te.shape
+        chosen = te.compute((n, k), lambda t, j: p_te[t, e_te[t, j]], name="route_chosen")
+        if denominator is None:
+            weight = chosen
+        else:
+            j2 = te.reduce_axis((0, k), name="j2")
+            total = te.compute((n,), lambda t: te.sum(chosen[t, j2], axis=j2), name="route_sum")
+            weight = te.compute((n, k), lambda t, j: chosen[t, j] / denominator(total[t]), name="route_norm")
+        if scale == 1.0:
+            return weight
+        return te.compute((n, k), lambda t, j: weight[t, j] * tirx.const(scale, "float32"), name="route_weight")
 
-    return op.tensor_expr_op(gather, "route_weight", [scores, experts])
+    return op.tensor_expr_op(f, "route_weights", [scores, experts])
 
 
 def routed_experts(w: dict, h: nn.Tensor, experts: nn.Tensor, weights: nn.Tensor, limit: float) -> nn.Tensor:

@@ -49,6 +49,11 @@ def exporting_for_cpu() -> bool:
 _GPU: contextvars.ContextVar[bool | None] = contextvars.ContextVar("ds4_gpu", default=None)
 
 
+def exporting_gpu_forms() -> bool:
+    """Whether the module is being exported in the GPU forms (blocks pick their GPU kernels)."""
+    return _GPU.get() is not None
+
+
 def binds_gpu_threads() -> bool:
     """Whether hand-written GPU kernels bind GPU threads: not when exported in the GPU forms for a
     CPU (gpu_forms(on_gpu=False)), where the same loops run serially."""

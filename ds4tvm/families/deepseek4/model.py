@@ -17,7 +17,7 @@ from tvm.relax.frontend.nn import op
 
 from ...artifact import Bounds, FunctionSpec, StateSpec
 from ...nn.blocks import hc_head, hc_post, hc_pre, indexer_select, rms, rope, rope_inv_freq, sparse_window_attention
-from ...nn.moe import chosen_scores, dense_ffn, routed_experts
+from ...nn.moe import dense_ffn, route_weights, routed_experts
 from ...nn.qweight import Weights
 from ...nn.rounding import fp8_round_rows, hadamard_fp4
 from ...nn.state import compacts, emit_rows, gather_context, ring_write
@@ -163,10 +163,8 @@ class Block(nn.Module):
             biased = p + w["exp_probs_b.bias"].values(name="probs_bias") if self.has_bias else p
             experts = op.topk(biased, k=c.n_expert_used, axis=-1, ret_type="indices", dtype="int32")
 
-        ps = chosen_scores(p, experts)
-        if c.expert_weights_norm:
-            ps = ps / op.maximum(op.sum(ps, axis=-1, keepdims=True), nn.Tensor.from_scalar(6.1e-5, "float32"))
-        ps = ps * c.expert_weights_scale
+        ps = route_weights(p, experts, (lambda total: tirx.max(total, tirx.const(6.1e-5, "float32")))
+                           if c.expert_weights_norm else None, c.expert_weights_scale)
         limit = c.swiglu_clamp[self.il]
         y = routed_experts(w, h, experts, ps, limit) + dense_ffn(w, h, limit, "_shexp")
         return hc_post(y, X, post, comb)
