@@ -23,17 +23,22 @@ def rms(x: nn.Tensor, eps: float, weight: nn.Tensor | None = None) -> nn.Tensor:
     relax ops it was seven (square, sum, divide, add, sqrt, divide, multiply), each with its own VM
     calls, and a model has dozens of norms per token."""
     def f(x_te, *w):
-        D = x_te.shape[-1]
-        k = te.reduce_axis((0, D), name="k")
-        ss = te.compute(x_te.shape[:-1], lambda *i: te.sum(x_te[(*i, k)] * x_te[(*i, k)], axis=k), name="rms_ss")
-
-        def body(*i):
-            y = x_te[i] / te.sqrt(ss[i[:-1]] / D.astype(F32) + tirx.const(eps, F32))
-            return y * w[0][i[-1]] if w else y
-
-        return te.compute(x_te.shape, body, name="rms")
+        return te.compute(x_te.shape, _rms_te(x_te, eps, w), name="rms")
 
     return op.tensor_expr_op(f, "rms", [x] + ([weight] if weight is not None else []))
+
+
+def _rms_te(x_te, eps: float, w: tuple):
+    """The normalized element i of x_te (times w[0][i[-1]] when a weight is given)."""
+    D = x_te.shape[-1]
+    k = te.reduce_axis((0, D), name="k")
+    ss = te.compute(x_te.shape[:-1], lambda *i: te.sum(x_te[(*i, k)] * x_te[(*i, k)], axis=k), name="rms_ss")
+
+    def body(*i):
+        y = x_te[i] / te.sqrt(ss[i[:-1]] / D.astype(F32) + tirx.const(eps, F32))
+        return y * w[0][i[-1]] if w else y
+
+    return body
 
 
 def layer_norm(x: nn.Tensor, eps: float, weight: nn.Tensor, bias: nn.Tensor, name: str = "layer_norm") -> nn.Tensor:
@@ -77,33 +82,51 @@ def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, i
     """Rotates interleaved pairs of the last 2*len(inv_freq) channels of x [T, ..., D] at position
     start + t + offset (t the first axis); with stride > 1, at (start // stride + t) * stride + offset
     (rows that are every stride-th position, as compressed rows are)."""
-    n_rot = 2 * len(inv_freq)
-    freq = nn.Tensor.from_const(inv_freq)
-
     def f(x_te, fr, start):
-        D = x_te.shape[-1]
-        lo = D - n_rot
-
-        def body(*idx):
-            t, d = idx[0], idx[-1]
-            rest = idx[1:-1]
-            j = (d - lo) // 2
-            pos = start + t if stride == 1 else (start // stride + t) * stride
-            theta = (pos + offset).astype(F32) * fr[j]
-            c, s = te.cos(theta), te.sin(theta)
-            if inverse:
-                s = -s
-            even = (d - lo) % 2 == 0
-            a = x_te[(t, *rest, tirx.if_then_else(even, d, d - 1))]
-            b = x_te[(t, *rest, tirx.if_then_else(even, d + 1, d))]
-            rotated = tirx.if_then_else(even, a * c - b * s, a * s + b * c)
-            return tirx.if_then_else(d < lo, x_te[idx], rotated)
-
-        return te.compute(x_te.shape, body, name=name)
+        return te.compute(x_te.shape, _rope_te(lambda i: x_te[i], fr, start, 2 * len(inv_freq), x_te.shape[-1],
+                                               offset, inverse, stride), name=name)
 
     # Opaque to FuseOps: fused into its neighbours, this kernel makes FuseTIR fail (s_tir RenewDefs,
     # "VarRemapGet(source) == nullptr"; found by marking kernel families opaque one at a time).
-    return op.tensor_expr_op(f, name, [x, freq, positions_start], attrs={"op_pattern": 8})
+    return op.tensor_expr_op(f, name, [x, nn.Tensor.from_const(inv_freq), positions_start], attrs={"op_pattern": 8})
+
+
+def rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start, inv_freq: np.ndarray,
+             name: str = "rms_rope", **at) -> nn.Tensor:
+    """rope(rms(x, eps, weight), positions_start, inv_freq, **at). In the GPU forms one kernel,
+    the rotation reading the normalized pair in registers; the CPU keeps its two kernels."""
+    if not exporting_gpu_forms():
+        return rope(rms(x, eps, weight), positions_start, inv_freq, **at)
+
+    def f(x_te, fr, start, *w):
+        normalized = _rms_te(x_te, eps, w)
+        return te.compute(x_te.shape, _rope_te(lambda i: normalized(*i), fr, start, 2 * len(inv_freq),
+                                               x_te.shape[-1], **at), name=name)
+
+    return op.tensor_expr_op(f, name, [x, nn.Tensor.from_const(inv_freq), positions_start]
+                             + ([weight] if weight is not None else []), attrs={"op_pattern": 8})
+
+
+def _rope_te(src, fr, start, n_rot: int, D, offset: int = 0, inverse: bool = False, stride: int = 1):
+    """The rotated element idx of src (an element accessor) for rope's te.compute."""
+    lo = D - n_rot
+
+    def body(*idx):
+        t, d = idx[0], idx[-1]
+        rest = idx[1:-1]
+        j = (d - lo) // 2
+        pos = start + t if stride == 1 else (start // stride + t) * stride
+        theta = (pos + offset).astype(F32) * fr[j]
+        c, s = te.cos(theta), te.sin(theta)
+        if inverse:
+            s = -s
+        even = (d - lo) % 2 == 0
+        a = src((t, *rest, tirx.if_then_else(even, d, d - 1)))
+        b = src((t, *rest, tirx.if_then_else(even, d + 1, d)))
+        rotated = tirx.if_then_else(even, a * c - b * s, a * s + b * c)
+        return tirx.if_then_else(d < lo, src(idx), rotated)
+
+    return body
 
 
 def rope_neox(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, name: str = "rope_neox"

@@ -16,7 +16,8 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import Bounds, FunctionSpec, StateSpec
-from ...nn.blocks import hc_head, hc_post, hc_pre, indexer_select, rms, rope, rope_inv_freq, sparse_window_attention
+from ...nn.blocks import (hc_head, hc_post, hc_pre, indexer_select, rms, rms_rope, rope, rope_inv_freq,
+                          sparse_window_attention)
 from ...nn.moe import dense_ffn, route_weights, routed_experts
 from ...nn.qweight import Weights
 from ...nn.rounding import fp8_round_rows, hadamard_fp4
@@ -89,7 +90,7 @@ class Block(nn.Module):
         """The K=V row of each token: attn_kv, kv_a_norm, RoPE at its position, FP8 rounding (the
         cache keeps FP8 values: the token attends to its rounded row too)."""
         c = self.cfg
-        KV = rope(rms(self.w["attn_kv.weight"].linear(N), c.rms_eps, self.v("attn_kv_a_norm")), start, freq)
+        KV = rms_rope(self.w["attn_kv.weight"].linear(N), c.rms_eps, self.v("attn_kv_a_norm"), start, freq)
         return fp8_round_rows(KV, c.head_dim - c.n_rot) if kv_rounding else KV
 
     def attention(self, X, start, states, rope_main, rope_comp, kv_rounding: bool):
@@ -98,9 +99,8 @@ class Block(nn.Module):
         H, Dh = c.n_head, c.head_dim
         N, post, comb = self.attn_input(X)
         QR = rms(w["attn_q_a.weight"].linear(N), c.rms_eps, self.v("attn_q_a_norm"))
-        Q = rms(op.reshape(w["attn_q_b.weight"].linear(QR), (n, H, Dh)), c.rms_eps)
         freq = rope_comp if r else rope_main
-        Q = rope(Q, start, freq)
+        Q = rms_rope(op.reshape(w["attn_q_b.weight"].linear(QR), (n, H, Dh)), c.rms_eps, None, start, freq)
         KV = self.kv_rows(N, start, freq, kv_rounding)
         ring = states["kv_ring"]
         ctx = gather_context(ring, KV, start, c.sliding_window - 1, name="kv_context")
@@ -141,8 +141,8 @@ class Block(nn.Module):
         compact = compacts(N)
         pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, compact, name=f"{sname}_pool")
         # RoPE'd at the window's first position
-        cand = rope(rms(pooled, c.rms_eps, self.v(f"{wname}_norm")), start, rope_comp,
-                    **(dict(stride=r) if compact else dict(offset=1 - r)))
+        cand = rms_rope(pooled, c.rms_eps, self.v(f"{wname}_norm"), start, rope_comp,
+                        **(dict(stride=r) if compact else dict(offset=1 - r)))
         if round_rows is not None:
             cand = round_rows(cand)
         rows = emit_rows(states[f"{sname}_rows"], cand, start, r, compact, name=f"{sname}_emit")
