@@ -252,7 +252,7 @@ def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at
     @T.macro
     def chunk(acc, nt, i0, tile, rb, blk, j, x, ctx, wt, ws):
         for n in T.unroll(NR):   # a row's chunk is decoded once (bound) for all nt tokens
-            if wt is not None:   # ... or read as decoded_tile left it
+            if wt is not None:   # ... or read from the buffers row_tile_decoded_once filled (signs apart)
                 u = T.bind(cpu_int8._vec(wt[0], (rb * NR + n,), blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK, 64))
                 S = T.bind(cpu_int8._vec(wt[2], (rb * NR + n, blk * 4 + j), 0, 16))
                 signs = T.bind(cpu_int8._vec(wt[1], (rb * NR + n,), blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK, 64))

@@ -84,9 +84,10 @@ class Engine:
         self.dev = device_for(m, self.dir)
         # TVM's CPU pool reads TVM_NUM_THREADS when it starts (at the first parallel kernel); left
         # unset it used one thread on this 2-core machine. Default: every core this process may use
-        # (within its cgroup's CPU quota), except for a small model, whose kernels are too short to pay for waking a second thread:
-        # the 17 MB demo model decoded in 0.9-1.2 ms on one thread against 2.1-2.4 ms on two (and
-        # prefilled no slower); the 160 MB benchmark model decodes alike on both, prefills faster on two.
+        # (within its cgroup's CPU quota), except for a small model, whose kernels are too short to
+        # pay for waking a second thread: the 17 MB demo model decoded in 0.9-1.2 ms on one thread
+        # against 2.1-2.4 ms on two (and prefilled no slower); the 160 MB benchmark model decodes
+        # alike on both, prefills faster on two.
         small = sum(os.path.getsize(p) for p in paths.values()) < SMALL_MODEL_BYTES
         os.environ.setdefault("TVM_NUM_THREADS", "1" if small else str(threads.default_threads()))
         # Workers spin between kernels; beside a busy process the pool shrinks to one thread
