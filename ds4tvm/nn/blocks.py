@@ -23,19 +23,20 @@ def rms(x: nn.Tensor, eps: float, weight: nn.Tensor | None = None) -> nn.Tensor:
     relax ops it was seven (square, sum, divide, add, sqrt, divide, multiply), each with its own VM
     calls, and a model has dozens of norms per token."""
     def f(x_te, *w):
-        return te.compute(x_te.shape, _rms_te(x_te, eps, w), name="rms")
+        return te.compute(x_te.shape, _rms_te(lambda i: x_te[i], x_te.shape, eps, w), name="rms")
 
     return op.tensor_expr_op(f, "rms", [x] + ([weight] if weight is not None else []))
 
 
-def _rms_te(x_te, eps: float, w: tuple):
-    """The normalized element i of x_te (times w[0][i[-1]] when a weight is given)."""
-    D = x_te.shape[-1]
+def _rms_te(src, shape, eps: float, w: tuple, name: str = "rms"):
+    """The normalized element i of src (an element accessor over shape), times w[0][i[-1]] when
+    a weight is given."""
+    D = shape[-1]
     k = te.reduce_axis((0, D), name="k")
-    ss = te.compute(x_te.shape[:-1], lambda *i: te.sum(x_te[(*i, k)] * x_te[(*i, k)], axis=k), name="rms_ss")
+    ss = te.compute(shape[:-1], lambda *i: te.sum(src((*i, k)) * src((*i, k)), axis=k), name=name + "_ss")
 
     def body(*i):
-        y = x_te[i] / te.sqrt(ss[i[:-1]] / D.astype(F32) + tirx.const(eps, F32))
+        y = src(i) / te.sqrt(ss[i[:-1]] / D.astype(F32) + tirx.const(eps, F32))
         return y * w[0][i[-1]] if w else y
 
     return body
@@ -99,7 +100,7 @@ def rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start
         return rope(rms(x, eps, weight), positions_start, inv_freq, **at)
 
     def f(x_te, fr, start, *w):
-        normalized = _rms_te(x_te, eps, w)
+        normalized = _rms_te(lambda i: x_te[i], x_te.shape, eps, w)
         return te.compute(x_te.shape, _rope_te(lambda i: normalized(*i), fr, start, 2 * len(inv_freq),
                                                x_te.shape[-1], **at), name=name)
 
@@ -155,9 +156,11 @@ def rope_neox(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int =
 
 # ---------------------------------------------------------------------------- hyper-connections
 def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: float, hc_eps: float,
-           iters: int):
+           iters: int, norm: nn.Tensor | None = None):
     """X [T, hc, D] -> (sublayer input [T, D], post [T, hc], comb [T, hc(src), hc(dst)]) with the
-    combine matrix c[dst, src] made doubly stochastic by Sinkhorn (eps in every divisor)."""
+    combine matrix c[dst, src] made doubly stochastic by Sinkhorn (eps in every divisor); with
+    norm, the sublayer input RMS-normalized by it (in the GPU forms in the same kernel as the
+    weighted sum of the streams)."""
     n, _, D = X.shape
     flat = rms(op.reshape(X, (n, hc * D)), eps)
     mix = fn.linear(flat, name="hc_mix")
@@ -170,11 +173,30 @@ def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: fl
         pre, post, c = hc_gates(mix, scale, base, hc, hc_eps)
         c = sinkhorn(c, iters, hc_eps)
 
+    if norm is not None and exporting_gpu_forms():
+        return op.tensor_expr_op(functools.partial(_hc_pre_sum_rms_te, eps=eps), "hc_pre_norm", [X, pre, norm]), post, c
+
     def weighted(x_te, p_te):
         h = te.reduce_axis((0, hc), name="h")
         return te.compute((n, D), lambda t, d: te.sum(p_te[t, h] * x_te[t, h, d], axis=h), name="hc_pre_sum")
 
-    return op.tensor_expr_op(weighted, "hc_pre_sum", [X, pre]), post, c
+    x = op.tensor_expr_op(weighted, "hc_pre_sum", [X, pre])
+    return (x if norm is None else rms(x, eps, norm)), post, c
+
+
+def _hc_pre_sum_rms_te(x_te, p_te, w_te, eps: float):
+    """rms(sum_h p[t, h] X[t, h, :]) * w as one kernel: the weighted sum written out over the
+    streams, so that it inlines into the norm's reduction and its output (the GPU forms)."""
+    n, hc, D = x_te.shape
+
+    def weighted(i):
+        t, d = i
+        v = p_te[t, 0] * x_te[t, 0, d]
+        for h in range(1, int(hc)):
+            v = v + p_te[t, h] * x_te[t, h, d]
+        return v
+
+    return te.compute((n, D), _rms_te(weighted, (n, D), eps, (w_te,), "hc_pre_norm"), name="hc_pre_norm")
 
 
 def hc_gates(mix: nn.Tensor, scale: nn.Tensor, base: nn.Tensor, hc: int, hc_eps: float):

@@ -74,7 +74,10 @@ class _CoreWatch:
     def start(cls) -> _CoreWatch | bool:
         """A watch for this thread's pool, or False where there is nothing to adapt (one thread,
         no /proc/stat)."""
-        threads = int(os.environ.get("TVM_NUM_THREADS", "1") or 1)
+        try:
+            threads = int(os.environ.get("TVM_NUM_THREADS", "1"))
+        except ValueError:   # TVM makes of it what it does; nothing to adapt here
+            return False
         if threads < 2 or not os.path.exists("/proc/stat"):
             return False
         import tvm

@@ -78,11 +78,6 @@ def test_spare_cores_absorb_other_processes(monkeypatch):
     assert calls == [1]
 
 
-def test_one_thread_is_never_watched(monkeypatch):
-    monkeypatch.setenv("TVM_NUM_THREADS", "1")
-    assert threads._CoreWatch.start() is False
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs Linux and two cores")
 def test_a_real_busy_process_is_seen(monkeypatch):
@@ -121,3 +116,9 @@ def test_default_threads_respect_the_cgroup_quota(tmp_path, monkeypatch, files, 
     monkeypatch.setattr(threads, "CGROUP_QUOTAS", ((str(v2), None), (str(q1), str(p1))))
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert threads.default_threads() == want
+
+
+@pytest.mark.parametrize("value", ["1", "abc", ""])
+def test_one_thread_or_an_unreadable_count_is_never_watched(monkeypatch, value):
+    monkeypatch.setenv("TVM_NUM_THREADS", value)
+    assert threads._CoreWatch.start() is False

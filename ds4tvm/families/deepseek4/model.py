@@ -82,9 +82,8 @@ class Block(nn.Module):
     def attn_input(self, X):
         """HC pre of the attention sublayer and attn_norm: (N, post, comb)."""
         c, w = self.cfg, self.w
-        x, post, comb = hc_pre(X, w["hc_attn_fn.weight"], self.v("hc_attn_scale"), self.v("hc_attn_base"),
-                               c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters)
-        return rms(x, c.rms_eps, self.v("attn_norm")), post, comb
+        return hc_pre(X, w["hc_attn_fn.weight"], self.v("hc_attn_scale"), self.v("hc_attn_base"),
+                      c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v("attn_norm"))
 
     def kv_rows(self, N, start, freq, kv_rounding: bool):
         """The K=V row of each token: attn_kv, kv_a_norm, RoPE at its position, FP8 rounding (the
@@ -153,9 +152,8 @@ class Block(nn.Module):
 
     def moe(self, X, ids):
         c, w = self.cfg, self.w
-        x, post, comb = hc_pre(X, w["hc_ffn_fn.weight"], self.v("hc_ffn_scale"), self.v("hc_ffn_base"),
-                               c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters)
-        h = rms(x, c.rms_eps, self.v("ffn_norm"))
+        h, post, comb = hc_pre(X, w["hc_ffn_fn.weight"], self.v("hc_ffn_scale"), self.v("hc_ffn_base"),
+                               c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v("ffn_norm"))
         p = op.sqrt(op.softplus(w["ffn_gate_inp.weight"].linear(h)))
         if self.il < c.n_hash_layers:
             experts = op.take(self.tid2eid, ids, axis=0)

@@ -76,15 +76,15 @@ class Layer(nn.Module):
         return self.w[suffix + ".weight"].values(name=suffix.replace(".", "_"))
 
     def _hc_pre(self, X, part: str):
+        """HC pre of a sublayer with its RMSNorm (`attn_norm`, `ffn_norm`): (input, post, comb)."""
         c = self.cfg
         return hc_pre(X, self.w[f"hc_{part}_fn.weight"], self.v(f"hc_{part}_scale"), self.v(f"hc_{part}_base"),
-                      c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters)
+                      c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v(f"{part}_norm"))
 
     def attention(self, X, start, states: dict, prev_selection):
         """The attention sublayer with its hyper-connection: (X', new states, the selection a
         following DSA layer without its own indexer reuses)."""
-        x, post, comb = self._hc_pre(X, "attn")
-        h = rms(x, self.cfg.rms_eps, self.v("attn_norm"))
+        h, post, comb = self._hc_pre(X, "attn")
         if self.cfg.is_dsa(self.il):
             out, new, sel = self.dsa(h, start, states, prev_selection)
         else:
@@ -92,8 +92,8 @@ class Layer(nn.Module):
         return hc_post(out, X, post, comb), new, sel
 
     def ffn(self, X):
-        x, post, comb = self._hc_pre(X, "ffn")
-        return hc_post(self.ffn_out(rms(x, self.cfg.rms_eps, self.v("ffn_norm"))), X, post, comb)
+        h, post, comb = self._hc_pre(X, "ffn")
+        return hc_post(self.ffn_out(h), X, post, comb)
 
     def ffn_out(self, h):
         c = self.cfg
