@@ -235,8 +235,11 @@ def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at
     def row(ctx, i, tile):
         return x_loc(ctx, i, tile)[0]
 
+    def k0(blk, j):   # weight column of chunk j of block blk
+        return blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK
+
     def col(ctx, i, tile, blk, j):   # input column of chunk j of block blk
-        return x_loc(ctx, i, tile)[1] + blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK
+        return x_loc(ctx, i, tile)[1] + k0(blk, j)
 
     def codes(rows, blk, ws, j, part):   # a chunk's codes, or (apart) its magnitudes or signs
         c = dec(rows, blk, ws)[0][j]
@@ -253,9 +256,9 @@ def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at
     def chunk(acc, nt, i0, tile, rb, blk, j, x, ctx, wt, ws):
         for n in T.unroll(NR):   # a row's chunk is decoded once (bound) for all nt tokens
             if wt is not None:   # ... or read from the buffers row_tile_decoded_once filled (signs apart)
-                u = T.bind(cpu_int8._vec(wt[0], (rb * NR + n,), blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK, 64))
+                u = T.bind(cpu_int8._vec(wt[0], (rb * NR + n,), k0(blk, j), 64))
                 S = T.bind(cpu_int8._vec(wt[2], (rb * NR + n, blk * 4 + j), 0, 16))
-                signs = T.bind(cpu_int8._vec(wt[1], (rb * NR + n,), blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK, 64))
+                signs = T.bind(cpu_int8._vec(wt[1], (rb * NR + n,), k0(blk, j), 64))
                 update(acc, nt, i0, tile, n, blk, j, (u, signs), S, x, ctx)
             else:
                 u = T.bind(codes(w_row(tile, rb * NR + n), blk, ws, j, 0))
@@ -268,10 +271,8 @@ def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at
 
     @T.macro
     def decoded_chunk(r, tile, blk, j, ws, wt):
-        T.buffer_store(wt[0], codes(w_row(tile, r), blk, ws, j, 0),
-                       [r, tirx.Ramp(blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK, 1, 64)])
-        T.buffer_store(wt[1], codes(w_row(tile, r), blk, ws, j, 1),
-                       [r, tirx.Ramp(blk * cpu_int8.BLOCK + j * cpu_int8.CHUNK, 1, 64)])
+        T.buffer_store(wt[0], codes(w_row(tile, r), blk, ws, j, 0), [r, tirx.Ramp(k0(blk, j), 1, 64)])
+        T.buffer_store(wt[1], codes(w_row(tile, r), blk, ws, j, 1), [r, tirx.Ramp(k0(blk, j), 1, 64)])
         T.buffer_store(wt[2], dec(w_row(tile, r), blk, ws)[1][j], [r, blk * 4 + j, tirx.Ramp(0, 1, 16)])
 
     @T.macro

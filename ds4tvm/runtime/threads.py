@@ -47,10 +47,12 @@ def _cgroup_cpus() -> float | None:
             if period_file is not None:
                 with open(period_file) as f:
                     fields.append(f.read().strip())
-            quota, period = fields[0], float(fields[1])
+            if fields[0] in ("max", "-1"):
+                return None
+            quota, period = float(fields[0]), float(fields[1])
         except (OSError, IndexError, ValueError):
             continue
-        return None if quota in ("max", "-1") or period <= 0 else float(quota) / period
+        return quota / period if period > 0 else None
     return None
 
 

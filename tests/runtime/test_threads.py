@@ -105,6 +105,7 @@ def test_a_real_busy_process_is_seen(monkeypatch):
     ({"v1": ("400000", "100000")}, 2, 2),     # more quota than cores
     ({"v1": ("-1", "100000")}, 6, 6),
     ({}, 3, 3),                               # no cgroup files at all
+    ({"v2": "abc 100000"}, 4, 4),             # unreadable: as if unlimited
 ])
 def test_default_threads_respect_the_cgroup_quota(tmp_path, monkeypatch, files, cores, want):
     v2, q1, p1 = tmp_path / "cpu.max", tmp_path / "cfs_quota_us", tmp_path / "cfs_period_us"
