@@ -217,7 +217,7 @@ def timed(work: Path, name: str, gen: int) -> dict:
         "prefill_tokens": len(prompt), "prefill_tok_s": round(len(prompt) / t_prefill, 1),
         "decode_tok_s": round(1 / dt, 1), "decode_weight_gb_s": round(per_token / dt / 1e9, 1),
         "bandwidth_fraction": round(per_token / dt / 1e9 / copy, 4),
-        "decode_kernels": decode["n_kernels"], "decode_graph_regions": decode["graph_regions"],
+        "decode_kernels": decode["n_launches"], "decode_calls": decode["n_kernels"], "decode_graph_regions": decode["graph_regions"],
         "decode_kernels_in_graphs": decode["kernels_in_graphs"], "decode_outside_graphs": decode["outside_graphs"],
         "verify_cost_vs_decode": {k: round(v, 2) for k, v in verify_cost(engine, max_k=8).items()},
         "decode_profile": decode_profile(engine)})
@@ -259,7 +259,7 @@ def main() -> None:
         print(f"{name} model ({s['weights_gib']} GiB, {s['bytes_per_token_gib']} GiB read per token): prefill "
               f"{s['prefill_tok_s']} tok/s ({s['prefill_tokens']} tokens), decode {s['decode_tok_s']} tok/s, "
               f"{s['decode_weight_gb_s']} GB/s = {s['bandwidth_fraction']:.2%} of copy bandwidth; decode step "
-              f"{s['decode_kernels']} kernels, {s['decode_kernels_in_graphs']} in {s['decode_graph_regions']} "
+              f"{s['decode_kernels']} kernels ({s['decode_calls']} kernel calls), {s['decode_kernels_in_graphs']} calls in {s['decode_graph_regions']} "
               f"CUDA graph region(s), {s['decode_outside_graphs']} VM instructions outside")
         print("  verify(k) / decode: " + " ".join(f"k={k}:{v}" for k, v in s["verify_cost_vs_decode"].items()))
         for kernel, n, ms in s["decode_profile"]:

@@ -6,6 +6,10 @@ generation), for any target:
                                   inside captured regions first, then the others in call order
                                   (both branches of a symbolic-shape specialisation are listed)
   functions.<fn>.n_kernels        their count
+  functions.<fn>.n_launches       device kernels those calls launch: a kernel's `launches` is the
+                                  number of its thread-bound loop nests, each a kernel of its own
+                                  after code generation (dlight's Fallback gives one per reduction
+                                  stage it cannot merge); 1 on the CPU
   functions.<fn>.by_rule          kernels per rule: a dlight rule's name (Matmul, GEMV, LowBatchGEMV,
                                   Reduction, GeneralReduction, Fallback), `hand` (written scheduled:
                                   nn/cpu_kernels.py, the GPU delta rule), `tuned` (a meta-schedule
@@ -68,8 +72,31 @@ def _kernels(mod, func, log: RuleLog, in_graph: bool) -> list[dict]:
         if isinstance(v, relax.Call) and isinstance(v.op, tvm.ir.GlobalVar) and \
                 isinstance(mod[v.op], tvm.tirx.PrimFunc):
             name = v.op.name_hint
-            out.append({"kernel": name, "rule": rule_of(mod[v.op], log, name), "in_graph": in_graph})
+            out.append({"kernel": name, "rule": rule_of(mod[v.op], log, name), "in_graph": in_graph,
+                        "launches": device_launches(mod[v.op])})
     return out
+
+
+def device_launches(func) -> int:
+    """The device kernels a scheduled PrimFunc becomes: its outermost thread-bound loops or
+    thread extents (at least 1: a CPU kernel, a host function)."""
+    from tvm import s_tir, tirx
+
+    def count(node) -> int:
+        if isinstance(node, tirx.For):
+            return 1 if node.kind == tirx.ForKind.THREAD_BINDING else count(node.body)
+        if isinstance(node, tirx.AttrStmt) and node.attr_key == "thread_extent":   # TOPI's ir_builder kernels
+            return 1
+        if isinstance(node, tirx.SeqStmt):
+            return sum(count(s) for s in node.seq)
+        if isinstance(node, s_tir.SBlockRealize):
+            return count(node.block)
+        if isinstance(node, tirx.IfThenElse):   # one branch runs
+            return max(count(node.then_case), count(node.else_case) if node.else_case is not None else 0)
+        body = getattr(node, "body", None)
+        return count(body) if isinstance(body, tirx.Stmt) else 0
+
+    return max(1, count(func.body))
 
 
 def function_report(mod, name: str, log: RuleLog) -> dict:
@@ -87,7 +114,8 @@ def function_report(mod, name: str, log: RuleLog) -> dict:
             regions += 1
             kernels += _kernels(mod, mod[captured], log, True)
     kernels += _kernels(mod, func, log, False)
-    return {"kernels": kernels, "n_kernels": len(kernels), "by_rule": dict(Counter(k["rule"] for k in kernels)),
+    return {"kernels": kernels, "n_kernels": len(kernels), "n_launches": sum(k["launches"] for k in kernels),
+            "by_rule": dict(Counter(k["rule"] for k in kernels)),
             "graph_regions": regions, "kernels_in_graphs": sum(k["in_graph"] for k in kernels),
             "outside_graphs": sum(outside.values()), "outside_by_kind": dict(outside),
             "weights_only": log.get(WEIGHTS_ONLY, {}).get(name, [])}

@@ -208,3 +208,17 @@ def test_qwen4exp_compiles(tmp_path, target):
         assert decode["graph_regions"] == 1 and decode["outside_graphs"] <= 20, decode["outside_by_kind"]
         assert len([k for k in decode["kernels"] if not k["in_graph"]]) == 1
         assert report["verify"]["graph_regions"] == 0
+        # launches per kernel against the device functions code generation made of it (TOPI's
+        # sorts launch some of theirs in loops: left out)
+        symbols = _device_functions(next(out.glob("lib-*.so")))
+        counted = [k for k in decode["kernels"] if not k["kernel"].startswith("topk")]
+        assert counted and [k["launches"] for k in counted] == [symbols[k["kernel"]] for k in counted]
+        assert decode["n_launches"] >= decode["n_kernels"]
+
+
+def _device_functions(library: Path) -> dict:
+    """PrimFunc name -> how many device functions (`NAME_kernel`, `NAME_kernel_1`, ...) the library holds."""
+    found = {}
+    for m in re.finditer(rb"([A-Za-z_][A-Za-z0-9_]*?)_kernel(_\d+)?\x00", library.read_bytes()):
+        found.setdefault(m.group(1).decode(), set()).add(m.group(2))
+    return {k: len(v) for k, v in found.items()}
