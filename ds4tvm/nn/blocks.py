@@ -12,7 +12,10 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 
-from .qweight import exporting_gpu_forms
+from . import gpu_kernels
+from .qweight import binds_gpu_threads, exporting_gpu_forms
+from .state import RingRows, rows_reader
+from .state import args as state_args
 
 F32 = "float32"
 NEG_INF = -3.0e38
@@ -400,42 +403,70 @@ def selected_pool_positions(sel_te, s, P: int, tail: bool):
     return A, pos, valid
 
 
-def sparse_window_attention(q: nn.Tensor, kv_ctx: nn.Tensor, comp: nn.Tensor | None, sel: nn.Tensor | None,
-                            sinks: nn.Tensor, start, window: int, ratio: int, name: str) -> nn.Tensor:
+def sparse_window_attention(q: nn.Tensor, kv_ctx, comp: nn.Tensor | None, sel: nn.Tensor | None,
+                            sinks: nn.Tensor, start, window: int, ratio: int, name: str,
+                            rope_back: np.ndarray | None = None) -> nn.Tensor:
     """Softmax attention of q [T, H, D] over, for token t at position p = start + t:
     - the raw window: positions p-window+1..p, rows of kv_ctx (row j = position start-window+1+j);
     - compressed rows c < (p+1)//ratio of `comp`: all of them, or those listed in sel [T, M];
-    - one learned sink logit per head in the denominator. Values are the keys (K = V)."""
+    - one learned sink logit per head in the denominator. Values are the keys (K = V).
+    kv_ctx is a tensor or nn/state.RingRows. rope_back: RoPE frequencies to rotate each output
+    row back by, at its token's position (rope(..., inverse=True)). With RingRows in the GPU forms,
+    one kernel (gpu_kernels.window_attention): a thread block per (token, head)."""
     has_comp = comp is not None
     use_sel = sel is not None
-    args = [q, kv_ctx, sinks, start] + ([comp] if has_comp else []) + ([sel] if use_sel else [])
+    n, H, D = q.shape
+    M = (int(sel.shape[1]) if use_sel else int(comp.shape[0])) if has_comp else 0
+    if isinstance(kv_ctx, RingRows) and exporting_gpu_forms() and window + M <= gpu_kernels.MAX_SLOTS:
+        func = gpu_kernels.window_attention(
+            int(H), int(D), tuple(int(x) for x in kv_ctx.ring.shape), kv_ctx.before,
+            tuple(int(x) for x in comp.shape) if has_comp else None, M if use_sel else None, window, ratio,
+            2 * len(rope_back) if rope_back is not None else 0, binds_gpu_threads())
+        fr = rope_back if rope_back is not None else np.zeros(1, np.float32)
+        absent = nn.Tensor.from_const(np.zeros((1, 1), np.float32))
+        return op.tensor_ir_op(func, name, [q, kv_ctx.ring, kv_ctx.new, sinks, start, nn.Tensor.from_const(fr),
+                                            comp if has_comp else absent,
+                                            sel if use_sel else nn.Tensor.from_const(np.zeros((1, 1), np.int32))],
+                               nn.Tensor.placeholder(q.shape, F32))
+    ctx_args = state_args(kv_ctx)
+    args = [q, *ctx_args, sinks, start] + ([comp] if has_comp else []) + ([sel] if use_sel else [])
 
-    def f(q_te, ctx, sk, s, *rest):
-        comp_te = rest[0] if has_comp else None
-        sel_te = rest[1] if use_sel else None
-        M = (sel_te.shape[1] if use_sel else comp_te.shape[0]) if has_comp else 0
-        A = window + M
-
-        def row_index(t, a):
-            return sel_te[t, a - window].astype("int64") if use_sel else (a - window)
-
-        def valid(t, a):
-            pos = s + t
-            in_window = tirx.And(a < window, pos - window + 1 + a >= 0)
-            if not has_comp:
-                return in_window
-            nvis = tirx.floordiv(pos + 1, ratio)
-            return tirx.Or(in_window, tirx.And(a >= window, row_index(t, a) < nvis))
-
-        def key(t, a, d):
-            if not has_comp:
-                return ctx[t + a, d]
-            return tirx.if_then_else(a < window, ctx[tirx.min(t + a, ctx.shape[0] - 1), d],
-                                     comp_te[tirx.max(tirx.min(row_index(t, a), comp_te.shape[0] - 1), 0), d])
-
+    def f(q_te, *rest):
+        k = len(ctx_args)
+        ctx_te, (sk, s), rest = list(rest[:k]), rest[k:k + 2], rest[k + 2:]
+        ctx, ctx_rows = rows_reader(kv_ctx, ctx_te, s)
+        A, valid, key = _window_slots(ctx, ctx_rows, rest[0] if has_comp else None, rest[1] if use_sel else None, s,
+                                      window, ratio)
         return attend_with_sinks(q_te, key, valid, A, sk, name)
 
-    return op.tensor_expr_op(f, name, args)
+    out = op.tensor_expr_op(f, name, args)
+    return out if rope_back is None else rope(out, start, rope_back, inverse=True)
+
+
+def _window_slots(ctx, ctx_rows, comp_te, sel_te, s, window: int, ratio: int):
+    """sparse_window_attention's slots: (A, valid(t, a), key(t, a, d)) over the context rows (an
+    accessor) and the compressed rows (all of comp_te, or those listed in sel_te; None: none)."""
+    has_comp, use_sel = comp_te is not None, sel_te is not None
+    M = (sel_te.shape[1] if use_sel else comp_te.shape[0]) if has_comp else 0
+
+    def row_index(t, a):
+        return sel_te[t, a - window].astype("int64") if use_sel else (a - window)
+
+    def valid(t, a):
+        pos = s + t
+        in_window = tirx.And(a < window, pos - window + 1 + a >= 0)
+        if not has_comp:
+            return in_window
+        nvis = tirx.floordiv(pos + 1, ratio)
+        return tirx.Or(in_window, tirx.And(a >= window, row_index(t, a) < nvis))
+
+    def key(t, a, d):
+        if not has_comp:
+            return ctx(t + a, d)
+        return tirx.if_then_else(a < window, ctx(tirx.min(t + a, ctx_rows - 1), d),
+                                 comp_te[tirx.max(tirx.min(row_index(t, a), comp_te.shape[0] - 1), 0), d])
+
+    return window + M, valid, key
 
 
 @functools.lru_cache(maxsize=None)
@@ -475,6 +506,21 @@ def _indexer_scores_func(heads: int, dim: int, rows: int, ratio: int):
     return scores.with_attr("global_symbol", f"indexer_scores_{heads}x{dim}_{rows}_r{ratio}")
 
 
+def _indexer_scores_te(q, w, keys, s, ratio: int):
+    """The GPU form of the indexer's scores: the per-head dots over every row, then their weighted
+    relu sum, each a reduction with a thread per output (the CPU's kernel is one serial loop per
+    token, a single GPU thread: ~0.5 M multiply-adds at 256 rows, 134 M at 16 K)."""
+    n, heads, dim = q.shape
+    rows = keys.shape[0]
+    d = te.reduce_axis((0, dim), name="d")
+    qk = te.compute((n, rows, heads), lambda t, c, h: te.sum(q[t, h, d] * keys[c, d], axis=d), name="indexer_qk")
+    h = te.reduce_axis((0, heads), name="h")
+    total = te.compute((n, rows), lambda t, c: te.sum(w[t, h] * tirx.max(qk[t, c, h], tirx.const(0, F32)), axis=h),
+                       name="indexer_sum")
+    return te.compute((n, rows), lambda t, c: tirx.if_then_else(
+        c < tirx.floordiv(s + t + 1, ratio), total[t, c], tirx.const(NEG_INF, F32)), name="indexer_scores")
+
+
 def indexer_select(iq: nn.Tensor, w: nn.Tensor, keys: nn.Tensor, start, ratio: int, top_k: int,
                    name: str) -> nn.Tensor:
     """Lightning indexer: score_c = sum_h w[t,h] * relu(iq[t,h] . key_c) over the visible rows
@@ -484,7 +530,10 @@ def indexer_select(iq: nn.Tensor, w: nn.Tensor, keys: nn.Tensor, start, ratio: i
     is 16 partial sums along contiguous channels, summed in lane order."""
     rows = int(keys.shape[0])
     _, heads, dim = iq.shape
-    func = _indexer_scores_func(int(heads), int(dim), rows, ratio)
-    scores = op.tensor_ir_op(func, name, args=[iq, w, keys, start],
-                             out=nn.Tensor.placeholder((iq.shape[0], rows), "float32"))
+    if exporting_gpu_forms():
+        scores = op.tensor_expr_op(functools.partial(_indexer_scores_te, ratio=ratio), name, [iq, w, keys, start])
+    else:
+        func = _indexer_scores_func(int(heads), int(dim), rows, ratio)
+        scores = op.tensor_ir_op(func, name, args=[iq, w, keys, start],
+                                 out=nn.Tensor.placeholder((iq.shape[0], rows), "float32"))
     return op.topk(scores, k=min(top_k, rows), axis=-1, ret_type="indices", dtype="int32", name=name + "_topk")

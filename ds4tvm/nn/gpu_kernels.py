@@ -8,6 +8,7 @@ with nn/dequant.py's expressions, the same float operations as every other path.
 from __future__ import annotations
 
 import functools
+import math
 
 from gguf import GGMLQuantizationType as QT
 from tvm.script import tirx as T
@@ -62,5 +63,119 @@ def expert_gemv(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool,
                         with T.init():
                             y[s // J, s % J, i] = T.float32(0)
                         y[s // J, s % J, i] = y[s // J, s % J, i] + x_of(x, s, k) * w[i, k]
+
+    return main
+
+
+MAX_SLOTS = 4096   # a block keeps its slots' scores in shared memory: 16 KB
+THREADS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape: tuple | None, sel_width: int | None,
+                     window: int, ratio: int, n_rot: int, bind: bool = True):
+    """nn/blocks.sparse_window_attention as one kernel, its context rows read in place from the
+    ring (nn/state.RingRows): a thread block per (token, head) keeps its slots' scores in shared
+    memory; each thread scores slots (the dot over D in order, as the TE form), max and sum run as
+    tree reductions over the threads, then each thread sums its output channel pair over the slots
+    in order and, with n_rot, rotates it back by RoPE at the token's position. bind=False: the same
+    loops serial (a CPU runs them: the numerics check of the GPU forms)."""
+    from .blocks import NEG_INF, _window_slots   # blocks imports this module
+    from .state import context_row
+
+    size, width = ring_shape
+    has_comp, use_sel = comp_shape is not None, sel_width is not None
+    CR, CW = comp_shape if has_comp else (1, 1)
+    MS = sel_width if use_sel else 1
+    A = window + (sel_width if use_sel else CR if has_comp else 0)
+    NT, lo = THREADS, (D - n_rot if n_rot else D)   # channels from lo on are rotated back
+    assert D % 2 == 0 and lo % 2 == 0 and NT & (NT - 1) == 0
+    per_thread, pair_steps, scale = (A + NT - 1) // NT, (D // 2 + NT - 1) // NT, 1.0 / math.sqrt(D)
+    rounds = NT.bit_length() - 1   # of the tree reductions: strides NT/2 .. 1
+    blocks = (lambda n: T.thread_binding(n, thread="blockIdx.x")) if bind else T.serial
+    threads = (lambda: T.thread_binding(NT, thread="threadIdx.x")) if bind else (lambda: T.serial(NT))
+
+    def slots(ring, new, comp, sel, s):
+        return _window_slots(context_row(ring, new, s, before), new.shape[0] + before, comp if has_comp else None,
+                             sel if use_sel else None, s, window, ratio)
+
+    def key(ring, new, comp, sel, s, t, a, d):
+        return slots(ring, new, comp, sel, s)[2](t, a, d)
+
+    def valid(ring, new, comp, sel, s, t, a):
+        return slots(ring, new, comp, sel, s)[1](t, a)
+
+    def rotated(x0, x1, pos, j, odd: bool):   # rope(..., inverse=True) of the pair (x0, x1)
+        c, s = T.cos(pos.astype("float32") * j), -T.sin(pos.astype("float32") * j)
+        return x0 * s + x1 * c if odd else x0 * c - x1 * s
+
+    @T.prim_func(private=True)
+    def main(q_h: T.handle, ring_h: T.handle, new_h: T.handle, sinks: T.Buffer((H,), "float32"), start: T.int64,
+             fr_h: T.handle, comp_h: T.handle, sel_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        n, n_fr, n_sel = T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q_h, (n, H, D), "float32")
+        Ring = T.match_buffer(ring_h, (size, width), "float32")
+        New = T.match_buffer(new_h, (n, width), "float32")
+        Fr = T.match_buffer(fr_h, (n_fr,), "float32")
+        Comp = T.match_buffer(comp_h, (CR, CW), "float32")
+        Sel = T.match_buffer(sel_h, (n_sel, MS), "int32")
+        O = T.match_buffer(out_h, (n, H, D), "float32")
+        for th in blocks(n * H):
+            score = T.alloc_buffer((A,), "float32", scope="shared")
+            red = T.alloc_buffer((NT,), "float32", scope="shared")
+            stat = T.alloc_buffer((2,), "float32", scope="shared")
+            acc = T.alloc_buffer((2,), "float32", scope="local")
+            for tx in threads():
+                red[tx] = T.float32(NEG_INF)
+                for i in range(per_thread):
+                    if i * NT + tx < A:
+                        acc[0] = T.float32(0)
+                        for d in range(D):
+                            acc[0] = acc[0] + Q[th // H, th % H, d] * key(Ring, New, Comp, Sel, start, th // H,
+                                                                            i * NT + tx, d)
+                        score[i * NT + tx] = T.if_then_else(valid(Ring, New, Comp, Sel, start, th // H, i * NT + tx),
+                                                            acc[0] * T.float32(scale), T.float32(NEG_INF))
+                        red[tx] = T.max(red[tx], score[i * NT + tx])
+            for k in T.unroll(rounds):
+                for tx in threads():
+                    if tx < T.shift_right(NT // 2, k):
+                        red[tx] = T.max(red[tx], red[tx + T.shift_right(NT // 2, k)])
+            for tx in threads():
+                if tx == 0:
+                    stat[0] = T.max(red[0], sinks[th % H])
+            for tx in threads():
+                red[tx] = T.float32(0)
+                for i in range(per_thread):
+                    if i * NT + tx < A:
+                        score[i * NT + tx] = T.if_then_else(valid(Ring, New, Comp, Sel, start, th // H, i * NT + tx),
+                                                            T.exp(score[i * NT + tx] - stat[0]), T.float32(0))
+                        red[tx] = red[tx] + score[i * NT + tx]
+            for k in T.unroll(rounds):
+                for tx in threads():
+                    if tx < T.shift_right(NT // 2, k):
+                        red[tx] = red[tx] + red[tx + T.shift_right(NT // 2, k)]
+            for tx in threads():
+                if tx == 0:
+                    stat[1] = red[0] + T.exp(sinks[th % H] - stat[0])
+            for tx in threads():
+                for i in range(pair_steps):
+                    if i * NT + tx < D // 2:
+                        acc[0] = T.float32(0)
+                        acc[1] = T.float32(0)
+                        for a in range(A):
+                            acc[0] = acc[0] + score[a] * key(Ring, New, Comp, Sel, start, th // H, a, 2 * (i * NT + tx))
+                            acc[1] = acc[1] + score[a] * key(Ring, New, Comp, Sel, start, th // H, a,
+                                                             2 * (i * NT + tx) + 1)
+                        acc[0] = acc[0] / stat[1]
+                        acc[1] = acc[1] / stat[1]
+                        if 2 * (i * NT + tx) >= lo:
+                            O[th // H, th % H, 2 * (i * NT + tx)] = rotated(
+                                acc[0], acc[1], start + th // H, Fr[(2 * (i * NT + tx) - lo) // 2], False)
+                            O[th // H, th % H, 2 * (i * NT + tx) + 1] = rotated(
+                                acc[0], acc[1], start + th // H, Fr[(2 * (i * NT + tx) - lo) // 2], True)
+                        else:
+                            O[th // H, th % H, 2 * (i * NT + tx)] = acc[0]
+                            O[th // H, th % H, 2 * (i * NT + tx) + 1] = acc[1]
 
     return main

@@ -8,6 +8,8 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from .qweight import exporting_gpu_forms
+
 
 def clamped_swiglu(gate: nn.Tensor, up: nn.Tensor, limit: float) -> nn.Tensor:
     """SiLU(min(gate, limit)) * clip(up, -limit, limit); limit <= 0: no clamp."""
@@ -16,6 +18,27 @@ def clamped_swiglu(gate: nn.Tensor, up: nn.Tensor, limit: float) -> nn.Tensor:
         up = op.minimum(op.maximum(up, nn.Tensor.from_scalar(-limit, "float32")),
                         nn.Tensor.from_scalar(limit, "float32"))
     return op.silu(gate) * up
+
+
+def choose_experts(scores: nn.Tensor, k: int) -> nn.Tensor:
+    """The indices of each token's k highest scores [T, k] int32, highest first (equal scores:
+    the lower index first). In the GPU forms each expert's rank among the scores, then the expert
+    of each rank: two small kernels where TOPI's sort launches five."""
+    if not exporting_gpu_forms():
+        return op.topk(scores, k=k, axis=-1, ret_type="indices", dtype="int32")
+
+    def f(x):
+        n, E = x.shape
+        one, zero = tirx.const(1, "int32"), tirx.const(0, "int32")
+        other = te.reduce_axis((0, E), name="other")
+        rank = te.compute((n, E), lambda t, e: te.sum(tirx.if_then_else(tirx.Or(
+            x[t, other] > x[t, e], tirx.And(x[t, other] == x[t, e], other < e)), one, zero), axis=other),
+            name="expert_rank")
+        e = te.reduce_axis((0, E), name="e")
+        return te.compute((n, k), lambda t, j: te.sum(tirx.if_then_else(rank[t, e] == j, e.astype("int32"), zero),
+                                                      axis=e), name="chosen_experts")
+
+    return op.tensor_expr_op(f, "choose_experts", [scores])
 
 
 def route_weights(scores: nn.Tensor, experts: nn.Tensor, denominator=None, scale: float = 1.0) -> nn.Tensor:

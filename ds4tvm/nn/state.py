@@ -21,25 +21,65 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 
+from .qweight import exporting_gpu_forms
+
 F32 = "float32"
 
 
 def gather_context(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: str) -> nn.Tensor:
     """Rows for positions start-before .. start+n-1: the `before` older ones from the ring (slot
     pos % size; positions < 0 are zeros), then the n new rows. Read before the ring is updated."""
-    size = ring.shape[0]
-
     def f(ring_te, new_te, s):
-        n = new_te.shape[0]
-
-        def body(j, d):
-            pos = s - before + j
-            old = tirx.if_then_else(pos >= 0, ring_te[tirx.floormod(pos, size), d], tirx.const(0, F32))
-            return tirx.if_then_else(j < before, old, new_te[tirx.max(j - before, 0), d])
-
-        return te.compute((n + before, ring_te.shape[1]), body, name=name)
+        return te.compute((new_te.shape[0] + before, ring_te.shape[1]), context_row(ring_te, new_te, s, before),
+                          name=name)
 
     return op.tensor_expr_op(f, name, [ring, new, start])
+
+
+def context_row(ring_te, new_te, s, before: int):
+    """gather_context's element (j, d) as an expression over the ring and the new rows (TE tensors
+    or TIR buffers)."""
+    size = ring_te.shape[0]
+
+    def body(j, d):
+        pos = s - before + j
+        old = tirx.if_then_else(pos >= 0, ring_te[tirx.floormod(pos, size), d], tirx.const(0, F32))
+        return tirx.if_then_else(j < before, old, new_te[tirx.max(j - before, 0), d])
+
+    return body
+
+
+def context_rows(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: str):
+    """gather_context's rows for a reader that takes RingRows: left in the ring in the GPU forms,
+    gathered into a tensor on the CPU (whose kernels are scheduled for that tensor)."""
+    if exporting_gpu_forms():
+        return RingRows(ring, new, before)
+    return gather_context(ring, new, start, before, name)
+
+
+class RingRows:
+    """gather_context's rows left in the ring, for a reader's kernel to index in place (the GPU
+    forms: a launch and a copy fewer per context). A reader takes `args(x)` among its kernel's
+    arguments and reads the TE tensors they become through `rows_reader`; a plain tensor reads as
+    itself, so one reader serves both."""
+
+    def __init__(self, ring: nn.Tensor, new: nn.Tensor, before: int):
+        self.ring, self.new, self.before = ring, new, before
+
+
+def args(x) -> list:
+    """The kernel arguments of x: a tensor, or a RingRows' ring and new rows."""
+    return [x.ring, x.new] if isinstance(x, RingRows) else [x]
+
+
+def rows_reader(x, te_args: list, s):
+    """(element accessor (row, channel), row count) of x from the front of te_args (as args(x)
+    put them), which it consumes; s the call's start position."""
+    if not isinstance(x, RingRows):
+        t = te_args.pop(0)
+        return (lambda r, c: t[r, c]), t.shape[0]
+    ring_te, new_te = te_args.pop(0), te_args.pop(0)
+    return context_row(ring_te, new_te, s, x.before), new_te.shape[0] + x.before
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,6 +105,36 @@ def ring_write(ring: nn.Tensor, rows: nn.Tensor, start, name: str) -> nn.Tensor:
     func = _ring_write_func(int(size), int(width))
     return op.tensor_ir_inplace_op(func, f"ring_write_{size}x{width}", args=[ring, rows, start], inplace_indices=[0],
                                    out=nn.Tensor.placeholder(ring.shape, ring.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _ring_write_pair_func(size: int, width: int):
+    @T.prim_func(s_tir=True)
+    def ring_write_pair(ring_a: T.handle, ring_b: T.handle, rows_a: T.handle, rows_b: T.handle, start: T.int64):
+        n = T.int64()
+        RA = T.match_buffer(ring_a, (size, width), "float32")
+        RB = T.match_buffer(ring_b, (size, width), "float32")
+        XA = T.match_buffer(rows_a, (n, width), "float32")
+        XB = T.match_buffer(rows_b, (n, width), "float32")
+        for i, j in T.grid(n, width):
+            with T.sblock("write"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                if vi + size >= n:
+                    RA[T.floormod(start + vi, size), vj] = XA[vi, vj]
+                    RB[T.floormod(start + vi, size), vj] = XB[vi, vj]
+    return ring_write_pair.with_attr("global_symbol", f"ring_write_pair_{size}x{width}")
+
+
+def ring_write_pair(rings: tuple, rows: tuple, start, names: tuple) -> tuple:
+    """ring_write of two rings of one shape written at the same positions (a compressor's
+    projections and scores); in the GPU forms one kernel."""
+    if not exporting_gpu_forms() or rings[0].shape != rings[1].shape:
+        return tuple(ring_write(r, x, start, name=name) for r, x, name in zip(rings, rows, names))
+    size, width = rings[0].shape
+    func = _ring_write_pair_func(int(size), int(width))
+    out = op.tensor_ir_inplace_op(func, func.attrs["global_symbol"], args=[*rings, *rows, start], inplace_indices=[0, 1],
+                                  out=[nn.Tensor.placeholder(r.shape, r.dtype) for r in rings])
+    return tuple(out)
 
 
 def recurrent_read(slots: nn.Tensor, start, name: str = "recurrent_read") -> nn.Tensor:

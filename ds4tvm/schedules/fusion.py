@@ -14,6 +14,7 @@ from __future__ import annotations
 import tvm
 
 OPAQUE = 8   # tvm's kOpaque op pattern
+BROADCAST = 1   # tvm's kBroadcast
 
 
 def fusion_passes() -> list:

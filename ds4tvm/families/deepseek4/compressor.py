@@ -10,10 +10,10 @@ from tvm.relax.frontend.nn import op
 
 from ...nn.blocks import F32, NEG_INF
 from ...nn.qweight import exporting_for_cpu
+from ...nn.state import RingRows, args, rows_reader
 
 
-def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width: int, compact: bool,
-                  name: str) -> nn.Tensor:
+def pooled_window(kv_ctx, sc_ctx, start, ratio: int, width: int, compact: bool, name: str) -> nn.Tensor:
     """The softmax-pooled row, per channel, of the window ending at each new token (positions
     start .. start + n - 1), or with compact only of the windows that end a compressed row there
     (positions p with (p + 1) % ratio == 0: (start + n) // ratio - start // ratio rows, in order),
@@ -21,11 +21,15 @@ def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width
     8 tokens through two lanes: the previous 4 positions read lane 0 (first `width` channels), the
     current 4 lane 1; the previous lane is absent for the first window. Other ratios: one lane.
     Without compact (a decode step's static shape) the row of a token that ends no window is
-    zeros: emit_rows drops it."""
+    zeros: emit_rows drops it. The contexts are tensors or nn/state.RingRows."""
     two = ratio == 4
 
-    def f(kv, sc, s):
-        n = kv.shape[0] - 2 * ratio
+    def f(*te_args):
+        te_args = list(te_args)
+        s = te_args.pop()
+        kv, n_rows = rows_reader(kv_ctx, te_args, s)
+        sc, _ = rows_reader(sc_ctx, te_args, s)
+        n = n_rows - 2 * ratio
         m = (s + n) // ratio - s // ratio if compact else n
         L = 2 * ratio if two else ratio
 
@@ -50,7 +54,7 @@ def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width
 
         def score(t, a_, d):
             row, ch = src(t, a_, d)
-            return tirx.if_then_else(valid(t, a_), sc[row, ch], tirx.const(NEG_INF, F32))
+            return tirx.if_then_else(valid(t, a_), sc(row, ch), tirx.const(NEG_INF, F32))
 
         mx = te.compute((m, width), lambda i, d: te.max(score(end(i), a, d), axis=a), name=name + "_max")
         a2 = te.reduce_axis((0, L), name="a2")
@@ -63,7 +67,7 @@ def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width
             t = end(i)
             row, ch = src(t, a3, d)
             w = tirx.if_then_else(valid(t, a3), te.exp(score(t, a3, d) - mx[i, d]), tirx.const(0, F32))
-            return te.sum(w * kv[row, ch], axis=a3)
+            return te.sum(w * kv(row, ch), axis=a3)
 
         num = te.compute((m, width), pooled, name=name + "_num")
         if compact:
@@ -71,8 +75,8 @@ def pooled_window(kv_ctx: nn.Tensor, sc_ctx: nn.Tensor, start, ratio: int, width
         return te.compute((m, width), lambda i, d: tirx.if_then_else(
             tirx.floormod(s + i + 1, ratio) == 0, num[i, d] / den[i, d], tirx.const(0, F32)), name=name)
 
-    if compact or kv_ctx.shape[0] != 2 * ratio + 1 or not exporting_for_cpu():
-        return op.tensor_expr_op(f, name, [kv_ctx, sc_ctx, start])
+    if compact or isinstance(kv_ctx, RingRows) or kv_ctx.shape[0] != 2 * ratio + 1 or not exporting_for_cpu():
+        return op.tensor_expr_op(f, name, args(kv_ctx) + args(sc_ctx) + [start])
     return op.tensor_ir_op(_pooled_if_window_ends(f, kv_ctx.shape, ratio), name, args=[kv_ctx, sc_ctx, start],
                            out=nn.Tensor.placeholder((1, width), F32))
 

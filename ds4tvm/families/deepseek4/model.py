@@ -18,10 +18,11 @@ from tvm.relax.frontend.nn import op
 from ...artifact import Bounds, FunctionSpec, StateSpec
 from ...nn.blocks import (hc_head, hc_post, hc_pre, indexer_select, rms, rms_rope, rope, rope_inv_freq,
                           sparse_window_attention)
-from ...nn.moe import dense_ffn, route_weights, routed_experts
-from ...nn.qweight import Weights
+from ...nn.moe import choose_experts, dense_ffn, route_weights, routed_experts
+from ...nn.qweight import Weights, exporting_gpu_forms
+from ...schedules.fusion import BROADCAST
 from ...nn.rounding import fp8_round_rows, hadamard_fp4
-from ...nn.state import compacts, emit_rows, gather_context, ring_write
+from ...nn.state import compacts, context_rows, emit_rows, ring_write, ring_write_pair
 from .compressor import pooled_window
 from .config import Config
 from .tensors import tensor_specs
@@ -52,10 +53,13 @@ def state_specs(cfg: Config, b: Bounds) -> list[StateSpec]:
 
 
 def _ape_rows(ape: nn.Tensor, start, n_like: nn.Tensor, ratio: int, name: str) -> nn.Tensor:
-    """ape[(start + t) % ratio] for each new token t: the compressor's position bias."""
+    """ape[(start + t) % ratio] for each new token t: the compressor's position bias. In the GPU
+    forms marked a broadcast, which it is as far as fusion cares (a row read by index, no
+    reduction), so that it fuses with the add into the score projection's GEMV."""
     def f(a, x, s):
         return te.compute((x.shape[0], a.shape[1]), lambda t, d: a[tirx.floormod(s + t, ratio), d], name=name)
-    return op.tensor_expr_op(f, name, [ape, n_like, start])
+    attrs = {"op_pattern": BROADCAST} if exporting_gpu_forms() else None
+    return op.tensor_expr_op(f, name, [ape, n_like, start], attrs=attrs)
 
 
 class Block(nn.Module):
@@ -102,7 +106,7 @@ class Block(nn.Module):
         Q = rms_rope(op.reshape(w["attn_q_b.weight"].linear(QR), (n, H, Dh)), c.rms_eps, None, start, freq)
         KV = self.kv_rows(N, start, freq, kv_rounding)
         ring = states["kv_ring"]
-        ctx = gather_context(ring, KV, start, c.sliding_window - 1, name="kv_context")
+        ctx = context_rows(ring, KV, start, c.sliding_window - 1, name="kv_context")
         new_states = {}
         comp_rows = sel = None
         if r:
@@ -119,8 +123,7 @@ class Block(nn.Module):
                 iw = w["indexer.proj.weight"].linear(N) * (1.0 / math.sqrt(c.idx_head_dim * c.idx_n_head))
                 sel = indexer_select(iq, iw, idx_rows, start, r, c.idx_top_k, name="indexer")
         attn = sparse_window_attention(Q, ctx, comp_rows, sel, self.v("attn_sinks"), start,
-                                       c.sliding_window, max(r, 1), name="attention")
-        attn = rope(attn, start, freq, inverse=True)
+                                       c.sliding_window, max(r, 1), name="attention", rope_back=freq)
         groups = c.o_groups
         low = w["attn_output_a.weight"].grouped_linear(op.reshape(attn, (n, groups, H // groups * Dh)), groups)
         out = w["attn_output_b.weight"].linear(op.reshape(low, (n, groups * c.o_lora_rank)))
@@ -135,8 +138,8 @@ class Block(nn.Module):
         kv = w[f"{wname}_kv.weight"].linear(N)
         score = w[f"{wname}_gate.weight"].linear(N) + _ape_rows(self.v(f"{wname}_ape"), start, N, r, "ape")
         kv_front, sc_front = states[f"{sname}_kv_front"], states[f"{sname}_score_front"]
-        kv_ctx = gather_context(kv_front, kv, start, 2 * r, name=f"{sname}_kv_context")
-        sc_ctx = gather_context(sc_front, score, start, 2 * r, name=f"{sname}_score_context")
+        kv_ctx = context_rows(kv_front, kv, start, 2 * r, name=f"{sname}_kv_context")
+        sc_ctx = context_rows(sc_front, score, start, 2 * r, name=f"{sname}_score_context")
         compact = compacts(N)
         pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, compact, name=f"{sname}_pool")
         # RoPE'd at the window's first position
@@ -145,10 +148,9 @@ class Block(nn.Module):
         if round_rows is not None:
             cand = round_rows(cand)
         rows = emit_rows(states[f"{sname}_rows"], cand, start, r, compact, name=f"{sname}_emit")
-        return rows, {f"{sname}_rows": rows,
-                      f"{sname}_kv_front": ring_write(kv_front, kv, start, name=f"{sname}_kv_write"),
-                      f"{sname}_score_front": ring_write(sc_front, score, start,
-                                                         name=f"{sname}_score_write")}
+        kv_front, sc_front = ring_write_pair((kv_front, sc_front), (kv, score), start,
+                                             (f"{sname}_kv_write", f"{sname}_score_write"))
+        return rows, {f"{sname}_rows": rows, f"{sname}_kv_front": kv_front, f"{sname}_score_front": sc_front}
 
     def moe(self, X, ids):
         c, w = self.cfg, self.w
@@ -159,7 +161,7 @@ class Block(nn.Module):
             experts = op.take(self.tid2eid, ids, axis=0)
         else:
             biased = p + w["exp_probs_b.bias"].values(name="probs_bias") if self.has_bias else p
-            experts = op.topk(biased, k=c.n_expert_used, axis=-1, ret_type="indices", dtype="int32")
+            experts = choose_experts(biased, c.n_expert_used)
 
         ps = route_weights(p, experts, (lambda total: tirx.max(total, tirx.const(6.1e-5, "float32")))
                            if c.expert_weights_norm else None, c.expert_weights_scale)
