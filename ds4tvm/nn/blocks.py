@@ -162,9 +162,16 @@ def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: fl
            iters: int, norm: nn.Tensor | None = None):
     """X [T, hc, D] -> (sublayer input [T, D], post [T, hc], comb [T, hc(src), hc(dst)]) with the
     combine matrix c[dst, src] made doubly stochastic by Sinkhorn (eps in every divisor); with
-    norm, the sublayer input RMS-normalized by it (in the GPU forms in the same kernel as the
-    weighted sum of the streams)."""
+    norm, the sublayer input RMS-normalized by it. In the GPU forms with a norm, two kernels: the
+    mixing GEMV, which also sums the squares of the streams, and _hc_pre_norm_func."""
     n, _, D = X.shape
+    if norm is not None and exporting_gpu_forms():
+        func = _hc_pre_norm_func(int(hc), int(D), int(iters), float(hc_eps), float(eps), binds_gpu_threads())
+        mix = fn.linear_and_squares(op.reshape(X, (n, hc * D)), name="hc_mix")
+        x, post, c = op.tensor_ir_op(func, "hc_pre_norm", args=[mix, scale, base, X, norm],
+                                     out=[nn.Tensor.placeholder((n, D), F32), nn.Tensor.placeholder((n, hc), F32),
+                                          nn.Tensor.placeholder((n, hc, hc), F32)])
+        return x, post, c
     flat = rms(op.reshape(X, (n, hc * D)), eps)
     mix = fn.linear(flat, name="hc_mix")
     if exporting_gpu_forms():   # one kernel: there, a launch costs more than the work
@@ -176,8 +183,6 @@ def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: fl
         pre, post, c = hc_gates(mix, scale, base, hc, hc_eps)
         c = sinkhorn(c, iters, hc_eps)
 
-    if norm is not None and exporting_gpu_forms():
-        return op.tensor_expr_op(functools.partial(_hc_pre_sum_rms_te, eps=eps), "hc_pre_norm", [X, pre, norm]), post, c
 
     def weighted(x_te, p_te):
         h = te.reduce_axis((0, hc), name="h")
@@ -185,21 +190,6 @@ def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: fl
 
     x = op.tensor_expr_op(weighted, "hc_pre_sum", [X, pre])
     return (x if norm is None else rms(x, eps, norm)), post, c
-
-
-def _hc_pre_sum_rms_te(x_te, p_te, w_te, eps: float):
-    """rms(sum_h p[t, h] X[t, h, :]) * w as one kernel: the weighted sum written out over the
-    streams, so that it inlines into the norm's reduction and its output (the GPU forms)."""
-    n, hc, D = x_te.shape
-
-    def weighted(i):
-        t, d = i
-        v = p_te[t, 0] * x_te[t, 0, d]
-        for h in range(1, int(hc)):
-            v = v + p_te[t, h] * x_te[t, h, d]
-        return v
-
-    return te.compute((n, D), _rms_te(weighted, (n, D), eps, (w_te,), "hc_pre_norm"), name="hc_pre_norm")
 
 
 def hc_gates(mix: nn.Tensor, scale: nn.Tensor, base: nn.Tensor, hc: int, hc_eps: float):
@@ -230,21 +220,21 @@ def hc_gates(mix: nn.Tensor, scale: nn.Tensor, base: nn.Tensor, hc: int, hc_eps:
 
 
 @T.macro(hygienic=False)
-def _sinkhorn_rounds(O, S, vt, hc, iters, eps):
+def _sinkhorn_rounds(O, S, vt, vs, hc, iters, eps):
     for it in range(iters):
         if it > 0:  # rows (sum over src), from the second round on
             for i in range(hc):
-                S[vt, i] = T.float32(0)
+                S[vs, i] = T.float32(0)
                 for j in range(hc):
-                    S[vt, i] = S[vt, i] + O[vt, i, j]
+                    S[vs, i] = S[vs, i] + O[vt, i, j]
                 for j in range(hc):
-                    O[vt, i, j] = O[vt, i, j] / (S[vt, i] + T.float32(eps))
+                    O[vt, i, j] = O[vt, i, j] / (S[vs, i] + T.float32(eps))
         for j in range(hc):  # columns (sum over dst)
-            S[vt, j] = T.float32(0)
+            S[vs, j] = T.float32(0)
             for i in range(hc):
-                S[vt, j] = S[vt, j] + O[vt, i, j]
+                S[vs, j] = S[vs, j] + O[vt, i, j]
             for i in range(hc):
-                O[vt, i, j] = O[vt, i, j] / (S[vt, j] + T.float32(eps))
+                O[vt, i, j] = O[vt, i, j] / (S[vs, j] + T.float32(eps))
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,8 +252,29 @@ def _sinkhorn_func(hc: int, iters: int, eps: float):
                 T.writes(O[vt, 0:hc, 0:hc], S[vt, 0:hc])
                 for i, j in T.grid(hc, hc):
                     O[vt, i, j] = C[vt, i, j]
-                _sinkhorn_rounds(O, S, vt, hc, iters, eps)
+                _sinkhorn_rounds(O, S, vt, vt, hc, iters, eps)
     return sinkhorn.with_attr("global_symbol", f"sinkhorn_{hc}x{iters}")
+
+
+# hc_gates and Sinkhorn for one token: its mix in row vm of m, pre in row vp, post and comb in row vt,
+# scratch in row vs (the kernels below keep some of them in shared memory, one row per block)
+@T.macro(hygienic=False)
+def _hc_gates_rounds(m, vm, scale, base, pre, vp, post, O, vt, S, vs, hc, iters, eps):
+    for j in range(hc):
+        pre[vp, j] = T.sigmoid(m[vm, j] * scale[0] + base[j]) + T.float32(eps)
+        post[vt, j] = T.sigmoid(m[vm, hc + j] * scale[1] + base[hc + j]) * T.float32(2.0)
+    for i in range(hc):   # the combine logits softmaxed over src, plus eps
+        S[vs, i] = T.min_value("float32")
+        for j in range(hc):
+            S[vs, i] = T.max(S[vs, i], m[vm, 2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j])
+        for j in range(hc):
+            O[vt, i, j] = T.exp(m[vm, 2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j] - S[vs, i])
+        S[vs, i] = T.float32(0)
+        for j in range(hc):
+            S[vs, i] = S[vs, i] + O[vt, i, j]
+        for j in range(hc):
+            O[vt, i, j] = O[vt, i, j] / S[vs, i] + T.float32(eps)
+    _sinkhorn_rounds(O, S, vt, vs, hc, iters, eps)
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,22 +296,65 @@ def _hc_gates_sinkhorn_func(hc: int, iters: int, eps: float):
                 vt = T.axis.spatial(n, t)
                 T.reads(m[vt, 0:M], scale[0:3], base[0:M])
                 T.writes(pre[vt, 0:hc], post[vt, 0:hc], O[vt, 0:hc, 0:hc], S[vt, 0:hc])
-                for j in range(hc):
-                    pre[vt, j] = T.sigmoid(m[vt, j] * scale[0] + base[j]) + T.float32(eps)
-                    post[vt, j] = T.sigmoid(m[vt, hc + j] * scale[1] + base[hc + j]) * T.float32(2.0)
-                for i in range(hc):   # the combine logits softmaxed over src, plus eps
-                    S[vt, i] = T.min_value("float32")
-                    for j in range(hc):
-                        S[vt, i] = T.max(S[vt, i], m[vt, 2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j])
-                    for j in range(hc):
-                        O[vt, i, j] = T.exp(m[vt, 2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j] - S[vt, i])
-                    S[vt, i] = T.float32(0)
-                    for j in range(hc):
-                        S[vt, i] = S[vt, i] + O[vt, i, j]
-                    for j in range(hc):
-                        O[vt, i, j] = O[vt, i, j] / S[vt, i] + T.float32(eps)
-                _sinkhorn_rounds(O, S, vt, hc, iters, eps)
+                _hc_gates_rounds(m, vt, scale, base, pre, vt, post, O, vt, S, vt, hc, iters, eps)
     return gates.with_attr("global_symbol", f"hc_gates_sinkhorn_{hc}x{iters}")
+
+
+@functools.lru_cache(maxsize=None)
+def _hc_pre_norm_func(hc: int, D: int, iters: int, hc_eps: float, eps: float, bind: bool):
+    """The GPU forms' hc_pre with a norm after the mixing GEMV, as one kernel: a thread block per
+    token normalizes the mix by the flat RMS (the GEMV's last column is the sum of squares of the
+    streams, qweight.linear_and_squares), one thread runs the gates and Sinkhorn, then the block
+    sums the weighted streams' squares by a tree over its threads and writes the normalized row.
+    bind=False: the same loops serial (the numerics check on a CPU)."""
+    M, K, NT = (2 + hc) * hc, hc * D, gpu_kernels.THREADS
+    assert M <= NT
+    per_thread, rounds = (D + NT - 1) // NT, NT.bit_length() - 1
+    blocks = (lambda n: T.thread_binding(n, thread="blockIdx.x")) if bind else T.serial
+    threads = (lambda: T.thread_binding(NT, thread="threadIdx.x")) if bind else (lambda: T.serial(NT))
+
+    def weighted(pre, X, t, d):   # sum_h pre[h] X[t, h, d], in stream order as hc_pre_sum
+        v = pre[0, 0] * X[t, 0, d]
+        for h in range(1, hc):
+            v = v + pre[0, h] * X[t, h, d]
+        return v
+
+    @T.prim_func(private=True)
+    def hc_pre_norm(mix_h: T.handle, scale: T.Buffer((3,), "float32"), base: T.Buffer((M,), "float32"),
+                    x_h: T.handle, w: T.Buffer((D,), "float32"), out_h: T.handle, post_h: T.handle, comb_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        n = T.int64()
+        m = T.match_buffer(mix_h, (n, M + 1), "float32")
+        X = T.match_buffer(x_h, (n, hc, D), "float32")
+        out = T.match_buffer(out_h, (n, D), "float32")
+        post = T.match_buffer(post_h, (n, hc), "float32")
+        O = T.match_buffer(comb_h, (n, hc, hc), "float32")
+        for t in blocks(n):
+            mm = T.alloc_buffer((1, M), "float32", scope="shared")
+            pre = T.alloc_buffer((1, hc), "float32", scope="shared")
+            S = T.alloc_buffer((1, hc), "float32", scope="local")   # the gate thread's scratch
+            red = T.alloc_buffer((NT,), "float32", scope="shared")
+            for tx in threads():
+                if tx < M:
+                    mm[0, tx] = m[t, tx] / T.sqrt(m[t, M] / T.float32(K) + T.float32(eps))
+            for tx in threads():
+                if tx == 0:
+                    _hc_gates_rounds(mm, 0, scale, base, pre, 0, post, O, t, S, 0, hc, iters, hc_eps)
+            for tx in threads():
+                red[tx] = T.float32(0)
+                for i in range(per_thread):
+                    if i * NT + tx < D:
+                        red[tx] = red[tx] + weighted(pre, X, t, i * NT + tx) * weighted(pre, X, t, i * NT + tx)
+            for k in T.unroll(rounds):
+                for tx in threads():
+                    if tx < T.shift_right(NT // 2, k):
+                        red[tx] = red[tx] + red[tx + T.shift_right(NT // 2, k)]
+            for tx in threads():
+                for i in range(per_thread):
+                    if i * NT + tx < D:
+                        out[t, i * NT + tx] = weighted(pre, X, t, i * NT + tx) / T.sqrt(
+                            red[0] / T.float32(D) + T.float32(eps)) * w[i * NT + tx]
+    return hc_pre_norm
 
 
 def sinkhorn(c: nn.Tensor, iters: int, eps: float) -> nn.Tensor:

@@ -11,7 +11,7 @@ import contextlib
 import contextvars
 
 from gguf import GGMLQuantizationType as QT
-from tvm import te
+from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
@@ -174,6 +174,23 @@ class QWeight(nn.Module):
             # K-value buffer) and used by every token: a verify or prefill reads each weight once.
             w = _dequantized(dict(zip(names, ps)), deq, (N, K), lambda n: (n,))
             return _product(x_te, w, (N,), K, lambda t, r, k: x_te[t, k])
+
+        return op.tensor_expr_op(f, name, [x, *args])
+
+    def linear_and_squares(self, x: nn.Tensor, name: str = "qlinear") -> nn.Tensor:
+        """The GPU forms' [T, N + 1]: linear(x), then sum_k x[t, k]^2 in the last column: a norm's
+        sum of squares taken by the GEMV that reads x anyway, as one more output row."""
+        N, K = self.shape
+        args, names = self._te_args()
+        deq = DEQUANT[self.qtype]
+
+        def f(x_te, *ps):
+            P = dict(zip(names, ps))
+            w = te.compute((x_te.shape[0], N + 1, K), lambda t, n, k: tirx.if_then_else(
+                n < N, deq(P, (tirx.min(n, N - 1),), k), x_te[t, k]), name=GPU_DEQUANT)
+            k = te.reduce_axis((0, K), name="k")
+            return te.compute((x_te.shape[0], N + 1), lambda t, n: te.sum(x_te[t, k] * w[t, n, k], axis=k),
+                              name=GPU_MATMUL)
 
         return op.tensor_expr_op(f, name, [x, *args])
 
