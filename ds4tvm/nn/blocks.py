@@ -14,6 +14,7 @@ from tvm.script import tirx as T
 
 from . import gpu_kernels
 from .qweight import binds_gpu_threads, exporting_gpu_forms
+from .rounding import fp8_round_rows
 from .state import RingRows, rows_reader
 from .state import args as state_args
 
@@ -96,16 +97,26 @@ def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, i
 
 
 def rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start, inv_freq: np.ndarray,
-             name: str = "rms_rope", **at) -> nn.Tensor:
-    """rope(rms(x, eps, weight), positions_start, inv_freq, **at). In the GPU forms one kernel,
-    the rotation reading the normalized pair in registers; the CPU keeps its two kernels."""
+             name: str = "rms_rope", fp8: bool = False, **at) -> nn.Tensor:
+    """rope(rms(x, eps, weight), positions_start, inv_freq, **at), with fp8 then the E4M3 round
+    trip of the channels before the rotated ones (rounding.fp8_round_rows). In the GPU forms one
+    kernel, the rotation reading the normalized pair in registers (with fp8, rows [n, D] only:
+    gpu_kernels.rms_rope_fp8); the CPU keeps its kernels."""
+    n_rot = 2 * len(inv_freq)
     if not exporting_gpu_forms():
-        return rope(rms(x, eps, weight), positions_start, inv_freq, **at)
+        y = rope(rms(x, eps, weight), positions_start, inv_freq, **at)
+        return fp8_round_rows(y, int(x.shape[-1]) - n_rot) if fp8 else y
+    if fp8:
+        func = gpu_kernels.rms_rope_fp8(int(x.shape[-1]), n_rot, float(eps), weight is not None, at.get("offset", 0),
+                                        at.get("stride", 1), binds_gpu_threads())
+        w = weight if weight is not None else nn.Tensor.from_const(np.zeros(1, np.float32))
+        return op.tensor_ir_op(func, name, [x, nn.Tensor.from_const(inv_freq), positions_start, w],
+                               nn.Tensor.placeholder(x.shape, F32))
 
     def f(x_te, fr, start, *w):
         normalized = _rms_te(lambda i: x_te[i], x_te.shape, eps, w)
-        return te.compute(x_te.shape, _rope_te(lambda i: normalized(*i), fr, start, 2 * len(inv_freq),
-                                               x_te.shape[-1], **at), name=name)
+        return te.compute(x_te.shape, _rope_te(lambda i: normalized(*i), fr, start, n_rot, x_te.shape[-1], **at),
+                          name=name)
 
     return op.tensor_expr_op(f, name, [x, nn.Tensor.from_const(inv_freq), positions_start]
                              + ([weight] if weight is not None else []), attrs={"op_pattern": 8})
@@ -322,7 +333,7 @@ def _hc_pre_norm_func(hc: int, D: int, iters: int, hc_eps: float, eps: float, bi
     @T.prim_func(private=True)
     def hc_pre_norm(mix_h: T.handle, scale: T.Buffer((3,), "float32"), base: T.Buffer((M,), "float32"),
                     x_h: T.handle, w: T.Buffer((D,), "float32"), out_h: T.handle, post_h: T.handle, comb_h: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": gpu_kernels.OPAQUE})
         n = T.int64()
         m = T.match_buffer(mix_h, (n, M + 1), "float32")
         X = T.match_buffer(x_h, (n, hc, D), "float32")
@@ -354,7 +365,7 @@ def _hc_pre_norm_func(hc: int, D: int, iters: int, hc_eps: float, eps: float, bi
                     if i * NT + tx < D:
                         out[t, i * NT + tx] = weighted(pre, X, t, i * NT + tx) / T.sqrt(
                             red[0] / T.float32(D) + T.float32(eps)) * w[i * NT + tx]
-    return hc_pre_norm
+    return gpu_kernels.hand_kernel(hc_pre_norm)
 
 
 def sinkhorn(c: nn.Tensor, iters: int, eps: float) -> nn.Tensor:

@@ -69,6 +69,16 @@ def expert_gemv(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool,
 
 MAX_SLOTS = 4096   # a block keeps its slots' scores in shared memory: 16 KB
 THREADS = 256
+OPAQUE = 8   # the hand kernels' op pattern: scheduled here, never fused (and not TIR that FuseOps' analysis reads)
+
+
+def hand_kernel(func):
+    """A kernel written scheduled (plain loops bound to threads) wrapped in a root block, the form
+    Relax's analyses of PrimFuncs expect (RewriteDataflowReshape's reads every call's)."""
+    from tvm import s_tir
+
+    return func.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", func.body)))
+MAX_BLOCK_THREADS = 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,7 +122,7 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
     @T.prim_func(private=True)
     def main(q_h: T.handle, ring_h: T.handle, new_h: T.handle, sinks: T.Buffer((H,), "float32"), start: T.int64,
              fr_h: T.handle, comp_h: T.handle, sel_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})
         n, n_fr, n_sel = T.int64(), T.int64(), T.int64()
         Q = T.match_buffer(q_h, (n, H, D), "float32")
         Ring = T.match_buffer(ring_h, (size, width), "float32")
@@ -178,4 +188,119 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
                             O[th // H, th % H, 2 * (i * NT + tx)] = acc[0]
                             O[th // H, th % H, 2 * (i * NT + tx) + 1] = acc[1]
 
-    return main
+    return hand_kernel(main)
+
+
+@functools.lru_cache(maxsize=None)
+def choose_experts(E: int, k: int, biased: bool, bind: bool = True):
+    """nn/moe.choose_experts as one kernel: a thread block per token, a thread per expert counting
+    the scores above its own (its rank; equal scores: the lower index first), then a thread per
+    chosen slot picking the expert of its rank. Ids stay in [0, E) whatever the scores (a NaN gives
+    ranks that collide: its slot reads expert 0, never an id out of range). bind=False: the same
+    loops serial (the numerics check on a CPU)."""
+    blocks = (lambda n: T.thread_binding(n, thread="blockIdx.x")) if bind else T.serial
+    threads = (lambda: T.thread_binding(E, thread="threadIdx.x")) if bind else (lambda: T.serial(E))
+
+    def score(x, bias, t, e):
+        return x[t, e] + bias[e] if biased else x[t, e]
+
+    @T.prim_func(private=True)
+    def choose(x_h: T.handle, bias: T.Buffer((E if biased else 1,), "float32"), out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})
+        n = T.int64()
+        x = T.match_buffer(x_h, (n, E), "float32")
+        out = T.match_buffer(out_h, (n, k), "int32")
+        for t in blocks(n):
+            rank = T.alloc_buffer((E,), "int32", scope="shared")
+            above = T.alloc_buffer((1,), "int32", scope="local")
+            for e in threads():
+                above[0] = 0
+                for o in range(E):
+                    if score(x, bias, t, o) > score(x, bias, t, e) or (
+                            score(x, bias, t, o) == score(x, bias, t, e) and o < e):
+                        above[0] = above[0] + 1
+                rank[e] = above[0]
+            for j in threads():
+                if j < k:
+                    out[t, j] = 0
+                    for e in range(E):
+                        above[0] = rank[e]   # a register: the sync planner reads no shared memory in conditions
+                        if above[0] == j:
+                            out[t, j] = e
+    return hand_kernel(choose)
+
+
+@functools.lru_cache(maxsize=None)
+def rms_rope_fp8(D: int, n_rot: int, eps: float, weighted: bool, offset: int, stride: int, bind: bool = True):
+    """fp8_round_rows(rope(rms(x, eps, w), ...), D - n_rot) of rows x [n, D] as one kernel: a
+    thread block per row sums its squares by a tree over the threads, each thread normalizes and
+    rotates a channel pair into shared memory, a thread per block of 64 channels finds its
+    largest magnitude, and each thread writes its pair rounded. The same expressions as the three
+    kernels (nn/blocks.py, nn/rounding.py). bind=False: the same loops serial."""
+    from .rounding import _pow2_ceil_scale, _round_minifloat
+
+    NT, lo = THREADS, D - n_rot
+    pairs, n_blocks = D // 2, (lo + 63) // 64
+    assert D % 2 == 0 and lo % 2 == 0 and n_blocks <= NT
+    per_thread, pair_steps, rounds = (D + NT - 1) // NT, (pairs + NT - 1) // NT, NT.bit_length() - 1
+    blocks = (lambda n: T.thread_binding(n, thread="blockIdx.x")) if bind else T.serial
+    threads = (lambda: T.thread_binding(NT, thread="threadIdx.x")) if bind else (lambda: T.serial(NT))
+
+    def normed(x, w, red, t, d):
+        y = x[t, d] / T.sqrt(red[0] / T.float32(D) + T.float32(eps))
+        return y * w[d] if weighted else y
+
+    def theta(fr, start, t, d):
+        pos = start + t if stride == 1 else (start // stride + t) * stride
+        return (pos + offset).astype("float32") * fr[(d - lo) // 2]
+
+    @T.prim_func(private=True)
+    def main(x_h: T.handle, fr: T.Buffer((n_rot // 2,), "float32"), start: T.int64,
+             w: T.Buffer((D if weighted else 1,), "float32"), out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})
+        n = T.int64()
+        x = T.match_buffer(x_h, (n, D), "float32")
+        out = T.match_buffer(out_h, (n, D), "float32")
+        for t in blocks(n):
+            red = T.alloc_buffer((NT,), "float32", scope="shared")
+            y = T.alloc_buffer((D,), "float32", scope="shared")
+            amax = T.alloc_buffer((n_blocks,), "float32", scope="shared")
+            big = T.alloc_buffer((1,), "float32", scope="local")
+            for tx in threads():
+                red[tx] = T.float32(0)
+                for i in range(per_thread):
+                    if i * NT + tx < D:
+                        red[tx] = red[tx] + x[t, i * NT + tx] * x[t, i * NT + tx]
+            for k in T.unroll(rounds):
+                for tx in threads():
+                    if tx < T.shift_right(NT // 2, k):
+                        red[tx] = red[tx] + red[tx + T.shift_right(NT // 2, k)]
+            for tx in threads():
+                for i in range(pair_steps):
+                    if i * NT + tx < pairs:
+                        if 2 * (i * NT + tx) >= lo:
+                            y[2 * (i * NT + tx)] = normed(x, w, red, t, 2 * (i * NT + tx)) * T.cos(
+                                theta(fr, start, t, 2 * (i * NT + tx))) - normed(x, w, red, t, 2 * (i * NT + tx) + 1) \
+                                * T.sin(theta(fr, start, t, 2 * (i * NT + tx)))
+                            y[2 * (i * NT + tx) + 1] = normed(x, w, red, t, 2 * (i * NT + tx)) * T.sin(
+                                theta(fr, start, t, 2 * (i * NT + tx))) + normed(x, w, red, t, 2 * (i * NT + tx) + 1) \
+                                * T.cos(theta(fr, start, t, 2 * (i * NT + tx)))
+                        else:
+                            y[2 * (i * NT + tx)] = normed(x, w, red, t, 2 * (i * NT + tx))
+                            y[2 * (i * NT + tx) + 1] = normed(x, w, red, t, 2 * (i * NT + tx) + 1)
+            for tx in threads():
+                if tx < n_blocks:
+                    big[0] = T.float32(0)
+                    for j in range(64):
+                        if tx * 64 + j < lo:
+                            big[0] = T.max(big[0], T.abs(y[tx * 64 + j]))
+                    amax[tx] = big[0]
+            for tx in threads():
+                for i in range(per_thread):
+                    if i * NT + tx < lo:
+                        big[0] = amax[(i * NT + tx) // 64]   # a register: the rounding's conditions read it
+                        out[t, i * NT + tx] = _round_minifloat(y[i * NT + tx] / _pow2_ceil_scale(big[0], 448.0), 3, -6,
+                                                               448.0) * _pow2_ceil_scale(big[0], 448.0)
+                    elif i * NT + tx < D:
+                        out[t, i * NT + tx] = y[i * NT + tx]
+    return hand_kernel(main)

@@ -4,11 +4,13 @@ of one layer keyed by their GGUF suffix (`ffn_gate_exps.weight`, ...)."""
 
 from __future__ import annotations
 
+import numpy as np
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from .qweight import exporting_gpu_forms
+from . import gpu_kernels
+from .qweight import binds_gpu_threads, exporting_gpu_forms
 
 
 def clamped_swiglu(gate: nn.Tensor, up: nn.Tensor, limit: float) -> nn.Tensor:
@@ -20,25 +22,17 @@ def clamped_swiglu(gate: nn.Tensor, up: nn.Tensor, limit: float) -> nn.Tensor:
     return op.silu(gate) * up
 
 
-def choose_experts(scores: nn.Tensor, k: int) -> nn.Tensor:
-    """The indices of each token's k highest scores [T, k] int32, highest first (equal scores:
-    the lower index first). In the GPU forms each expert's rank among the scores, then the expert
-    of each rank: two small kernels where TOPI's sort launches five."""
-    if not exporting_gpu_forms():
-        return op.topk(scores, k=k, axis=-1, ret_type="indices", dtype="int32")
-
-    def f(x):
-        n, E = x.shape
-        one, zero = tirx.const(1, "int32"), tirx.const(0, "int32")
-        other = te.reduce_axis((0, E), name="other")
-        rank = te.compute((n, E), lambda t, e: te.sum(tirx.if_then_else(tirx.Or(
-            x[t, other] > x[t, e], tirx.And(x[t, other] == x[t, e], other < e)), one, zero), axis=other),
-            name="expert_rank")
-        e = te.reduce_axis((0, E), name="e")
-        return te.compute((n, k), lambda t, j: te.sum(tirx.if_then_else(rank[t, e] == j, e.astype("int32"), zero),
-                                                      axis=e), name="chosen_experts")
-
-    return op.tensor_expr_op(f, "choose_experts", [scores])
+def choose_experts(scores: nn.Tensor, k: int, bias: nn.Tensor | None = None) -> nn.Tensor:
+    """The indices of each token's k highest scores (plus bias [E] when given) [T, k] int32,
+    highest first (equal scores: the lower index first). In the GPU forms one kernel
+    (gpu_kernels.choose_experts) where TOPI's sort launches five."""
+    E = int(scores.shape[1])
+    if not exporting_gpu_forms() or E > gpu_kernels.MAX_BLOCK_THREADS:
+        return op.topk(scores if bias is None else scores + bias, k=k, axis=-1, ret_type="indices", dtype="int32")
+    func = gpu_kernels.choose_experts(E, k, bias is not None, binds_gpu_threads())
+    absent = nn.Tensor.from_const(np.zeros(1, np.float32))
+    return op.tensor_ir_op(func, "choose_experts", [scores, bias if bias is not None else absent],
+                           nn.Tensor.placeholder((scores.shape[0], k), "int32"))
 
 
 def route_weights(scores: nn.Tensor, experts: nn.Tensor, denominator=None, scale: float = 1.0) -> nn.Tensor:

@@ -21,7 +21,7 @@ from ...nn.blocks import (hc_head, hc_post, hc_pre, indexer_select, rms, rms_rop
 from ...nn.moe import choose_experts, dense_ffn, route_weights, routed_experts
 from ...nn.qweight import Weights, exporting_gpu_forms
 from ...schedules.fusion import BROADCAST
-from ...nn.rounding import fp8_round_rows, hadamard_fp4
+from ...nn.rounding import hadamard_fp4
 from ...nn.state import compacts, context_rows, emit_rows, ring_write, ring_write_pair
 from .compressor import pooled_window
 from .config import Config
@@ -93,8 +93,8 @@ class Block(nn.Module):
         """The K=V row of each token: attn_kv, kv_a_norm, RoPE at its position, FP8 rounding (the
         cache keeps FP8 values: the token attends to its rounded row too)."""
         c = self.cfg
-        KV = rms_rope(self.w["attn_kv.weight"].linear(N), c.rms_eps, self.v("attn_kv_a_norm"), start, freq)
-        return fp8_round_rows(KV, c.head_dim - c.n_rot) if kv_rounding else KV
+        return rms_rope(self.w["attn_kv.weight"].linear(N), c.rms_eps, self.v("attn_kv_a_norm"), start, freq,
+                        fp8=kv_rounding)
 
     def attention(self, X, start, states, rope_main, rope_comp, kv_rounding: bool):
         c, r, w = self.cfg, self.ratio, self.w
@@ -110,11 +110,11 @@ class Block(nn.Module):
         new_states = {}
         comp_rows = sel = None
         if r:
-            fp8 = (lambda rows: fp8_round_rows(rows, Dh - c.n_rot)) if kv_rounding else None
-            comp_rows, new_states = self._compress(N, start, states, "attn_compressor", "comp", Dh, rope_comp, fp8)
+            comp_rows, new_states = self._compress(N, start, states, "attn_compressor", "comp", Dh, rope_comp,
+                                                   fp8=kv_rounding)
             if r == 4:
                 idx_rows, idx_states = self._compress(N, start, states, "indexer_compressor", "idx",
-                                                      c.idx_head_dim, rope_comp, hadamard_fp4 if kv_rounding else None)
+                                                      c.idx_head_dim, rope_comp, fp4=kv_rounding)
                 new_states.update(idx_states)
                 iq = op.reshape(w["indexer.attn_q_b.weight"].linear(QR), (n, c.idx_n_head, c.idx_head_dim))
                 iq = rope(iq, start, rope_comp)
@@ -130,10 +130,10 @@ class Block(nn.Module):
         new_states["kv_ring"] = ring_write(ring, KV, start, name="kv_ring_write")
         return hc_post(out, X, post, comb), new_states
 
-    def _compress(self, N, start, states, wname, sname, width, rope_comp, round_rows=None):
+    def _compress(self, N, start, states, wname, sname, width, rope_comp, fp8=False, fp4=False):
         """Projections of the new tokens, the pooled row of every window that ends among them
-        (normalised, RoPE'd at the window start), written into the row table; a call of several
-        tokens pools only those windows (nn/state.compacts)."""
+        (normalised, RoPE'd at the window start, rounded as FP8 or FP4 values when asked), written
+        into the row table; a call of several tokens pools only those windows (nn/state.compacts)."""
         c, r, w = self.cfg, self.ratio, self.w
         kv = w[f"{wname}_kv.weight"].linear(N)
         score = w[f"{wname}_gate.weight"].linear(N) + _ape_rows(self.v(f"{wname}_ape"), start, N, r, "ape")
@@ -143,10 +143,10 @@ class Block(nn.Module):
         compact = compacts(N)
         pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, compact, name=f"{sname}_pool")
         # RoPE'd at the window's first position
-        cand = rms_rope(pooled, c.rms_eps, self.v(f"{wname}_norm"), start, rope_comp,
+        cand = rms_rope(pooled, c.rms_eps, self.v(f"{wname}_norm"), start, rope_comp, fp8=fp8,
                         **(dict(stride=r) if compact else dict(offset=1 - r)))
-        if round_rows is not None:
-            cand = round_rows(cand)
+        if fp4:
+            cand = hadamard_fp4(cand)
         rows = emit_rows(states[f"{sname}_rows"], cand, start, r, compact, name=f"{sname}_emit")
         kv_front, sc_front = ring_write_pair((kv_front, sc_front), (kv, score), start,
                                              (f"{sname}_kv_write", f"{sname}_score_write"))
@@ -160,8 +160,8 @@ class Block(nn.Module):
         if self.il < c.n_hash_layers:
             experts = op.take(self.tid2eid, ids, axis=0)
         else:
-            biased = p + w["exp_probs_b.bias"].values(name="probs_bias") if self.has_bias else p
-            experts = choose_experts(biased, c.n_expert_used)
+            bias = w["exp_probs_b.bias"].values(name="probs_bias") if self.has_bias else None
+            experts = choose_experts(p, c.n_expert_used, bias)
 
         ps = route_weights(p, experts, (lambda total: tirx.max(total, tirx.const(6.1e-5, "float32")))
                            if c.expert_weights_norm else None, c.expert_weights_scale)

@@ -103,8 +103,7 @@ class Layer(nn.Module):
         """Sigmoid router; the bias only selects; chosen scores normalised and scaled."""
         c, w = self.cfg, self.w
         scores = op.sigmoid(w["ffn_gate_inp.weight"].linear(h, name="router"))
-        biased = scores + w["exp_probs_b.bias"].values(name="probs_bias")
-        experts = choose_experts(biased, c.n_expert_used)
+        experts = choose_experts(scores, c.n_expert_used, w["exp_probs_b.bias"].values(name="probs_bias"))
         ws = route_weights(scores, experts, (lambda total: total + tirx.const(1e-20, F32))
                            if c.expert_weights_norm else None, c.expert_weights_scale)
         return routed_experts(w, h, experts, ws, c.swiglu_exp[self.il]) + dense_ffn(w, h, c.swiglu_shexp[self.il],
