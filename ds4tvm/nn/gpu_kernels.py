@@ -192,27 +192,34 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
 
 
 @functools.lru_cache(maxsize=None)
-def choose_experts(E: int, k: int, biased: bool, bind: bool = True):
+def choose_experts(E: int, k: int, biased: bool, denominator=None, scale: float = 1.0, bind: bool = True):
     """nn/moe.choose_experts as one kernel: a thread block per token, a thread per expert counting
     the scores above its own (its rank; equal scores: the lower index first), then a thread per
-    chosen slot picking the expert of its rank. Ids stay in [0, E) whatever the scores (a NaN gives
-    ranks that collide: its slot reads expert 0, never an id out of range). bind=False: the same
-    loops serial (the numerics check on a CPU)."""
+    chosen slot picking the expert of its rank and its weight (moe.route_weights' expressions).
+    Ids stay in [0, E) whatever the scores (a NaN gives ranks that collide: its slot reads expert
+    0, never an id out of range). bind=False: the same loops serial (the numerics check on a CPU)."""
     blocks = (lambda n: T.thread_binding(n, thread="blockIdx.x")) if bind else T.serial
     threads = (lambda: T.thread_binding(E, thread="threadIdx.x")) if bind else (lambda: T.serial(E))
 
     def score(x, bias, t, e):
         return x[t, e] + bias[e] if biased else x[t, e]
 
+    def weight(chosen, total):
+        w = chosen if denominator is None else chosen / denominator(total)
+        return w if scale == 1.0 else w * T.float32(scale)
+
     @T.prim_func(private=True)
-    def choose(x_h: T.handle, bias: T.Buffer((E if biased else 1,), "float32"), out_h: T.handle):
+    def choose(x_h: T.handle, bias: T.Buffer((E if biased else 1,), "float32"), out_h: T.handle, w_h: T.handle):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})
         n = T.int64()
         x = T.match_buffer(x_h, (n, E), "float32")
         out = T.match_buffer(out_h, (n, k), "int32")
+        wt = T.match_buffer(w_h, (n, k), "float32")
         for t in blocks(n):
             rank = T.alloc_buffer((E,), "int32", scope="shared")
+            chosen = T.alloc_buffer((k,), "int32", scope="shared")
             above = T.alloc_buffer((1,), "int32", scope="local")
+            total = T.alloc_buffer((1,), "float32", scope="local")
             for e in threads():
                 above[0] = 0
                 for o in range(E):
@@ -222,11 +229,18 @@ def choose_experts(E: int, k: int, biased: bool, bind: bool = True):
                 rank[e] = above[0]
             for j in threads():
                 if j < k:
-                    out[t, j] = 0
+                    chosen[j] = 0
                     for e in range(E):
                         above[0] = rank[e]   # a register: the sync planner reads no shared memory in conditions
                         if above[0] == j:
-                            out[t, j] = e
+                            chosen[j] = e
+                    out[t, j] = chosen[j]
+            for j in threads():   # each slot sums the chosen scores in slot order, as route_weights
+                if j < k:
+                    total[0] = T.float32(0)
+                    for i in range(k):
+                        total[0] = total[0] + x[t, chosen[i]]
+                    wt[t, j] = weight(x[t, chosen[j]], total[0])
     return hand_kernel(choose)
 
 

@@ -10,6 +10,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from . import gpu_kernels
+from ..schedules.fusion import BROADCAST
 from .qweight import binds_gpu_threads, exporting_gpu_forms
 
 
@@ -22,17 +23,22 @@ def clamped_swiglu(gate: nn.Tensor, up: nn.Tensor, limit: float) -> nn.Tensor:
     return op.silu(gate) * up
 
 
-def choose_experts(scores: nn.Tensor, k: int, bias: nn.Tensor | None = None) -> nn.Tensor:
-    """The indices of each token's k highest scores (plus bias [E] when given) [T, k] int32,
-    highest first (equal scores: the lower index first). In the GPU forms one kernel
-    (gpu_kernels.choose_experts) where TOPI's sort launches five."""
+def choose_experts(scores: nn.Tensor, k: int, bias: nn.Tensor | None = None, denominator=None,
+                   scale: float = 1.0) -> tuple[nn.Tensor, nn.Tensor]:
+    """(experts, weights): the indices of each token's k highest scores (plus bias [E] when given)
+    [T, k] int32, highest first (equal scores: the lower index first), and route_weights of the
+    unbiased scores for them. In the GPU forms one kernel (gpu_kernels.choose_experts) where
+    TOPI's sort and the weights took six."""
     E = int(scores.shape[1])
     if not exporting_gpu_forms() or E > gpu_kernels.MAX_BLOCK_THREADS:
-        return op.topk(scores if bias is None else scores + bias, k=k, axis=-1, ret_type="indices", dtype="int32")
-    func = gpu_kernels.choose_experts(E, k, bias is not None, binds_gpu_threads())
+        experts = op.topk(scores if bias is None else scores + bias, k=k, axis=-1, ret_type="indices", dtype="int32")
+        return experts, route_weights(scores, experts, denominator, scale)
+    func = gpu_kernels.choose_experts(E, k, bias is not None, denominator, float(scale), binds_gpu_threads())
     absent = nn.Tensor.from_const(np.zeros(1, np.float32))
-    return op.tensor_ir_op(func, "choose_experts", [scores, bias if bias is not None else absent],
-                           nn.Tensor.placeholder((scores.shape[0], k), "int32"))
+    experts, weights = op.tensor_ir_op(func, "choose_experts", [scores, bias if bias is not None else absent],
+                                       [nn.Tensor.placeholder((scores.shape[0], k), "int32"),
+                                        nn.Tensor.placeholder((scores.shape[0], k), "float32")])
+    return experts, weights
 
 
 def route_weights(scores: nn.Tensor, experts: nn.Tensor, denominator=None, scale: float = 1.0) -> nn.Tensor:
@@ -62,7 +68,23 @@ def routed_experts(w: dict, h: nn.Tensor, experts: nn.Tensor, weights: nn.Tensor
     act = clamped_swiglu(w["ffn_gate_exps.weight"].expert_linear(h, experts),
                          w["ffn_up_exps.weight"].expert_linear(h, experts), limit)
     routed = w["ffn_down_exps.weight"].expert_linear(act, experts)            # [T, k, D]
+    if exporting_gpu_forms():   # fused into the next GEMV's epilogue (the shared expert's down projection)
+        return op.tensor_expr_op(_weighted_slots, "routed_sum", [weights, routed], attrs={"op_pattern": BROADCAST})
     return op.sum(op.reshape(weights, (n, k, 1)) * routed, axis=1)
+
+
+def _weighted_slots(w_te, r_te):
+    """sum_j w[t, j] r[t, j, :] written out over the k slots, in slot order: elementwise for
+    fusion (marked a broadcast, as a row read by index is), where a reduction would stay a kernel."""
+    n, k, D = r_te.shape
+
+    def body(t, d):
+        v = w_te[t, 0] * r_te[t, 0, d]
+        for j in range(1, int(k)):
+            v = v + w_te[t, j] * r_te[t, j, d]
+        return v
+
+    return te.compute((n, D), body, name="routed_sum")
 
 
 def dense_ffn(w: dict, h: nn.Tensor, limit: float, suffix: str = "") -> nn.Tensor:

@@ -137,6 +137,48 @@ def ring_write_pair(rings: tuple, rows: tuple, start, names: tuple) -> tuple:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
+def _compressor_write_func(rows: int, row_width: int, size: int, width: int, ratio: int):
+    W = max(row_width, width)
+
+    @T.prim_func(s_tir=True)
+    def compressor_write(table: T.handle, ring_a: T.handle, ring_b: T.handle, cand: T.handle, rows_a: T.handle,
+                         rows_b: T.handle, start: T.int64):
+        n = T.int64()
+        R = T.match_buffer(table, (rows, row_width), "float32")
+        RA = T.match_buffer(ring_a, (size, width), "float32")
+        RB = T.match_buffer(ring_b, (size, width), "float32")
+        X = T.match_buffer(cand, (n, row_width), "float32")
+        XA = T.match_buffer(rows_a, (n, width), "float32")
+        XB = T.match_buffer(rows_b, (n, width), "float32")
+        for i, j in T.grid(n, W):
+            with T.sblock("write"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                if vj < row_width and T.floormod(start + vi + 1, ratio) == 0 and \
+                        T.floordiv(start + vi + 1, ratio) <= rows:
+                    R[T.floordiv(start + vi + 1, ratio) - 1, vj] = X[vi, vj]
+                if vj < width and vi + size >= n:
+                    RA[T.floormod(start + vi, size), vj] = XA[vi, vj]
+                    RB[T.floormod(start + vi, size), vj] = XB[vi, vj]
+    return compressor_write.with_attr("global_symbol", f"compressor_write_{rows}x{row_width}_r{ratio}_{size}x{width}")
+
+
+def compressor_writes(table: nn.Tensor, candidates: nn.Tensor, rings: tuple, rows: tuple, start, ratio: int,
+                      compact: bool, names: tuple) -> tuple:
+    """emit_rows of the candidates into the row table and ring_write_pair of the rows into the
+    two rings: (table, ring, ring). In the GPU forms a step of one row per candidate (a decode)
+    runs them as one kernel."""
+    if not exporting_gpu_forms() or compact or rings[0].shape != rings[1].shape:
+        return (emit_rows(table, candidates, start, ratio, compact, name=names[0]),
+                *ring_write_pair(rings, rows, start, names[1:]))
+    (n_rows, row_width), (size, width) = table.shape, rings[0].shape
+    func = _compressor_write_func(int(n_rows), int(row_width), int(size), int(width), ratio)
+    out = op.tensor_ir_inplace_op(func, func.attrs["global_symbol"], args=[table, *rings, candidates, *rows, start],
+                                  inplace_indices=[0, 1, 2],
+                                  out=[nn.Tensor.placeholder(t.shape, t.dtype) for t in (table, *rings)])
+    return tuple(out)
+
+
 def recurrent_read(slots: nn.Tensor, start, name: str = "recurrent_read") -> nn.Tensor:
     """The state before position start [1, W] from slots [R, W]: slot start % R, zeros at 0."""
     R, W = slots.shape

@@ -22,7 +22,7 @@ from ...nn.moe import choose_experts, dense_ffn, route_weights, routed_experts
 from ...nn.qweight import Weights, exporting_gpu_forms
 from ...schedules.fusion import BROADCAST
 from ...nn.rounding import hadamard_fp4
-from ...nn.state import compacts, context_rows, emit_rows, ring_write, ring_write_pair
+from ...nn.state import compacts, compressor_writes, context_rows, ring_write
 from .compressor import pooled_window
 from .config import Config
 from .tensors import tensor_specs
@@ -147,9 +147,9 @@ class Block(nn.Module):
                         **(dict(stride=r) if compact else dict(offset=1 - r)))
         if fp4:
             cand = hadamard_fp4(cand)
-        rows = emit_rows(states[f"{sname}_rows"], cand, start, r, compact, name=f"{sname}_emit")
-        kv_front, sc_front = ring_write_pair((kv_front, sc_front), (kv, score), start,
-                                             (f"{sname}_kv_write", f"{sname}_score_write"))
+        rows, kv_front, sc_front = compressor_writes(states[f"{sname}_rows"], cand, (kv_front, sc_front), (kv, score),
+                                                     start, r, compact,
+                                                     (f"{sname}_emit", f"{sname}_kv_write", f"{sname}_score_write"))
         return rows, {f"{sname}_rows": rows, f"{sname}_kv_front": kv_front, f"{sname}_score_front": sc_front}
 
     def moe(self, X, ids):
@@ -157,14 +157,13 @@ class Block(nn.Module):
         h, post, comb = hc_pre(X, w["hc_ffn_fn.weight"], self.v("hc_ffn_scale"), self.v("hc_ffn_base"),
                                c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v("ffn_norm"))
         p = op.sqrt(op.softplus(w["ffn_gate_inp.weight"].linear(h)))
+        denominator = (lambda total: tirx.max(total, tirx.const(6.1e-5, "float32"))) if c.expert_weights_norm else None
         if self.il < c.n_hash_layers:
             experts = op.take(self.tid2eid, ids, axis=0)
+            ps = route_weights(p, experts, denominator, c.expert_weights_scale)
         else:
             bias = w["exp_probs_b.bias"].values(name="probs_bias") if self.has_bias else None
-            experts = choose_experts(p, c.n_expert_used, bias)
-
-        ps = route_weights(p, experts, (lambda total: tirx.max(total, tirx.const(6.1e-5, "float32")))
-                           if c.expert_weights_norm else None, c.expert_weights_scale)
+            experts, ps = choose_experts(p, c.n_expert_used, bias, denominator, c.expert_weights_scale)
         limit = c.swiglu_clamp[self.il]
         y = routed_experts(w, h, experts, ps, limit) + dense_ffn(w, h, limit, "_shexp")
         return hc_post(y, X, post, comb)

@@ -19,7 +19,7 @@ from tvm.relax.frontend.nn import op
 from ...artifact import Bounds, FunctionSpec, StateSpec
 from ...nn.blocks import attend_with_sinks, hc_post, hc_pre, indexer_select, layer_norm, rms, selected_pool_positions
 from ...nn.linear_attention import causal_conv_silu, delta_rule, l2_normalized_heads
-from ...nn.moe import choose_experts, dense_ffn, route_weights, routed_experts
+from ...nn.moe import choose_experts, dense_ffn, routed_experts
 from ...nn.qweight import QWeight
 from ...nn.state import emit_rows, gather_context, ring_write
 from .config import LLAMA, Config
@@ -103,9 +103,9 @@ class Layer(nn.Module):
         """Sigmoid router; the bias only selects; chosen scores normalised and scaled."""
         c, w = self.cfg, self.w
         scores = op.sigmoid(w["ffn_gate_inp.weight"].linear(h, name="router"))
-        experts = choose_experts(scores, c.n_expert_used, w["exp_probs_b.bias"].values(name="probs_bias"))
-        ws = route_weights(scores, experts, (lambda total: total + tirx.const(1e-20, F32))
-                           if c.expert_weights_norm else None, c.expert_weights_scale)
+        experts, ws = choose_experts(scores, c.n_expert_used, w["exp_probs_b.bias"].values(name="probs_bias"),
+                                     (lambda total: total + tirx.const(1e-20, F32)) if c.expert_weights_norm else None,
+                                     c.expert_weights_scale)
         return routed_experts(w, h, experts, ws, c.swiglu_exp[self.il]) + dense_ffn(w, h, c.swiglu_shexp[self.il],
                                                                                      "_shexp")
 

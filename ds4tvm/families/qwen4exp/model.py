@@ -21,7 +21,7 @@ from tvm.relax.frontend.nn import op
 from ...artifact import Bounds, FunctionSpec, StateSpec
 from ...nn.blocks import indexer_select, rms, rope_neox, selected_pool_positions, softmax_attention
 from ...nn.linear_attention import causal_conv_silu, delta_rule, l2_normalized_heads
-from ...nn.moe import choose_experts, dense_ffn, route_weights, routed_experts
+from ...nn.moe import choose_experts, dense_ffn, routed_experts
 from ...nn.qweight import QWeight
 from ...nn.state import emit_rows, gather_context, ring_write
 from .config import Config
@@ -224,8 +224,7 @@ class Layer(nn.Module):
         sigmoid(ffn_gate_inp_shexp . h)."""
         c, w = self.cfg, self.w
         probs = op.softmax(w["ffn_gate_inp.weight"].linear(h, name="router"), axis=-1)
-        experts = choose_experts(probs, c.n_expert_used)
-        ws = route_weights(probs, experts, lambda total: total)
+        experts, ws = choose_experts(probs, c.n_expert_used, denominator=lambda total: total)
         shared_gate = op.sigmoid(op.matmul(h, op.reshape(self.v("ffn_gate_inp_shexp.weight"), (c.n_embd, 1))))
         return routed_experts(w, h, experts, ws, 0.0) + dense_ffn(w, h, 0.0, "_shexp") * shared_gate
 
