@@ -1,0 +1,117 @@
+"""The hand-written GPU kernels of the GPU forms (nn/gpu_kernels.py), run here with their loops
+serial (bind=False, as gpu_forms(on_gpu=False) exports them), against the CPU's kernels for the
+same blocks (TE, scheduled by schedules/llvm.py) and against numpy."""
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+import tvm_ffi  # noqa: E402
+pytestmark = pytest.mark.compile
+
+
+def build(fn, specs: dict, gpu: bool):
+    """fn(*tensors, start) exported with the given argument specs ({name: (shape, dtype)}, then
+    the int start), in the GPU forms with serial loops when gpu, for llvm."""
+    from tvm import relax
+    from tvm.relax.frontend import nn
+
+    from ds4tvm.nn.qweight import gpu_forms
+
+    names = ", ".join(specs)
+    scope = {"fn": fn}
+    exec(f"def f(self, {names}, start):\n    return fn({names}, start)", scope)   # the exporter reads the signature
+    M = type("M", (nn.Module,), {"f": scope["f"]})
+    spec = {name: nn.spec.Tensor(list(shape), dtype) for name, (shape, dtype) in specs.items()}
+    spec = {"f": {**spec, "start": int, "$": {"param_mode": "none", "effect_mode": "none"}}}
+    if gpu:
+        with gpu_forms(on_gpu=False):
+            mod, _ = M().export_tvm(spec=spec)
+    else:
+        mod, _ = M().export_tvm(spec=spec)
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+
+    def run(*arrays, start):
+        out = vm["f"](*[tvm.runtime.tensor(a) for a in arrays], tvm_ffi.Shape([start]))
+        return out.numpy() if hasattr(out, "numpy") else [o.numpy() for o in out]
+    return run
+
+
+@pytest.mark.parametrize("at", [{}, {"offset": -3}, {"stride": 4}], ids=str)
+def test_rms_rope_fp8_kernel_equals_the_cpu_kernels(at):
+    from ds4tvm.nn.blocks import rms_rope, rope_inv_freq
+
+    freq = rope_inv_freq(16, 10000.0, None)
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((5, 128)) * np.exp(rng.uniform(-3, 3, (5, 1)))).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, 128).astype(np.float32)
+    specs = {"x": ((5, 128), "float32"), "w": ((128,), "float32")}
+
+    def fn(xt, wt, start):
+        return rms_rope(xt, 1e-6, wt, start, freq, fp8=True, **at)
+
+    ours = build(fn, specs, gpu=True)(x, w, start=37)
+    cpu = build(fn, specs, gpu=False)(x, w, start=37)
+    assert np.abs(ours - cpu).max() <= 1e-6 * np.abs(cpu).max()
+    assert len(np.unique(ours[:, :112])) < len(np.unique(x[:, :112]))   # the rounding happened
+
+
+def test_choose_experts_kernel_ranks_like_topk_and_weighs_like_route_weights():
+    from tvm import tirx
+
+    from ds4tvm.nn.moe import choose_experts
+
+    E, k = 16, 6
+    rng = np.random.default_rng(6)
+    scores = rng.uniform(0.1, 1.0, (4, E)).astype(np.float32)
+    scores[1, [2, 7, 9]] = scores[1, 4]          # ties: the lower index first
+    bias = rng.uniform(-0.05, 0.05, E).astype(np.float32)
+    specs = {"scores": ((4, E), "float32"), "bias": ((E,), "float32")}
+
+    def fn(s, b, start):
+        return choose_experts(s, k, b, lambda total: tirx.max(total, tirx.const(6.1e-5, "float32")), 2.5)
+
+    ids, weights = build(fn, specs, gpu=True)(scores, bias, start=0)
+    biased = scores + bias
+    want = np.argsort(-biased, axis=1, kind="stable")[:, :k]
+    assert np.array_equal(ids, want)
+    chosen = np.take_along_axis(scores, want, axis=1)
+    assert np.allclose(weights, chosen / np.maximum(chosen.sum(1, keepdims=True), 6.1e-5) * 2.5, rtol=1e-6)
+    cpu_ids, cpu_weights = build(fn, specs, gpu=False)(scores, bias, start=0)
+    assert np.array_equal(ids, cpu_ids) and np.array_equal(weights, cpu_weights)
+    scores[2, 3] = np.nan                        # ranks collide: ids stay experts all the same
+    ids, _ = build(fn, specs, gpu=True)(scores, bias, start=0)
+    assert ids.min() >= 0 and ids.max() < E
+
+
+@pytest.mark.parametrize("kind", ["window", "window+all rows", "window+selected rows"])
+def test_window_attention_kernel_equals_the_te_attention(kind):
+    """The one-kernel attention reading the ring in place (nn/state.RingRows), with the inverse
+    RoPE, against the TE attention over gather_context's rows and a rope() after it."""
+    from ds4tvm.nn.blocks import rope_inv_freq, sparse_window_attention
+    from ds4tvm.nn.state import context_rows
+
+    H, D, window, ratio, n, start = 4, 64, 16, 4, 3, 41
+    size, rows, M = window + 4, 32, 5
+    freq = rope_inv_freq(16, 10000.0, None)
+    rng = np.random.default_rng(7)
+    arrays = {"q": rng.standard_normal((n, H, D)), "ring": rng.standard_normal((size, D)),
+              "new": rng.standard_normal((n, D)), "sinks": rng.standard_normal(H),
+              "comp": rng.standard_normal((rows, D)),
+              "sel": rng.integers(0, (start + n) // ratio + 2, (n, M))}   # some not visible yet
+    arrays = {k: v.astype(np.int32 if k == "sel" else np.float32) for k, v in arrays.items()}
+    names = ["q", "ring", "new", "sinks"] + (["comp"] if "rows" in kind else []) + (["sel"] if "selected" in kind else [])
+    specs = {name: (arrays[name].shape, str(arrays[name].dtype)) for name in names}
+
+    def fn(q, ring, new, sinks, *rest):
+        *tables, start_ = rest
+        comp = tables[0] if tables else None
+        sel = tables[1] if len(tables) > 1 else None
+        ctx = context_rows(ring, new, start_, window - 1, name="ctx")
+        return sparse_window_attention(q, ctx, comp, sel, sinks, start_, window, ratio, "attention", rope_back=freq)
+
+    args = [arrays[name] for name in names]
+    ours = build(fn, specs, gpu=True)(*args, start=start)
+    theirs = build(fn, specs, gpu=False)(*args, start=start)
+    assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
+    assert np.abs(theirs).max() > 0.1
