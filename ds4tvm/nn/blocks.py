@@ -15,7 +15,7 @@ from tvm.script import tirx as T
 from . import gpu_kernels
 from .qweight import binds_gpu_threads, exporting_gpu_forms
 from .rounding import fp8_round_rows
-from .state import RingRows, rows_reader
+from .state import RingRows, ring_write, rows_reader
 from .state import args as state_args
 
 F32 = "float32"
@@ -470,29 +470,49 @@ def selected_pool_positions(sel_te, s, P: int, tail: bool):
 
 def sparse_window_attention(q: nn.Tensor, kv_ctx, comp: nn.Tensor | None, sel: nn.Tensor | None,
                             sinks: nn.Tensor, start, window: int, ratio: int, name: str,
-                            rope_back: np.ndarray | None = None) -> nn.Tensor:
+                            rope_back: np.ndarray | None = None, write_ring: tuple | None = None):
     """Softmax attention of q [T, H, D] over, for token t at position p = start + t:
     - the raw window: positions p-window+1..p, rows of kv_ctx (row j = position start-window+1+j);
     - compressed rows c < (p+1)//ratio of `comp`: all of them, or those listed in sel [T, M];
     - one learned sink logit per head in the denominator. Values are the keys (K = V).
     kv_ctx is a tensor or nn/state.RingRows. rope_back: RoPE frequencies to rotate each output
-    row back by, at its token's position (rope(..., inverse=True)). With RingRows in the GPU forms,
-    one kernel (gpu_kernels.window_attention): a thread block per (token, head)."""
+    row back by, at its token's position (rope(..., inverse=True)). write_ring (ring, rows): the
+    rows written into the ring after the attention read it (ring_write); then returns (output,
+    ring). With RingRows in the GPU forms, one kernel (gpu_kernels.window_attention) that also
+    writes a decode step's row into the ring: a thread block per (token, head)."""
     has_comp = comp is not None
     use_sel = sel is not None
     n, H, D = q.shape
     M = (int(sel.shape[1]) if use_sel else int(comp.shape[0])) if has_comp else 0
     if isinstance(kv_ctx, RingRows) and exporting_gpu_forms() and window + M <= gpu_kernels.MAX_SLOTS:
+        ring_shape = tuple(int(x) for x in kv_ctx.ring.shape)
+        in_kernel = write_ring is not None and write_ring[0] is kv_ctx.ring and write_ring[1] is kv_ctx.new \
+            and isinstance(n, int) and n + kv_ctx.before <= ring_shape[0]
         func = gpu_kernels.window_attention(
-            int(H), int(D), tuple(int(x) for x in kv_ctx.ring.shape), kv_ctx.before,
-            tuple(int(x) for x in comp.shape) if has_comp else None, M if use_sel else None, window, ratio,
-            2 * len(rope_back) if rope_back is not None else 0, binds_gpu_threads())
+            int(H), int(D), ring_shape, kv_ctx.before, tuple(int(x) for x in comp.shape) if has_comp else None,
+            M if use_sel else None, window, ratio, 2 * len(rope_back) if rope_back is not None else 0,
+            binds_gpu_threads(), in_kernel)
         fr = rope_back if rope_back is not None else np.zeros(1, np.float32)
-        absent = nn.Tensor.from_const(np.zeros((1, 1), np.float32))
-        return op.tensor_ir_op(func, name, [q, kv_ctx.ring, kv_ctx.new, sinks, start, nn.Tensor.from_const(fr),
-                                            comp if has_comp else absent,
-                                            sel if use_sel else nn.Tensor.from_const(np.zeros((1, 1), np.int32))],
-                               nn.Tensor.placeholder(q.shape, F32))
+        args = [q, kv_ctx.ring, kv_ctx.new, sinks, start, nn.Tensor.from_const(fr),
+                comp if has_comp else nn.Tensor.from_const(np.zeros((1, 1), np.float32)),
+                sel if use_sel else nn.Tensor.from_const(np.zeros((1, 1), np.int32))]
+        if in_kernel:
+            ring, out = op.tensor_ir_inplace_op(func, name, args, inplace_indices=[1, -1],
+                                                out=[nn.Tensor.placeholder(kv_ctx.ring.shape, F32),
+                                                     nn.Tensor.placeholder(q.shape, F32)])
+            return out, ring
+        out = op.tensor_ir_op(func, name, args, nn.Tensor.placeholder(q.shape, F32))
+    else:
+        out = _te_window_attention(q, kv_ctx, comp, sel, sinks, start, window, ratio, name)
+        if rope_back is not None:
+            out = rope(out, start, rope_back, inverse=True)
+    if write_ring is None:
+        return out
+    return out, ring_write(*write_ring, start, name=name + "_ring_write")
+
+
+def _te_window_attention(q, kv_ctx, comp, sel, sinks, start, window: int, ratio: int, name: str):
+    has_comp, use_sel = comp is not None, sel is not None
     ctx_args = state_args(kv_ctx)
     args = [q, *ctx_args, sinks, start] + ([comp] if has_comp else []) + ([sel] if use_sel else [])
 
@@ -504,8 +524,7 @@ def sparse_window_attention(q: nn.Tensor, kv_ctx, comp: nn.Tensor | None, sel: n
                                       window, ratio)
         return attend_with_sinks(q_te, key, valid, A, sk, name)
 
-    out = op.tensor_expr_op(f, name, args)
-    return out if rope_back is None else rope(out, start, rope_back, inverse=True)
+    return op.tensor_expr_op(f, name, args)
 
 
 def _window_slots(ctx, ctx_rows, comp_te, sel_te, s, window: int, ratio: int):

@@ -83,13 +83,16 @@ MAX_BLOCK_THREADS = 1024
 
 @functools.lru_cache(maxsize=None)
 def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape: tuple | None, sel_width: int | None,
-                     window: int, ratio: int, n_rot: int, bind: bool = True):
+                     window: int, ratio: int, n_rot: int, bind: bool = True, write_ring: bool = False):
     """nn/blocks.sparse_window_attention as one kernel, its context rows read in place from the
     ring (nn/state.RingRows): a thread block per (token, head) keeps its slots' scores in shared
     memory; each thread scores slots (the dot over D in order, as the TE form), max and sum run as
     tree reductions over the threads, then each thread sums its output channel pair over the slots
-    in order and, with n_rot, rotates it back by RoPE at the token's position. bind=False: the same
-    loops serial (a CPU runs them: the numerics check of the GPU forms)."""
+    in order and, with n_rot, rotates it back by RoPE at the token's position. With write_ring, the
+    first head's block of each token then writes the token's row into the ring (in place: the
+    ring is then the kernel's first output), which no block reads while fewer rows are new than
+    the ring holds beyond `before` (a decode step). bind=False: the same loops serial (a CPU runs
+    them: the numerics check of the GPU forms)."""
     from .blocks import NEG_INF, _window_slots   # blocks imports this module
     from .state import context_row
 
@@ -101,6 +104,7 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
     NT, lo = THREADS, (D - n_rot if n_rot else D)   # channels from lo on are rotated back
     assert D % 2 == 0 and lo % 2 == 0 and NT & (NT - 1) == 0
     per_thread, pair_steps, scale = (A + NT - 1) // NT, (D // 2 + NT - 1) // NT, 1.0 / math.sqrt(D)
+    ring_steps = (width + NT - 1) // NT
     rounds = NT.bit_length() - 1   # of the tree reductions: strides NT/2 .. 1
     blocks = (lambda n: T.thread_binding(n, thread="blockIdx.x")) if bind else T.serial
     threads = (lambda: T.thread_binding(NT, thread="threadIdx.x")) if bind else (lambda: T.serial(NT))
@@ -187,6 +191,12 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
                         else:
                             O[th // H, th % H, 2 * (i * NT + tx)] = acc[0]
                             O[th // H, th % H, 2 * (i * NT + tx) + 1] = acc[1]
+            if write_ring:
+                for tx in threads():
+                    if th % H == 0:
+                        for i in range(ring_steps):
+                            if i * NT + tx < width:
+                                Ring[T.floormod(start + th // H, size), i * NT + tx] = New[th // H, i * NT + tx]
 
     return hand_kernel(main)
 

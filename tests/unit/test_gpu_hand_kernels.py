@@ -115,3 +115,29 @@ def test_window_attention_kernel_equals_the_te_attention(kind):
     theirs = build(fn, specs, gpu=False)(*args, start=start)
     assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
     assert np.abs(theirs).max() > 0.1
+
+
+def test_window_attention_kernel_writes_a_decode_steps_row_into_the_ring():
+    """A decode step's attention kernel also writes its K=V row into the ring (in place): the
+    same output and the same ring as attention then ring_write."""
+    from ds4tvm.nn.blocks import rope_inv_freq, sparse_window_attention
+    from ds4tvm.nn.state import context_rows
+
+    H, D, window, start = 4, 64, 16, 45
+    freq = rope_inv_freq(16, 10000.0, None)
+    rng = np.random.default_rng(8)
+    q, ring, new, sinks = (rng.standard_normal(s).astype(np.float32) for s in ((1, H, D), (window + 4, D), (1, D), (H,)))
+    specs = {"q": ((1, H, D), "float32"), "ring": (ring.shape, "float32"), "new": ((1, D), "float32"),
+             "sinks": ((H,), "float32")}
+
+    def fn(q_, ring_, new_, sinks_, start_):
+        ctx = context_rows(ring_, new_, start_, window - 1, name="ctx")
+        return sparse_window_attention(q_, ctx, None, None, sinks_, start_, window, 1, "attention", rope_back=freq,
+                                       write_ring=(ring_, new_))
+
+    ours = build(fn, specs, gpu=True)(q, ring.copy(), new, sinks, start=start)
+    theirs = build(fn, specs, gpu=False)(q, ring.copy(), new, sinks, start=start)
+    assert np.abs(ours[0] - theirs[0]).max() <= 1e-5 * np.abs(theirs[0]).max()
+    want = ring.copy()
+    want[start % len(ring)] = new[0]
+    assert np.array_equal(ours[1], want) and np.array_equal(theirs[1], want)

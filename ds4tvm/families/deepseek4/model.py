@@ -22,7 +22,7 @@ from ...nn.moe import choose_experts, dense_ffn, route_weights, routed_experts
 from ...nn.qweight import Weights, exporting_gpu_forms
 from ...schedules.fusion import BROADCAST
 from ...nn.rounding import hadamard_fp4
-from ...nn.state import compacts, compressor_writes, context_rows, ring_write
+from ...nn.state import compacts, compressor_writes, context_rows
 from .compressor import pooled_window
 from .config import Config
 from .tensors import tensor_specs
@@ -122,12 +122,12 @@ class Block(nn.Module):
                     iq = hadamard_fp4(iq)
                 iw = w["indexer.proj.weight"].linear(N) * (1.0 / math.sqrt(c.idx_head_dim * c.idx_n_head))
                 sel = indexer_select(iq, iw, idx_rows, start, r, c.idx_top_k, name="indexer")
-        attn = sparse_window_attention(Q, ctx, comp_rows, sel, self.v("attn_sinks"), start,
-                                       c.sliding_window, max(r, 1), name="attention", rope_back=freq)
+        attn, new_states["kv_ring"] = sparse_window_attention(
+            Q, ctx, comp_rows, sel, self.v("attn_sinks"), start, c.sliding_window, max(r, 1), name="attention",
+            rope_back=freq, write_ring=(ring, KV))
         groups = c.o_groups
         low = w["attn_output_a.weight"].grouped_linear(op.reshape(attn, (n, groups, H // groups * Dh)), groups)
         out = w["attn_output_b.weight"].linear(op.reshape(low, (n, groups * c.o_lora_rank)))
-        new_states["kv_ring"] = ring_write(ring, KV, start, name="kv_ring_write")
         return hc_post(out, X, post, comb), new_states
 
     def _compress(self, N, start, states, wname, sname, width, rope_comp, fp8=False, fp4=False):
