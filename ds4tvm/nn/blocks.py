@@ -592,17 +592,21 @@ def _indexer_scores_func(heads: int, dim: int, rows: int, ratio: int):
 
 def _indexer_scores_te(q, w, keys, s, ratio: int):
     """The GPU form of the indexer's scores: the per-head dots over every row, then their weighted
-    relu sum, each a reduction with a thread per output (the CPU's kernel is one serial loop per
-    token, a single GPU thread: ~0.5 M multiply-adds at 256 rows, 134 M at 16 K)."""
+    relu sum (NEG_INF for rows not visible yet), each a reduction with a thread per output (the
+    CPU's kernel is one serial loop per token, a single GPU thread: ~0.5 M multiply-adds at 256
+    rows, 134 M at 16 K)."""
     n, heads, dim = q.shape
     rows = keys.shape[0]
     d = te.reduce_axis((0, dim), name="d")
     qk = te.compute((n, rows, heads), lambda t, c, h: te.sum(q[t, h, d] * keys[c, d], axis=d), name="indexer_qk")
     h = te.reduce_axis((0, heads), name="h")
-    total = te.compute((n, rows), lambda t, c: te.sum(w[t, h] * tirx.max(qk[t, c, h], tirx.const(0, F32)), axis=h),
-                       name="indexer_sum")
-    return te.compute((n, rows), lambda t, c: tirx.if_then_else(
-        c < tirx.floordiv(s + t + 1, ratio), total[t, c], tirx.const(NEG_INF, F32)), name="indexer_scores")
+
+    def term(t, c):   # a row not visible yet sums to NEG_INF (its first head's term, zeros after it)
+        visible = w[t, h] * tirx.max(qk[t, c, h], tirx.const(0, F32))
+        hidden = tirx.if_then_else(h == 0, tirx.const(NEG_INF, F32), tirx.const(0, F32))
+        return tirx.if_then_else(c < tirx.floordiv(s + t + 1, ratio), visible, hidden)
+
+    return te.compute((n, rows), lambda t, c: te.sum(term(t, c), axis=h), name="indexer_scores")
 
 
 def indexer_select(iq: nn.Tensor, w: nn.Tensor, keys: nn.Tensor, start, ratio: int, top_k: int,
@@ -620,4 +624,11 @@ def indexer_select(iq: nn.Tensor, w: nn.Tensor, keys: nn.Tensor, start, ratio: i
         func = _indexer_scores_func(int(heads), int(dim), rows, ratio)
         scores = op.tensor_ir_op(func, name, args=[iq, w, keys, start],
                                  out=nn.Tensor.placeholder((iq.shape[0], rows), "float32"))
-    return op.topk(scores, k=min(top_k, rows), axis=-1, ret_type="indices", dtype="int32", name=name + "_topk")
+    k = min(top_k, rows)
+    if exporting_gpu_forms() and rows <= gpu_kernels.MAX_BLOCK_THREADS:   # one launch where TOPI's sort takes five
+        func = gpu_kernels.top_k(rows, k, False, bind=binds_gpu_threads())
+        chosen, _ = op.tensor_ir_op(func, name + "_topk", [scores, nn.Tensor.from_const(np.zeros(1, np.float32))],
+                                    [nn.Tensor.placeholder((iq.shape[0], k), "int32"),
+                                     nn.Tensor.placeholder((iq.shape[0], k), F32)])
+        return chosen
+    return op.topk(scores, k=k, axis=-1, ret_type="indices", dtype="int32", name=name + "_topk")

@@ -202,12 +202,14 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
 
 
 @functools.lru_cache(maxsize=None)
-def choose_experts(E: int, k: int, biased: bool, denominator=None, scale: float = 1.0, bind: bool = True):
-    """nn/moe.choose_experts as one kernel: a thread block per token, a thread per expert counting
-    the scores above its own (its rank; equal scores: the lower index first), then a thread per
-    chosen slot picking the expert of its rank and its weight (moe.route_weights' expressions).
-    Ids stay in [0, E) whatever the scores (a NaN gives ranks that collide: its slot reads expert
-    0, never an id out of range). bind=False: the same loops serial (the numerics check on a CPU)."""
+def top_k(E: int, k: int, biased: bool, denominator=None, scale: float = 1.0, bind: bool = True):
+    """The indices of the k highest of E <= MAX_BLOCK_THREADS scores per row (plus a bias) and
+    their weights (nn/moe.route_weights' expressions over the unbiased scores) as one kernel: a
+    thread block per row, a thread per score counting the scores above its own (its rank; equal
+    scores: the lower index first), then a thread per chosen slot picking the index of its rank
+    and its weight. Indices stay in [0, E) whatever the scores (a NaN gives ranks that collide:
+    its slot reads index 0, never one out of range). nn/moe.choose_experts, and the indexer's
+    selection over few rows (nn/blocks.indexer_select). bind=False: the same loops serial."""
     blocks = (lambda n: T.thread_binding(n, thread="blockIdx.x")) if bind else T.serial
     threads = (lambda: T.thread_binding(E, thread="threadIdx.x")) if bind else (lambda: T.serial(E))
 

@@ -27,13 +27,13 @@ def choose_experts(scores: nn.Tensor, k: int, bias: nn.Tensor | None = None, den
                    scale: float = 1.0) -> tuple[nn.Tensor, nn.Tensor]:
     """(experts, weights): the indices of each token's k highest scores (plus bias [E] when given)
     [T, k] int32, highest first (equal scores: the lower index first), and route_weights of the
-    unbiased scores for them. In the GPU forms one kernel (gpu_kernels.choose_experts) where
-    TOPI's sort and the weights took six."""
+    unbiased scores for them. In the GPU forms one kernel (gpu_kernels.top_k) where TOPI's sort
+    and the weights took six."""
     E = int(scores.shape[1])
     if not exporting_gpu_forms() or E > gpu_kernels.MAX_BLOCK_THREADS:
         experts = op.topk(scores if bias is None else scores + bias, k=k, axis=-1, ret_type="indices", dtype="int32")
         return experts, route_weights(scores, experts, denominator, scale)
-    func = gpu_kernels.choose_experts(E, k, bias is not None, denominator, float(scale), binds_gpu_threads())
+    func = gpu_kernels.top_k(E, k, bias is not None, denominator, float(scale), binds_gpu_threads())
     absent = nn.Tensor.from_const(np.zeros(1, np.float32))
     experts, weights = op.tensor_ir_op(func, "choose_experts", [scores, bias if bias is not None else absent],
                                        [nn.Tensor.placeholder((scores.shape[0], k), "int32"),
