@@ -14,7 +14,7 @@ from tvm.script import tirx as T
 
 from . import gpu_kernels
 from .qweight import binds_gpu_threads, exporting_gpu_forms
-from .rounding import fp8_round_rows
+from .rounding import fp8_round_rows, hadamard_fp4
 from .state import RingRows, ring_write, rows_reader
 from .state import args as state_args
 
@@ -120,6 +120,19 @@ def rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start
 
     return op.tensor_expr_op(f, name, [x, nn.Tensor.from_const(inv_freq), positions_start]
                              + ([weight] if weight is not None else []), attrs={"op_pattern": 8})
+
+
+def rope_hadamard_fp4(x: nn.Tensor, positions_start, inv_freq: np.ndarray, name: str = "hadamard_fp4") -> nn.Tensor:
+    """hadamard_fp4(rope(x, positions_start, inv_freq)); in the GPU forms one kernel, the
+    transform reading the rotated pairs inline."""
+    if not exporting_gpu_forms():
+        return hadamard_fp4(rope(x, positions_start, inv_freq), name)
+
+    def rotated(x_te, fr, start):
+        body = _rope_te(lambda i: x_te[i], fr, start, 2 * len(inv_freq), x_te.shape[-1])
+        return lambda i: body(*i)
+
+    return hadamard_fp4(x, name, before=([nn.Tensor.from_const(inv_freq), positions_start], rotated))
 
 
 def _rope_te(src, fr, start, n_rot: int, D, offset: int = 0, inverse: bool = False, stride: int = 1):

@@ -67,6 +67,53 @@ def expert_gemv(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool,
     return main
 
 
+@functools.lru_cache(maxsize=None)
+def expert_gemv_swiglu(qtype: QT, E: int, N: int, K: int, J: int, limit: float, bind: bool = True):
+    """y[T, J, N] = clamped SwiGLU(g, x @ W[ids]^T) (nn/moe.clamped_swiglu of the gate projection
+    g and this up projection): expert_gemv of a shared input with the SwiGLU as its epilogue,
+    which dlight's GEMV rule schedules after the reduction (one launch where there were two)."""
+    a = _arg_types(qtype, (E, N), K, False)
+    deq = _dequant(qtype)
+
+    def act(g, u):
+        if limit > 0:
+            g = T.min(g, T.float32(limit))
+            u = T.min(T.max(u, T.float32(-limit)), T.float32(limit))
+        return g * T.sigmoid(g) * u
+
+    @T.prim_func(private=True, s_tir=True)
+    def main(x_h: T.handle, ids_h: T.handle, w0: T.Buffer(*a[0]), w1: T.Buffer(*a[1]), w2: T.Buffer(*a[2]),
+             w3: T.Buffer(*a[3]), w4: T.Buffer(*a[4]), w5: T.Buffer(*a[5]), w6: T.Buffer(*a[6]), g_h: T.handle,
+             y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n_tok = T.int64()
+        x = T.match_buffer(x_h, (n_tok, 1, K), "float32")
+        ids = T.match_buffer(ids_h, (n_tok, J), "int32")
+        g = T.match_buffer(g_h, (n_tok, J, N), "float32")
+        y = T.match_buffer(y_h, (n_tok, J, N), "float32")
+        for pair in (T.thread_binding(n_tok * J, thread="blockIdx.y") if bind else T.serial(n_tok * J)):
+            with T.sblock("gemv_o"):
+                s = T.axis.spatial(n_tok * J, pair)
+                w = T.sblock_alloc_buffer((N, K), "float32")
+                up = T.sblock_alloc_buffer((N,), "float32")
+                for i1, i2 in T.grid(N, K):
+                    with T.sblock("dequantize"):
+                        i, k = T.axis.remap("SS", [i1, i2])
+                        w[i, k] = deq((ids[s // J, s % J], i), k, (w0, w1, w2, w3, w4, w5, w6))
+                for i1, i2 in T.grid(N, K):
+                    with T.sblock("gemv"):
+                        i, k = T.axis.remap("SR", [i1, i2])
+                        with T.init():
+                            up[i] = T.float32(0)
+                        up[i] = up[i] + x[s // J, 0, k] * w[i, k]
+                for i1 in range(N):
+                    with T.sblock("epilogue"):
+                        i = T.axis.spatial(N, i1)
+                        y[s // J, s % J, i] = act(g[s // J, s % J, i], up[i])
+
+    return main
+
+
 MAX_SLOTS = 4096   # a block keeps its slots' scores in shared memory: 16 KB
 THREADS = 256
 OPAQUE = 8   # the hand kernels' op pattern: scheduled here, never fused (and not TIR that FuseOps' analysis reads)

@@ -65,8 +65,10 @@ def route_weights(scores: nn.Tensor, experts: nn.Tensor, denominator=None, scale
 def routed_experts(w: dict, h: nn.Tensor, experts: nn.Tensor, weights: nn.Tensor, limit: float) -> nn.Tensor:
     """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]) [T, D], reading only the chosen experts."""
     n, k = h.shape[0], experts.shape[1]
-    act = clamped_swiglu(w["ffn_gate_exps.weight"].expert_linear(h, experts),
-                         w["ffn_up_exps.weight"].expert_linear(h, experts), limit)
+    gate, up = w["ffn_gate_exps.weight"].expert_linear(h, experts), w["ffn_up_exps.weight"]
+    act = up.expert_swiglu(gate, h, experts, limit)   # the GPU forms: the SwiGLU in the up GEMV
+    if act is None:
+        act = clamped_swiglu(gate, up.expert_linear(h, experts), limit)
     routed = w["ffn_down_exps.weight"].expert_linear(act, experts)            # [T, k, D]
     if exporting_gpu_forms():   # fused into the next GEMV's epilogue (the shared expert's down projection)
         return op.tensor_expr_op(_weighted_slots, "routed_sum", [weights, routed], attrs={"op_pattern": BROADCAST})

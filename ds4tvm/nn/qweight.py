@@ -258,6 +258,19 @@ class QWeight(nn.Module):
 
         return op.tensor_expr_op(f, name, [x, experts, *args])
 
+    def expert_swiglu(self, gate: nn.Tensor, x: nn.Tensor, experts: nn.Tensor, limit: float,
+                      name: str = "qlinear_experts_swiglu") -> nn.Tensor | None:
+        """The GPU forms' clamped SwiGLU of gate [T, J, N] and this up projection's
+        expert_linear(x [T, K], experts) as one kernel (the SwiGLU the GEMV's epilogue); None where
+        there is no such form (the CPU, the flat-form formats)."""
+        E, N, K = self.shape
+        if _GPU.get() is None or len(x.shape) != 2 or not gpu_kernels.takes_blockized(self.qtype, K):
+            return None
+        T, J = x.shape[0], experts.shape[1]
+        func = gpu_kernels.expert_gemv_swiglu(self.qtype, E, N, K, J, float(limit), _GPU.get())
+        return op.tensor_ir_op(func, name, [op.reshape(x, (T, 1, K)), experts, *self._cpu_args(None), gate],
+                               nn.Tensor.placeholder((T, J, N), F32))
+
     def rows(self, ids: nn.Tensor, name: str = "qrows") -> nn.Tensor:
         """Rows ids[t] of W as float32 [T, K] (embedding lookup)."""
         N, K = self.shape

@@ -84,15 +84,18 @@ def hadamard_matrix(n: int) -> np.ndarray:
     return (h / math.sqrt(n)).astype(np.float32)
 
 
-def hadamard_fp4(x: nn.Tensor, name: str = "hadamard_fp4") -> nn.Tensor:
+def hadamard_fp4(x: nn.Tensor, name: str = "hadamard_fp4", before=None) -> nn.Tensor:
     """Normalised Hadamard transform over the last axis of x [T, (H,) D], then E2M1 in blocks of
-    32 with power-of-two scales (range +-6)."""
+    32 with power-of-two scales (range +-6). before (tensors, accessor): the transform reads
+    accessor(x_te, *their TE tensors)(index) instead of x (an elementwise step run inline)."""
     D = int(x.shape[-1])
     h = nn.Tensor.from_const(hadamard_matrix(D))
+    extra, accessor = before if before is not None else ([], None)
 
-    def f(x_te, h_te):
+    def f(x_te, h_te, *more):
+        src = accessor(x_te, *more) if accessor is not None else (lambda i: x_te[i])
         k = te.reduce_axis((0, D), name="k")
-        y = te.compute(x_te.shape, lambda *i: te.sum(x_te[(*i[:-1], k)] * h_te[i[-1], k], axis=k), name=name + "_h")
+        y = te.compute(x_te.shape, lambda *i: te.sum(src((*i[:-1], k)) * h_te[i[-1], k], axis=k), name=name + "_h")
         j = te.reduce_axis((0, 32), name="j")
         amax = te.compute((*x_te.shape[:-1], D // 32), lambda *i: te.max(
             tirx.abs(y[(*i[:-1], i[-1] * 32 + j)]), axis=j), name=name + "_amax")
@@ -103,4 +106,4 @@ def hadamard_fp4(x: nn.Tensor, name: str = "hadamard_fp4") -> nn.Tensor:
 
         return te.compute(x_te.shape, body, name=name)
 
-    return op.tensor_expr_op(f, name, [x, h])
+    return op.tensor_expr_op(f, name, [x, h, *extra])

@@ -16,8 +16,8 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import Bounds, FunctionSpec, StateSpec
-from ...nn.blocks import (hc_head, hc_post, hc_pre, indexer_select, rms, rms_rope, rope, rope_inv_freq,
-                          sparse_window_attention)
+from ...nn.blocks import (hc_head, hc_post, hc_pre, indexer_select, rms, rms_rope, rope, rope_hadamard_fp4,
+                          rope_inv_freq, sparse_window_attention)
 from ...nn.moe import choose_experts, dense_ffn, route_weights, routed_experts
 from ...nn.qweight import Weights, exporting_gpu_forms
 from ...schedules.fusion import BROADCAST
@@ -117,9 +117,7 @@ class Block(nn.Module):
                                                       c.idx_head_dim, rope_comp, fp4=kv_rounding)
                 new_states.update(idx_states)
                 iq = op.reshape(w["indexer.attn_q_b.weight"].linear(QR), (n, c.idx_n_head, c.idx_head_dim))
-                iq = rope(iq, start, rope_comp)
-                if kv_rounding:
-                    iq = hadamard_fp4(iq)
+                iq = rope_hadamard_fp4(iq, start, rope_comp) if kv_rounding else rope(iq, start, rope_comp)
                 iw = w["indexer.proj.weight"].linear(N) * (1.0 / math.sqrt(c.idx_head_dim * c.idx_n_head))
                 sel = indexer_select(iq, iw, idx_rows, start, r, c.idx_top_k, name="indexer")
         attn, new_states["kv_ring"] = sparse_window_attention(
