@@ -114,7 +114,7 @@ def expert_gemv_swiglu(qtype: QT, E: int, N: int, K: int, J: int, limit: float, 
     return main
 
 
-MAX_SLOTS = 4096   # a block keeps its slots' scores in shared memory: 16 KB
+MAX_SLOTS = 4096   # a block keeps its slots' scores and weights in shared memory: 32 KB
 THREADS = 256
 OPAQUE = 8   # the hand kernels' op pattern: scheduled here, never fused (and not TIR that FuseOps' analysis reads)
 
@@ -184,20 +184,25 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
         O = T.match_buffer(out_h, (n, H, D), "float32")
         for th in blocks(n * H):
             score = T.alloc_buffer((A,), "float32", scope="shared")
+            prob = T.alloc_buffer((A,), "float32", scope="shared")
             red = T.alloc_buffer((NT,), "float32", scope="shared")
             stat = T.alloc_buffer((2,), "float32", scope="shared")
             acc = T.alloc_buffer((2,), "float32", scope="local")
+            # Each phase writes shared memory it does not read (the sync planner cannot place a
+            # barrier inside the slot loop's condition), accumulating in registers.
             for tx in threads():
-                red[tx] = T.float32(NEG_INF)
+                acc[1] = T.float32(NEG_INF)
                 for i in range(per_thread):
                     if i * NT + tx < A:
                         acc[0] = T.float32(0)
                         for d in range(D):
                             acc[0] = acc[0] + Q[th // H, th % H, d] * key(Ring, New, Comp, Sel, start, th // H,
                                                                             i * NT + tx, d)
-                        score[i * NT + tx] = T.if_then_else(valid(Ring, New, Comp, Sel, start, th // H, i * NT + tx),
-                                                            acc[0] * T.float32(scale), T.float32(NEG_INF))
-                        red[tx] = T.max(red[tx], score[i * NT + tx])
+                        acc[0] = T.if_then_else(valid(Ring, New, Comp, Sel, start, th // H, i * NT + tx),
+                                                acc[0] * T.float32(scale), T.float32(NEG_INF))
+                        score[i * NT + tx] = acc[0]
+                        acc[1] = T.max(acc[1], acc[0])
+                red[tx] = acc[1]
             for k in T.unroll(rounds):
                 for tx in threads():
                     if tx < T.shift_right(NT // 2, k):
@@ -206,12 +211,14 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
                 if tx == 0:
                     stat[0] = T.max(red[0], sinks[th % H])
             for tx in threads():
-                red[tx] = T.float32(0)
+                acc[1] = T.float32(0)
                 for i in range(per_thread):
                     if i * NT + tx < A:
-                        score[i * NT + tx] = T.if_then_else(valid(Ring, New, Comp, Sel, start, th // H, i * NT + tx),
-                                                            T.exp(score[i * NT + tx] - stat[0]), T.float32(0))
-                        red[tx] = red[tx] + score[i * NT + tx]
+                        acc[0] = T.if_then_else(valid(Ring, New, Comp, Sel, start, th // H, i * NT + tx),
+                                                T.exp(score[i * NT + tx] - stat[0]), T.float32(0))
+                        prob[i * NT + tx] = acc[0]
+                        acc[1] = acc[1] + acc[0]
+                red[tx] = acc[1]
             for k in T.unroll(rounds):
                 for tx in threads():
                     if tx < T.shift_right(NT // 2, k):
@@ -225,8 +232,8 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
                         acc[0] = T.float32(0)
                         acc[1] = T.float32(0)
                         for a in range(A):
-                            acc[0] = acc[0] + score[a] * key(Ring, New, Comp, Sel, start, th // H, a, 2 * (i * NT + tx))
-                            acc[1] = acc[1] + score[a] * key(Ring, New, Comp, Sel, start, th // H, a,
+                            acc[0] = acc[0] + prob[a] * key(Ring, New, Comp, Sel, start, th // H, a, 2 * (i * NT + tx))
+                            acc[1] = acc[1] + prob[a] * key(Ring, New, Comp, Sel, start, th // H, a,
                                                              2 * (i * NT + tx) + 1)
                         acc[0] = acc[0] / stat[1]
                         acc[1] = acc[1] / stat[1]
