@@ -12,6 +12,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 
+from ..schedules.fusion import BROADCAST
 from . import gpu_kernels
 from .qweight import binds_gpu_threads, exporting_gpu_forms
 from .rounding import fp8_round_rows, hadamard_fp4
@@ -179,6 +180,17 @@ def rope_neox(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int =
         return te.compute(x_te.shape, body, name=name)
 
     return op.tensor_expr_op(f, name, [x, freq, positions_start], attrs={"op_pattern": 8})
+
+
+def periodic_rows(table: nn.Tensor, positions_start, n_like: nn.Tensor, period: int, name: str) -> nn.Tensor:
+    """table[(start + t) % period] for each row t of n_like (DeepSeek-V4's compressor position
+    bias). In the GPU forms marked a broadcast, which it is as far as fusion cares (a row read by
+    index, no reduction), so that it fuses with its consumer's add into the GEMV before it."""
+    def f(a, x, s):
+        return te.compute((x.shape[0], a.shape[1]), lambda t, d: a[tirx.floormod(s + t, period), d], name=name)
+
+    attrs = {"op_pattern": BROADCAST} if exporting_gpu_forms() else None
+    return op.tensor_expr_op(f, name, [table, n_like, positions_start], attrs=attrs)
 
 
 # ---------------------------------------------------------------------------- hyper-connections

@@ -9,8 +9,8 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from . import gpu_kernels
 from ..schedules.fusion import BROADCAST
+from . import gpu_kernels
 from .qweight import binds_gpu_threads, exporting_gpu_forms
 
 
@@ -27,8 +27,8 @@ def choose_experts(scores: nn.Tensor, k: int, bias: nn.Tensor | None = None, den
                    scale: float = 1.0) -> tuple[nn.Tensor, nn.Tensor]:
     """(experts, weights): the indices of each token's k highest scores (plus bias [E] when given)
     [T, k] int32, highest first (equal scores: the lower index first), and route_weights of the
-    unbiased scores for them. In the GPU forms one kernel (gpu_kernels.top_k) where TOPI's sort
-    and the weights took six."""
+    unbiased scores for them. In the GPU forms one kernel (gpu_kernels.top_k) where TOPI's sort,
+    the bias add and the weights took seven launches."""
     E = int(scores.shape[1])
     if not exporting_gpu_forms() or E > gpu_kernels.MAX_BLOCK_THREADS:
         experts = op.topk(scores if bias is None else scores + bias, k=k, axis=-1, ret_type="indices", dtype="int32")

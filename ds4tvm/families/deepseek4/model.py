@@ -16,11 +16,10 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import Bounds, FunctionSpec, StateSpec
-from ...nn.blocks import (hc_head, hc_post, hc_pre, indexer_select, rms, rms_rope, rope, rope_hadamard_fp4,
-                          rope_inv_freq, sparse_window_attention)
+from ...nn.blocks import (hc_head, hc_post, hc_pre, indexer_select, periodic_rows, rms, rms_rope, rope,
+                          rope_hadamard_fp4, rope_inv_freq, sparse_window_attention)
 from ...nn.moe import choose_experts, dense_ffn, route_weights, routed_experts
-from ...nn.qweight import Weights, exporting_gpu_forms
-from ...schedules.fusion import BROADCAST
+from ...nn.qweight import Weights
 from ...nn.rounding import hadamard_fp4
 from ...nn.state import compacts, compressor_writes, context_rows
 from .compressor import pooled_window
@@ -50,16 +49,6 @@ def state_specs(cfg: Config, b: Bounds) -> list[StateSpec]:
                                   rewind=front - 2 * r),
                         StateSpec(p + "idx_rows", (b.max_context // r, cfg.idx_head_dim), stride=r)]
     return out
-
-
-def _ape_rows(ape: nn.Tensor, start, n_like: nn.Tensor, ratio: int, name: str) -> nn.Tensor:
-    """ape[(start + t) % ratio] for each new token t: the compressor's position bias. In the GPU
-    forms marked a broadcast, which it is as far as fusion cares (a row read by index, no
-    reduction), so that it fuses with the add into the score projection's GEMV."""
-    def f(a, x, s):
-        return te.compute((x.shape[0], a.shape[1]), lambda t, d: a[tirx.floormod(s + t, ratio), d], name=name)
-    attrs = {"op_pattern": BROADCAST} if exporting_gpu_forms() else None
-    return op.tensor_expr_op(f, name, [ape, n_like, start], attrs=attrs)
 
 
 class Block(nn.Module):
@@ -134,7 +123,7 @@ class Block(nn.Module):
         into the row table; a call of several tokens pools only those windows (nn/state.compacts)."""
         c, r, w = self.cfg, self.ratio, self.w
         kv = w[f"{wname}_kv.weight"].linear(N)
-        score = w[f"{wname}_gate.weight"].linear(N) + _ape_rows(self.v(f"{wname}_ape"), start, N, r, "ape")
+        score = w[f"{wname}_gate.weight"].linear(N) + periodic_rows(self.v(f"{wname}_ape"), start, N, r, "ape")
         kv_front, sc_front = states[f"{sname}_kv_front"], states[f"{sname}_score_front"]
         kv_ctx = context_rows(kv_front, kv, start, 2 * r, name=f"{sname}_kv_context")
         sc_ctx = context_rows(sc_front, score, start, 2 * r, name=f"{sname}_score_context")
