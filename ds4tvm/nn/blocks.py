@@ -219,7 +219,6 @@ def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: fl
         pre, post, c = hc_gates(mix, scale, base, hc, hc_eps)
         c = sinkhorn(c, iters, hc_eps)
 
-
     def weighted(x_te, p_te):
         h = te.reduce_axis((0, hc), name="h")
         return te.compute((n, D), lambda t, d: te.sum(p_te[t, h] * x_te[t, h, d], axis=h), name="hc_pre_sum")
