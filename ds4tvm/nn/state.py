@@ -132,8 +132,8 @@ def ring_write_pair(rings: tuple, rows: tuple, start, names: tuple) -> tuple:
         return tuple(ring_write(r, x, start, name=name) for r, x, name in zip(rings, rows, names))
     size, width = rings[0].shape
     func = _ring_write_pair_func(int(size), int(width))
-    out = op.tensor_ir_inplace_op(func, func.attrs["global_symbol"], args=[*rings, *rows, start], inplace_indices=[0, 1],
-                                  out=[nn.Tensor.placeholder(r.shape, r.dtype) for r in rings])
+    out = op.tensor_ir_inplace_op(func, func.attrs["global_symbol"], args=[*rings, *rows, start],
+                                  inplace_indices=[0, 1], out=[nn.Tensor.placeholder(r.shape, r.dtype) for r in rings])
     return tuple(out)
 
 

@@ -100,7 +100,8 @@ def test_window_attention_kernel_equals_the_te_attention(kind):
               "comp": rng.standard_normal((rows, D)),
               "sel": rng.integers(0, (start + n) // ratio + 2, (n, M))}   # some not visible yet
     arrays = {k: v.astype(np.int32 if k == "sel" else np.float32) for k, v in arrays.items()}
-    names = ["q", "ring", "new", "sinks"] + (["comp"] if "rows" in kind else []) + (["sel"] if "selected" in kind else [])
+    names = ["q", "ring", "new", "sinks"] + (["comp"] if "rows" in kind else []) \
+        + (["sel"] if "selected" in kind else [])
     specs = {name: (arrays[name].shape, str(arrays[name].dtype)) for name in names}
 
     def fn(q, ring, new, sinks, *rest):
@@ -126,7 +127,8 @@ def test_window_attention_kernel_writes_a_decode_steps_row_into_the_ring():
     H, D, window, start = 4, 64, 16, 45
     freq = rope_inv_freq(16, 10000.0, None)
     rng = np.random.default_rng(8)
-    q, ring, new, sinks = (rng.standard_normal(s).astype(np.float32) for s in ((1, H, D), (window + 4, D), (1, D), (H,)))
+    shapes = ((1, H, D), (window + 4, D), (1, D), (H,))
+    q, ring, new, sinks = (rng.standard_normal(s).astype(np.float32) for s in shapes)
     specs = {"q": ((1, H, D), "float32"), "ring": (ring.shape, "float32"), "new": ((1, D), "float32"),
              "sinks": ((H,), "float32")}
 
