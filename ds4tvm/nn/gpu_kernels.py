@@ -3,7 +3,13 @@ GEMV that dlight's GEMV rule schedules, as MLC-LLM writes its MoE GEMVs. One (to
 `blockIdx.y`; inside it an outer block reads the pair's expert id once, a `dequantize` block turns
 that expert's rows into float32 (inlined by the rule into the product: no fp32 weight is written)
 and a `gemv` block reduces over K. The expert's planes are read straight from the weight arguments
-with nn/dequant.py's expressions, the same float operations as every other path."""
+with nn/dequant.py's expressions, the same float operations as every other path.
+
+Then the kernels written scheduled for what dlight's rules would split into several launches
+(`launches` in `ds4-compile --report`): the window attention over a K=V ring, RMSNorm + RoPE + FP8
+rows, and the top-k choice of experts or indexer rows. Each takes bind=False to run its loops
+serially, so that the GPU forms built for a CPU check their numerics; they read shared memory
+outside `if` conditions only (TVM's sync planner cannot put a barrier inside one)."""
 
 from __future__ import annotations
 
@@ -115,7 +121,8 @@ def expert_gemv_swiglu(qtype: QT, E: int, N: int, K: int, J: int, limit: float, 
 
 
 MAX_SLOTS = 4096   # a block keeps its slots' scores and weights in shared memory: 32 KB
-THREADS = 256
+THREADS = 256   # a hand kernel's thread block
+MAX_BLOCK_THREADS = 1024
 OPAQUE = 8   # the hand kernels' op pattern: scheduled here, never fused (and not TIR that FuseOps' analysis reads)
 
 
@@ -125,7 +132,6 @@ def hand_kernel(func):
     from tvm import s_tir
 
     return func.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", func.body)))
-MAX_BLOCK_THREADS = 1024
 
 
 @functools.lru_cache(maxsize=None)
