@@ -12,7 +12,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 
-from ..schedules.fusion import BROADCAST
+from ..schedules.fusion import BROADCAST, ELEMWISE, PRESET
 from . import gpu_kernels
 from .qweight import binds_gpu_threads, exporting_gpu_forms
 from .rounding import fp8_round_rows, hadamard_fp4
@@ -407,7 +407,7 @@ def hc_post(out: nn.Tensor, X: nn.Tensor, post: nn.Tensor, comb: nn.Tensor) -> n
     epilogue); the CPU keeps the separate kernels, whose product and sum LLVM cannot contract
     into one FMA, so its logits stay as they were."""
     if exporting_gpu_forms():
-        return op.tensor_expr_op(_hc_post_te, "hc_post", [out, X, post, comb])
+        return op.tensor_expr_op(_hc_post_te, "hc_post", [out, X, post, comb], attrs={PRESET: ELEMWISE})
     n, hc, D = X.shape
     mixed = op.matmul(op.permute_dims(comb, [0, 2, 1]), X)          # [T, dst, D] = sum_src c[src, dst] X[src]
     return op.reshape(post, (n, hc, 1)) * op.reshape(out, (n, 1, D)) + mixed
@@ -415,10 +415,14 @@ def hc_post(out: nn.Tensor, X: nn.Tensor, post: nn.Tensor, comb: nn.Tensor) -> n
 
 def _hc_post_te(o, x, p, c):
     n, hc, D = x.shape
-    src = te.reduce_axis((0, hc), name="src")
-    mixed = te.compute((n, hc, D), lambda t, dst, d: te.sum(c[t, src, dst] * x[t, src, d], axis=src),
-                       name="hc_post_mix")
-    return te.compute((n, hc, D), lambda t, dst, d: p[t, dst] * o[t, d] + mixed[t, dst, d], name="hc_post")
+
+    def mixed(t, dst, d):   # sum_src in source order, written out: no reduction block
+        v = c[t, 0, dst] * x[t, 0, d]
+        for src in range(1, int(hc)):
+            v = v + c[t, src, dst] * x[t, src, d]
+        return v
+
+    return te.compute((n, hc, D), lambda t, dst, d: p[t, dst] * o[t, d] + mixed(t, dst, d), name="hc_post")
 
 
 def hc_head(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, eps: float, hc_eps: float) -> nn.Tensor:

@@ -13,14 +13,74 @@ from __future__ import annotations
 
 import tvm
 
-OPAQUE = 8   # tvm's kOpaque op pattern
+ELEMWISE = 0   # tvm's kElemWise
 BROADCAST = 1   # tvm's kBroadcast
+OPAQUE = 8   # tvm's kOpaque op pattern
+# A kernel's op pattern set by nn/ where the analysis would find another: AnnotateTIROpPattern
+# recomputes every op_pattern that is absent or zero (kElemWise), so it travels in this attribute.
+PRESET = "ds4tvm.op_pattern"
 
 
 def fusion_passes() -> list:
     from tvm.relax import transform
 
-    return [transform.AnnotateTIROpPattern(), protect_state_writes(), transform.FuseOps(), transform.FuseTIR()]
+    return [transform.AnnotateTIROpPattern(), preset_patterns(), protect_state_writes(), transform.FuseOps(),
+            transform.FuseTIR()]
+
+
+def preset_patterns():
+    """The PRESET op pattern for the calls of one token (a decode step's GEMVs). hc_post is the
+    case: each output element reads one element of the sublayer's output (and the residual
+    streams), so FuseOps may take it as the epilogue of the GEMV that computes that output, which
+    dlight's GEMV schedules; its Matmul rule cannot (a consumer with one more axis), so wider calls
+    keep the analysis' kInjective."""
+    from tvm import relax, tirx
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+
+    @tvm.transform.module_pass(opt_level=0, name="PresetPatterns")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        bb = relax.BlockBuilder(mod)
+        copies: dict = {}   # PrimFunc's GlobalVar -> its copy with the preset pattern
+
+        def preset(gv):
+            if gv not in copies:
+                func = bb.get()[gv]
+                copy = func.with_attr("op_pattern", int(func.attrs[PRESET])).without_attr(PRESET)
+                copies[gv] = bb.add_func(copy, f"{gv.name_hint}_one_token")
+            return copies[gv]
+
+        def rebind(b):
+            v = b.value
+            if not (isinstance(v, relax.Call) and v.op == call_tir):
+                return b
+            func = bb.get()[v.args[0]]
+            shape = getattr(b.var.ty, "shape", None)
+            if (isinstance(func, tirx.PrimFunc) and func.attrs is not None and PRESET in func.attrs
+                    and shape is not None and isinstance(shape.values[0], tirx.IntImm) and shape.values[0].value == 1):
+                return relax.VarBinding(b.var, relax.Call(call_tir, [preset(v.args[0]), *v.args[1:]], v.attrs,
+                                                          v.ty_args))
+            return b
+
+        rewritten = [(gv, _rebound(func, rebind)) for gv, func in list(mod.functions_items())
+                     if isinstance(func, relax.Function)]
+        mod = bb.get()
+        for gv, func in rewritten:
+            mod[gv] = func
+        return mod
+
+    return _pass
+
+
+def _rebound(func, rebind):
+    """func with every binding b of its body replaced by rebind(b)."""
+    from tvm import relax
+
+    if not isinstance(func.body, relax.SeqExpr):
+        return func
+    blocks = [block_like(block, [rebind(b) for b in block.bindings]) for block in func.body.blocks]
+    return relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure,
+                          func.attrs, func.span)
 
 
 def protect_state_writes():
