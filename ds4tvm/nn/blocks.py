@@ -202,7 +202,7 @@ def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: fl
     mixing GEMV, which also sums the squares of the streams, and _hc_pre_norm_func."""
     n, _, D = X.shape
     if norm is not None and exporting_gpu_forms():
-        func = _hc_pre_norm_func(int(hc), int(D), int(iters), float(hc_eps), float(eps), binds_gpu_threads())
+        func = _hc_norm_func(int(hc), int(D), int(iters), float(hc_eps), float(eps), binds_gpu_threads())
         mix = fn.linear_and_squares(op.reshape(X, (n, hc * D)), name="hc_mix")
         x, post, c = op.tensor_ir_op(func, "hc_pre_norm", args=[mix, scale, base, X, norm],
                                      out=[nn.Tensor.placeholder((n, D), F32), nn.Tensor.placeholder((n, hc), F32),
@@ -336,13 +336,14 @@ def _hc_gates_sinkhorn_func(hc: int, iters: int, eps: float):
 
 
 @functools.lru_cache(maxsize=None)
-def _hc_pre_norm_func(hc: int, D: int, iters: int, hc_eps: float, eps: float, bind: bool):
-    """The GPU forms' hc_pre with a norm after the mixing GEMV, as one kernel: a thread block per
-    token normalizes the mix by the flat RMS (the GEMV's last column is the sum of squares of the
-    streams, qweight.linear_and_squares), one thread runs the gates and Sinkhorn, then the block
-    sums the weighted streams' squares by a tree over its threads and writes the normalized row.
-    bind=False: the same loops serial (the numerics check on a CPU)."""
-    M, K, NT = (2 + hc) * hc, hc * D, gpu_kernels.THREADS
+def _hc_norm_func(hc: int, D: int, iters: int, hc_eps: float, eps: float, bind: bool, head: bool = False):
+    """The GPU forms' hc_pre (or with head, hc_head) with a norm after the mixing GEMV, as one
+    kernel: a thread block per token normalizes the mix by the flat RMS (the GEMV's last column is
+    the sum of squares of the streams, qweight.linear_and_squares); one thread runs the gates and
+    Sinkhorn (the head: a thread per stream its sigmoid weight); then the block sums the weighted
+    streams' squares by a tree over its threads and writes the normalized row. bind=False: the
+    same loops serial (the numerics check on a CPU)."""
+    M, K, NT = hc if head else (2 + hc) * hc, hc * D, gpu_kernels.THREADS
     assert M <= NT
     per_thread, rounds = (D + NT - 1) // NT, NT.bit_length() - 1
     blocks = (lambda n: T.thread_binding(n, thread="blockIdx.x")) if bind else T.serial
@@ -353,6 +354,40 @@ def _hc_pre_norm_func(hc: int, D: int, iters: int, hc_eps: float, eps: float, bi
         for h in range(1, hc):
             v = v + pre[0, h] * X[t, h, d]
         return v
+
+    @T.macro
+    def normed_sum(pre, X, w, out, red, t):
+        for tx in threads():
+            red[tx] = T.float32(0)
+            for i in range(per_thread):
+                if i * NT + tx < D:
+                    red[tx] = red[tx] + weighted(pre, X, t, i * NT + tx) * weighted(pre, X, t, i * NT + tx)
+        for k in T.unroll(rounds):
+            for tx in threads():
+                if tx < T.shift_right(NT // 2, k):
+                    red[tx] = red[tx] + red[tx + T.shift_right(NT // 2, k)]
+        for tx in threads():
+            for i in range(per_thread):
+                if i * NT + tx < D:
+                    out[t, i * NT + tx] = weighted(pre, X, t, i * NT + tx) / T.sqrt(
+                        red[0] / T.float32(D) + T.float32(eps)) * w[i * NT + tx]
+
+    @T.prim_func(private=True)
+    def hc_head_norm(mix_h: T.handle, scale: T.Buffer((1,), "float32"), base: T.Buffer((M,), "float32"),
+                     x_h: T.handle, w: T.Buffer((D,), "float32"), out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": gpu_kernels.OPAQUE})
+        n = T.int64()
+        m = T.match_buffer(mix_h, (n, M + 1), "float32")
+        X = T.match_buffer(x_h, (n, hc, D), "float32")
+        out = T.match_buffer(out_h, (n, D), "float32")
+        for t in blocks(n):
+            pre = T.alloc_buffer((1, hc), "float32", scope="shared")
+            red = T.alloc_buffer((NT,), "float32", scope="shared")
+            for tx in threads():
+                if tx < M:
+                    pre[0, tx] = T.sigmoid(m[t, tx] / T.sqrt(m[t, M] / T.float32(K) + T.float32(eps)) * scale[0]
+                                           + base[tx]) + T.float32(hc_eps)
+            normed_sum(pre, X, w, out, red, t)
 
     @T.prim_func(private=True)
     def hc_pre_norm(mix_h: T.handle, scale: T.Buffer((3,), "float32"), base: T.Buffer((M,), "float32"),
@@ -375,21 +410,9 @@ def _hc_pre_norm_func(hc: int, D: int, iters: int, hc_eps: float, eps: float, bi
             for tx in threads():
                 if tx == 0:
                     _hc_gates_rounds(mm, 0, scale, base, pre, 0, post, O, t, S, 0, hc, iters, hc_eps)
-            for tx in threads():
-                red[tx] = T.float32(0)
-                for i in range(per_thread):
-                    if i * NT + tx < D:
-                        red[tx] = red[tx] + weighted(pre, X, t, i * NT + tx) * weighted(pre, X, t, i * NT + tx)
-            for k in T.unroll(rounds):
-                for tx in threads():
-                    if tx < T.shift_right(NT // 2, k):
-                        red[tx] = red[tx] + red[tx + T.shift_right(NT // 2, k)]
-            for tx in threads():
-                for i in range(per_thread):
-                    if i * NT + tx < D:
-                        out[t, i * NT + tx] = weighted(pre, X, t, i * NT + tx) / T.sqrt(
-                            red[0] / T.float32(D) + T.float32(eps)) * w[i * NT + tx]
-    return gpu_kernels.hand_kernel(hc_pre_norm)
+            normed_sum(pre, X, w, out, red, t)
+
+    return gpu_kernels.hand_kernel(hc_head_norm if head else hc_pre_norm)
 
 
 def sinkhorn(c: nn.Tensor, iters: int, eps: float) -> nn.Tensor:
@@ -425,11 +448,20 @@ def _hc_post_te(o, x, p, c):
     return te.compute((n, hc, D), lambda t, dst, d: p[t, dst] * o[t, d] + mixed(t, dst, d), name="hc_post")
 
 
-def hc_head(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, eps: float, hc_eps: float) -> nn.Tensor:
+def hc_head(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, eps: float, hc_eps: float,
+            norm: nn.Tensor | None = None) -> nn.Tensor:
+    """X [T, hc, D] -> [T, D]: the streams summed with sigmoid weights of their mix; with norm,
+    RMS-normalized by it. In the GPU forms with a norm, two kernels (as hc_pre's)."""
     n, hc, D = X.shape
+    if norm is not None and exporting_gpu_forms():
+        func = _hc_norm_func(int(hc), int(D), 0, float(hc_eps), float(eps), binds_gpu_threads(), head=True)
+        mix = fn.linear_and_squares(op.reshape(X, (n, hc * D)), name="hc_head_mix")
+        return op.tensor_ir_op(func, "hc_head_norm", args=[mix, scale, base, X, norm],
+                               out=nn.Tensor.placeholder((n, D), F32))
     mix = fn.linear(rms(op.reshape(X, (n, hc * D)), eps), name="hc_head_mix")
     w = op.sigmoid(mix * scale + base) + hc_eps
-    return op.sum(op.reshape(w, (n, hc, 1)) * X, axis=1)
+    h = op.sum(op.reshape(w, (n, hc, 1)) * X, axis=1)
+    return h if norm is None else rms(h, eps, norm)
 
 
 def attend_with_sinks(q_te, key, valid, A, sinks, name: str, scale: float | None = None):

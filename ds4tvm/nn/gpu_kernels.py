@@ -277,8 +277,7 @@ def top_k(E: int, k: int, biased: bool, denominator=None, scale: float = 1.0, bi
         return x[t, e] + bias[e] if biased else x[t, e]
 
     def weight(chosen, total):
-        w = chosen if denominator is None else chosen / denominator(total)
-        return w if scale == 1.0 else w * T.float32(scale)
+        return _route_weight(chosen, total, denominator, scale)
 
     @T.prim_func(private=True)
     def choose(x_h: T.handle, bias: T.Buffer((E if biased else 1,), "float32"), out_h: T.handle, w_h: T.handle):
@@ -314,6 +313,40 @@ def top_k(E: int, k: int, biased: bool, denominator=None, scale: float = 1.0, bi
                         total[0] = total[0] + x[t, chosen[i]]
                     wt[t, j] = weight(x[t, chosen[j]], total[0])
     return hand_kernel(choose)
+
+
+def _route_weight(chosen, total, denominator, scale: float):
+    """nn/moe.route_weights' expression of one chosen score given the sum of the chosen."""
+    w = chosen if denominator is None else chosen / denominator(total)
+    return w if scale == 1.0 else w * T.float32(scale)
+
+
+@functools.lru_cache(maxsize=None)
+def table_experts(E: int, V: int, k: int, denominator=None, scale: float = 1.0, bind: bool = True):
+    """The experts of each token's row of a token-id table (DeepSeek-V4's hash layers) and their
+    weights (route_weights' expressions) as one kernel, where the gather and the weights were two:
+    a thread block per token, a thread per slot. The table's values were checked in [0, E) at
+    load (gguf/validate.py), the token ids before the call. bind=False: the same loops serial."""
+    blocks = (lambda n: T.thread_binding(n, thread="blockIdx.x")) if bind else T.serial
+    threads = (lambda: T.thread_binding(k, thread="threadIdx.x")) if bind else (lambda: T.serial(k))
+
+    @T.prim_func(private=True)
+    def hashed(x_h: T.handle, table: T.Buffer((V, k), "int32"), ids_h: T.handle, out_h: T.handle, w_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})
+        n = T.int64()
+        x = T.match_buffer(x_h, (n, E), "float32")
+        ids = T.match_buffer(ids_h, (n,), "int32")
+        out = T.match_buffer(out_h, (n, k), "int32")
+        wt = T.match_buffer(w_h, (n, k), "float32")
+        for t in blocks(n):
+            total = T.alloc_buffer((1,), "float32", scope="local")
+            for j in threads():   # each slot sums the chosen scores in slot order, as route_weights
+                out[t, j] = table[ids[t], j]
+                total[0] = T.float32(0)
+                for i in range(k):
+                    total[0] = total[0] + x[t, table[ids[t], i]]
+                wt[t, j] = _route_weight(x[t, table[ids[t], j]], total[0], denominator, scale)
+    return hand_kernel(hashed)
 
 
 @functools.lru_cache(maxsize=None)

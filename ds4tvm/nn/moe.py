@@ -41,6 +41,21 @@ def choose_experts(scores: nn.Tensor, k: int, bias: nn.Tensor | None = None, den
     return experts, weights
 
 
+def table_experts(table: nn.Tensor, ids: nn.Tensor, scores: nn.Tensor, denominator=None,
+                  scale: float = 1.0) -> tuple[nn.Tensor, nn.Tensor]:
+    """(experts, weights): each token's row of a token-id table [V, k] and route_weights of the
+    scores for them; in the GPU forms one kernel (gpu_kernels.table_experts)."""
+    if not exporting_gpu_forms():
+        experts = op.take(table, ids, axis=0)
+        return experts, route_weights(scores, experts, denominator, scale)
+    (V, k), E = [int(d) for d in table.shape], int(scores.shape[1])
+    func = gpu_kernels.table_experts(E, V, k, denominator, float(scale), binds_gpu_threads())
+    experts, weights = op.tensor_ir_op(func, "table_experts", [scores, table, ids],
+                                       [nn.Tensor.placeholder((scores.shape[0], k), "int32"),
+                                        nn.Tensor.placeholder((scores.shape[0], k), "float32")])
+    return experts, weights
+
+
 def route_weights(scores: nn.Tensor, experts: nn.Tensor, denominator=None, scale: float = 1.0) -> nn.Tensor:
     """Each token's weights of its chosen experts [T, k] in one kernel: scores[t, experts[t, j]],
     divided by denominator(their sum) when given (a TIR expression of it), times scale. As relax ops

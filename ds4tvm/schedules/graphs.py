@@ -188,22 +188,50 @@ def _outputs_copied_last(bb, body, kernels):
 
 def _copy_kernel(bb, types, kernels):
     """An opaque (never fused) kernel copying tensors of the given types."""
-    from tvm import te
-
     key = ("copy", tuple(str(t) for t in types))
     if key not in kernels:
-        ins = [te.placeholder([int(d) for d in t.shape.values], t.dtype, f"a{i}") for i, t in enumerate(types)]
-        outs = [_copy_of(a, f"copy{j}") for j, a in enumerate(ins)]
         name = f"output_copy{len(kernels)}"
-        kernels[key] = bb.add_func(te.create_prim_func([*ins, *outs]).with_attr("op_pattern", OPAQUE)
-                                   .with_attr("global_symbol", name), name)
+        func = _copies([[int(d) for d in t.shape.values] for t in types], [t.dtype for t in types], name)
+        kernels[key] = bb.add_func(func, name)
     return kernels[key]
 
 
-def _copy_of(a, name: str):
-    from tvm import te
+def _copies(shapes: list, dtypes: list, name: str, threads: int = 256):
+    """A PrimFunc copying each of its first len(shapes) buffers into the next ones, written
+    scheduled: one launch over the largest of them, a thread per element, each copy under the
+    condition of its size (scheduled by dlight's Fallback, one launch per tensor); on a CPU
+    target the same loop serial."""
+    import math
 
-    return te.compute(a.shape, lambda *i: a(*i), name=name)
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as B
+
+    from ..nn.gpu_kernels import hand_kernel
+
+    target = tvm.target.Target.current(allow_none=True)
+    bind = target is not None and target.kind.name != "llvm"
+    sizes = [math.prod(s) for s in shapes]
+    with IRBuilder() as ib:
+        with B.prim_func():
+            B.func_name(name)
+            B.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE,
+                         "global_symbol": name})
+            ins = [B.arg(f"a{i}", B.buffer(s, d)) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+            outs = [B.arg(f"copy{i}", B.buffer(s, d)) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+            with (B.thread_binding((max(sizes) + threads - 1) // threads, thread="blockIdx.x") if bind
+                  else B.serial((max(sizes) + threads - 1) // threads)) as bx:
+                with B.thread_binding(threads, thread="threadIdx.x") if bind else B.serial(threads) as tx:
+                    i = bx * threads + tx
+                    for a, c, shape, size in zip(ins, outs, shapes, sizes):
+                        at, rest = [], i
+                        for d in reversed(shape):
+                            at.insert(0, rest % d)
+                            rest = rest // d
+                        with B.If(i < size):
+                            with B.Then():
+                                B.buffer_store(c, tirx.BufferLoad(a, at), at)
+    return hand_kernel(ib.get())
 
 
 def _mentions(value, var) -> bool:

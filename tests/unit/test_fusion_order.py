@@ -67,3 +67,46 @@ def test_without_the_read_dependencies_the_fused_read_sees_the_new_row():
     if np.allclose(got[0], old_row):
         pytest.fail("TVM's fusion kept the read before the write on its own: this test no longer shows the hazard")
     np.testing.assert_allclose(got[0], new_row, rtol=1e-6)
+
+
+def _gemv_then_hc_post(n):
+    """A GEMV [n, D] and hc_post's GPU form after it: one function of n tokens."""
+    from ds4tvm.nn.blocks import _hc_post_te
+    from ds4tvm.schedules.fusion import ELEMWISE, PRESET
+
+    D, Kx, hc = 32, 16, 4
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n, Kx), "float32"))
+    w = relax.Var("w", relax.TensorType((D, Kx), "float32"))
+    X = relax.Var("X", relax.TensorType((n, hc, D), "float32"))
+    post = relax.Var("post", relax.TensorType((n, hc), "float32"))
+    comb = relax.Var("comb", relax.TensorType((n, hc, hc), "float32"))
+
+    def gemv(a, b):
+        k = te.reduce_axis((0, Kx), name="k")
+        return te.compute((a.shape[0], D), lambda t, i: te.sum(a[t, k] * b[i, k], axis=k), name="matmul")
+
+    with bb.function("f", [x, w, X, post, comb]):
+        with bb.dataflow():
+            out = bb.emit_te(gemv, x, w, primfunc_name_hint="qlinear")
+            o = bb.emit_output(bb.emit_te(_hc_post_te, out, X, post, comb, primfunc_name_hint="hc_post"))
+        bb.emit_func_output(o)
+    mod = bb.finalize()
+    gv = mod.get_global_var("hc_post")
+    mod[gv] = mod[gv].with_attr(PRESET, ELEMWISE)
+    return mod
+
+
+def _fused_names(mod):
+    from ds4tvm.schedules.fusion import fusion_passes
+
+    mod = tvm.transform.Sequential(fusion_passes())(mod)
+    return sorted(gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc))
+
+
+def test_hc_post_is_the_gemvs_epilogue_in_one_token_calls_only():
+    """preset_patterns: hc_post's preset kElemWise lets FuseOps take it into the GEMV before it in
+    a call of one token (dlight's GEMV schedules that); with several tokens its analysed pattern
+    stays (dlight's Matmul cannot take the epilogue), and so do the two kernels."""
+    assert _fused_names(_gemv_then_hc_post(1)) == ["fused_qlinear_hc_post_one_token"]
+    assert _fused_names(_gemv_then_hc_post(tirx.Var("n", "int64"))) == ["hc_post", "qlinear"]

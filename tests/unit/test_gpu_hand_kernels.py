@@ -143,3 +143,26 @@ def test_window_attention_kernel_writes_a_decode_steps_row_into_the_ring():
     want = ring.copy()
     want[start % len(ring)] = new[0]
     assert np.array_equal(ours[1], want) and np.array_equal(theirs[1], want)
+
+
+def test_table_experts_kernel_reads_the_table_rows_and_weighs_like_route_weights():
+    from tvm import tirx
+
+    from ds4tvm.nn.moe import table_experts
+
+    E, V, k = 16, 10, 4
+    rng = np.random.default_rng(8)
+    table = np.stack([rng.permutation(E)[:k] for _ in range(V)]).astype(np.int32)
+    ids = np.array([3, 0, 9], np.int32)
+    scores = rng.uniform(0.1, 1.0, (3, E)).astype(np.float32)
+    specs = {"scores": ((3, E), "float32"), "table": ((V, k), "int32"), "ids": ((3,), "int32")}
+
+    def fn(s, tb, i, start):
+        return table_experts(tb, i, s, lambda total: tirx.max(total, tirx.const(6.1e-5, "float32")), 1.5)
+
+    experts, weights = build(fn, specs, gpu=True)(scores, table, ids, start=0)
+    assert np.array_equal(experts, table[ids])
+    chosen = np.take_along_axis(scores, table[ids], axis=1)
+    assert np.allclose(weights, chosen / np.maximum(chosen.sum(1, keepdims=True), 6.1e-5) * 1.5, rtol=1e-6)
+    cpu_experts, cpu_weights = build(fn, specs, gpu=False)(scores, table, ids, start=0)
+    assert np.array_equal(experts, cpu_experts) and np.array_equal(weights, cpu_weights)

@@ -43,3 +43,23 @@ def test_device_launches_count_outermost_thread_nests():
     assert device_launches(two_stages) == 2
     assert device_launches(branches) == 2
     assert device_launches(on_cpu) == 1
+
+
+def test_output_copies_are_one_launch_on_gpus_and_copy_on_a_cpu():
+    """schedules/graphs._copies: every output a recorded function returns, copied by one kernel
+    (dlight's Fallback made one launch per tensor); built serial for llvm, it copies."""
+    import numpy as np
+    import tvm
+
+    from ds4tvm.schedules.graphs import _copies
+
+    shapes = [(1, 300), (2, 5, 7)]
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        assert device_launches(_copies(shapes, ["float32", "int32"], "copies")) == 1
+    with tvm.target.Target({"kind": "llvm"}):
+        func = _copies(shapes, ["float32", "int32"], "copies")
+    lib = tvm.compile(tvm.IRModule({"copies": func}), target="llvm")
+    a, b = np.random.default_rng(0).standard_normal(shapes[0]).astype("float32"), np.arange(70, dtype="int32").reshape(shapes[1])
+    outs = [tvm.runtime.tensor(np.zeros_like(a)), tvm.runtime.tensor(np.zeros_like(b))]
+    lib["copies"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), *outs)
+    assert np.array_equal(outs[0].numpy(), a) and np.array_equal(outs[1].numpy(), b)

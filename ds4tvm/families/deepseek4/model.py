@@ -18,7 +18,7 @@ from tvm.relax.frontend.nn import op
 from ...artifact import Bounds, FunctionSpec, StateSpec
 from ...nn.blocks import (hc_head, hc_post, hc_pre, indexer_select, periodic_rows, rms, rms_rope, rope,
                           rope_hadamard_fp4, rope_inv_freq, sparse_window_attention)
-from ...nn.moe import choose_experts, dense_ffn, route_weights, routed_experts
+from ...nn.moe import choose_experts, dense_ffn, routed_experts, table_experts
 from ...nn.qweight import Weights
 from ...nn.rounding import hadamard_fp4
 from ...nn.state import compacts, compressor_writes, context_rows
@@ -146,8 +146,7 @@ class Block(nn.Module):
         p = op.sqrt(op.softplus(w["ffn_gate_inp.weight"].linear(h)))
         denominator = (lambda total: tirx.max(total, tirx.const(6.1e-5, "float32"))) if c.expert_weights_norm else None
         if self.il < c.n_hash_layers:
-            experts = op.take(self.tid2eid, ids, axis=0)
-            ps = route_weights(p, experts, denominator, c.expert_weights_scale)
+            experts, ps = table_experts(self.tid2eid, ids, p, denominator, c.expert_weights_scale)
         else:
             bias = w["exp_probs_b.bias"].values(name="probs_bias") if self.has_bias else None
             experts, ps = choose_experts(p, c.n_expert_used, bias, denominator, c.expert_weights_scale)
@@ -188,9 +187,8 @@ class DeepSeekV4(nn.Module):
     def hidden_of(self, X, head_fn, head_scale, head_base, norm, name: str):
         """HC head (streams -> one row) and RMSNorm: what the output head reads."""
         c = self.cfg
-        h = hc_head(X, head_fn, head_scale.values(name=f"{name}_hc_scale"), head_base.values(name=f"{name}_hc_base"),
-                    c.rms_eps, c.hc_eps)
-        return rms(h, c.rms_eps, norm.values(name=f"{name}_norm"))
+        return hc_head(X, head_fn, head_scale.values(name=f"{name}_hc_scale"),
+                       head_base.values(name=f"{name}_hc_base"), c.rms_eps, c.hc_eps, norm.values(name=f"{name}_norm"))
 
     def logits_of(self, X, head_fn, head_scale, head_base, norm, name: str):
         """The target's output head over hidden_of."""

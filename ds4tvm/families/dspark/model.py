@@ -134,9 +134,9 @@ class DSparkDrafter(nn.Module):
             post_t, comb_t = _rows(post, 1, B + 1, "post_t"), _rows(comb, 1, B + 1, "comb_t")
             T = hc_post(out, T, post_t, comb_t)
             T = stage.moe(T, None)
-        h = hc_head(T, self.hc_head_fn, self.hc_head_scale.values(name="dspark_hc_scale"),
-                    self.hc_head_base.values(name="dspark_hc_base"), b.rms_eps, b.hc_eps)
-        return rms(h, b.rms_eps, self.norm.values(name="dspark_norm"))
+        return hc_head(T, self.hc_head_fn, self.hc_head_scale.values(name="dspark_hc_scale"),
+                       self.hc_head_base.values(name="dspark_hc_base"), b.rms_eps, b.hc_eps,
+                       self.norm.values(name="dspark_norm"))
 
     def markov(self, prev: nn.Tensor):
         """m = w1[prev] (rank values) and its vocabulary bias w2 · m."""
