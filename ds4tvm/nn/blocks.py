@@ -98,15 +98,26 @@ def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, i
 
 
 def rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start, inv_freq: np.ndarray,
-             name: str = "rms_rope", fp8: bool = False, **at) -> nn.Tensor:
+             name: str = "rms_rope", fp8: bool = False, fp4: bool = False, **at) -> nn.Tensor:
     """rope(rms(x, eps, weight), positions_start, inv_freq, **at), with fp8 then the E4M3 round
-    trip of the channels before the rotated ones (rounding.fp8_round_rows). In the GPU forms one
-    kernel, the rotation reading the normalized pair in registers (with fp8, rows [n, D] only:
-    gpu_kernels.rms_rope_fp8); the CPU keeps its kernels."""
+    trip of the channels before the rotated ones (rounding.fp8_round_rows), with fp4 then
+    rounding.hadamard_fp4. In the GPU forms one kernel, the rotation reading the normalized pair
+    in registers (with fp8, rows [n, D] only: gpu_kernels.rms_rope_fp8; with fp4, read inline by
+    the transform); the CPU keeps its kernels."""
     n_rot = 2 * len(inv_freq)
+    assert not (fp8 and fp4)
     if not exporting_gpu_forms():
         y = rope(rms(x, eps, weight), positions_start, inv_freq, **at)
-        return fp8_round_rows(y, int(x.shape[-1]) - n_rot) if fp8 else y
+        y = fp8_round_rows(y, int(x.shape[-1]) - n_rot) if fp8 else y
+        return hadamard_fp4(y) if fp4 else y
+    if fp4:
+        def rotated(x_te, fr, start, *w):
+            normalized = _rms_te(lambda i: x_te[i], x_te.shape, eps, w)
+            body = _rope_te(lambda i: normalized(*i), fr, start, n_rot, x_te.shape[-1], **at)
+            return lambda i: body(*i)
+
+        return hadamard_fp4(x, before=([nn.Tensor.from_const(inv_freq), positions_start]
+                                       + ([weight] if weight is not None else []), rotated))
     if fp8:
         func = gpu_kernels.rms_rope_fp8(int(x.shape[-1]), n_rot, float(eps), weight is not None, at.get("offset", 0),
                                         at.get("stride", 1), binds_gpu_threads())

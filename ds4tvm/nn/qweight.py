@@ -18,6 +18,7 @@ from tvm.relax.frontend.nn import op
 from . import cpu_kernels, gpu_kernels
 from .dequant import DEQUANT, tables
 from ..gguf.quant import TO_F32, plane_format
+from ..schedules.fusion import INJECTIVE, PRESET
 
 F32 = "float32"
 # Set while a module is exported for a CPU target: the number of cores it is compiled for, the
@@ -281,7 +282,9 @@ class QWeight(nn.Module):
             P = dict(zip(names, ps))
             return te.compute((ids_te.shape[0], K), lambda t, k: deq(P, (ids_te[t],), k), name="qrows")
 
-        return op.tensor_expr_op(f, name, [ids, *args])
+        # a gather, which the pattern analysis calls opaque: injective, it fuses with what follows
+        attrs = {PRESET: INJECTIVE} if _GPU.get() is not None else None
+        return op.tensor_expr_op(f, name, [ids, *args], attrs=attrs)
 
     def values(self, name: str = "qvalues") -> nn.Tensor:
         """The whole (small) tensor as float32: norms, biases, HC vectors. An F32 tensor is its one

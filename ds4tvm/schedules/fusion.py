@@ -15,6 +15,7 @@ import tvm
 
 ELEMWISE = 0   # tvm's kElemWise
 BROADCAST = 1   # tvm's kBroadcast
+INJECTIVE = 2   # tvm's kInjective
 OPAQUE = 8   # tvm's kOpaque op pattern
 # A kernel's op pattern set by nn/ where the analysis would find another: AnnotateTIROpPattern
 # recomputes every op_pattern that is absent or zero (kElemWise), so it travels in this attribute.

@@ -20,7 +20,6 @@ from ...nn.blocks import (hc_head, hc_post, hc_pre, indexer_select, periodic_row
                           rope_hadamard_fp4, rope_inv_freq, sparse_window_attention)
 from ...nn.moe import choose_experts, dense_ffn, routed_experts, table_experts
 from ...nn.qweight import Weights
-from ...nn.rounding import hadamard_fp4
 from ...nn.state import compacts, compressor_writes, context_rows
 from .compressor import pooled_window
 from .config import Config
@@ -130,10 +129,8 @@ class Block(nn.Module):
         compact = compacts(N)
         pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, compact, name=f"{sname}_pool")
         # RoPE'd at the window's first position
-        cand = rms_rope(pooled, c.rms_eps, self.v(f"{wname}_norm"), start, rope_comp, fp8=fp8,
+        cand = rms_rope(pooled, c.rms_eps, self.v(f"{wname}_norm"), start, rope_comp, fp8=fp8, fp4=fp4,
                         **(dict(stride=r) if compact else dict(offset=1 - r)))
-        if fp4:
-            cand = hadamard_fp4(cand)
         rows, kv_front, sc_front = compressor_writes(states[f"{sname}_rows"], cand, (kv_front, sc_front), (kv, score),
                                                      start, r, compact,
                                                      (f"{sname}_emit", f"{sname}_kv_write", f"{sname}_score_write"))
