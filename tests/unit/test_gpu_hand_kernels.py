@@ -37,8 +37,12 @@ def build(fn, specs: dict, gpu: bool):
     return run
 
 
-@pytest.mark.parametrize("at", [{}, {"offset": -3}, {"stride": 4}], ids=str)
-def test_rms_rope_fp8_kernel_equals_the_cpu_kernels(at):
+@pytest.mark.parametrize("rounding,at", [("fp8", {}), ("fp8", {"offset": -3}), ("fp8", {"stride": 4}),
+                                         ("fp4", {"offset": -3}), ("fp4", {"stride": 4})], ids=str)
+def test_rms_rope_rounding_forms_equal_the_cpu_kernels(rounding, at):
+    """rms_rope with fp8 (the hand kernel gpu_kernels.rms_rope_fp8) or fp4 (the Hadamard transform
+    reading the normalized, rotated rows inline: the indexer compressor's rows) against the CPU's
+    rms, rope and rounding kernels."""
     from ds4tvm.nn.blocks import rms_rope, rope_inv_freq
 
     freq = rope_inv_freq(16, 10000.0, None)
@@ -48,34 +52,15 @@ def test_rms_rope_fp8_kernel_equals_the_cpu_kernels(at):
     specs = {"x": ((5, 128), "float32"), "w": ((128,), "float32")}
 
     def fn(xt, wt, start):
-        return rms_rope(xt, 1e-6, wt, start, freq, fp8=True, **at)
+        return rms_rope(xt, 1e-6, wt, start, freq, **{rounding: True}, **at)
 
     ours = build(fn, specs, gpu=True)(x, w, start=37)
     cpu = build(fn, specs, gpu=False)(x, w, start=37)
     assert np.abs(ours - cpu).max() <= 1e-6 * np.abs(cpu).max()
-    assert len(np.unique(ours[:, :112])) < len(np.unique(x[:, :112]))   # the rounding happened
-
-
-@pytest.mark.parametrize("at", [{"offset": -3}, {"stride": 4}], ids=str)
-def test_rms_rope_fp4_form_equals_the_cpu_kernels(at):
-    """rms_rope(fp4=True): in the GPU forms the Hadamard transform reads the normalized, rotated
-    rows inline (one kernel, the indexer compressor's rows); the CPU runs rms, rope, hadamard_fp4."""
-    from ds4tvm.nn.blocks import rms_rope, rope_inv_freq
-
-    freq = rope_inv_freq(16, 10000.0, None)
-    rng = np.random.default_rng(9)
-    x = (rng.standard_normal((5, 128)) * np.exp(rng.uniform(-3, 3, (5, 1)))).astype(np.float32)
-    w = rng.uniform(0.5, 1.5, 128).astype(np.float32)
-    specs = {"x": ((5, 128), "float32"), "w": ((128,), "float32")}
-
-    def fn(xt, wt, start):
-        return rms_rope(xt, 1e-6, wt, start, freq, fp4=True, **at)
-
-    ours = build(fn, specs, gpu=True)(x, w, start=37)
-    cpu = build(fn, specs, gpu=False)(x, w, start=37)
-    assert np.abs(ours - cpu).max() <= 1e-6 * np.abs(cpu).max()
-    blocks = np.abs(ours).reshape(5, 4, 32)   # E2M1: 8 magnitudes times each block's scale
-    assert max(len(np.unique(b)) for row in blocks for b in row) <= 8
+    if rounding == "fp8":   # the rounding happened
+        assert len(np.unique(ours[:, :112])) < len(np.unique(x[:, :112]))
+    else:   # E2M1: 8 magnitudes times each block's scale
+        assert max(len(np.unique(b)) for row in np.abs(ours).reshape(5, 4, 32) for b in row) <= 8
 
 
 def test_choose_experts_kernel_ranks_like_topk_and_weighs_like_route_weights():
