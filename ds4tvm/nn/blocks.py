@@ -210,7 +210,7 @@ def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: fl
     """X [T, hc, D] -> (sublayer input [T, D], post [T, hc], comb [T, hc(src), hc(dst)]) with the
     combine matrix c[dst, src] made doubly stochastic by Sinkhorn (eps in every divisor); with
     norm, the sublayer input RMS-normalized by it. In the GPU forms with a norm, two kernels: the
-    mixing GEMV, which also sums the squares of the streams, and _hc_pre_norm_func."""
+    mixing GEMV, which also sums the squares of the streams, and _hc_norm_func."""
     n, _, D = X.shape
     if norm is not None and exporting_gpu_forms():
         func = _hc_norm_func(int(hc), int(D), int(iters), float(hc_eps), float(eps), binds_gpu_threads())

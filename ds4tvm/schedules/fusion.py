@@ -30,11 +30,11 @@ def fusion_passes() -> list:
 
 
 def preset_patterns():
-    """The PRESET op pattern for the calls of one token (a decode step's GEMVs). hc_post is the
-    case: each output element reads one element of the sublayer's output (and the residual
-    streams), so FuseOps may take it as the epilogue of the GEMV that computes that output, which
-    dlight's GEMV schedules; its Matmul rule cannot (a consumer with one more axis), so wider calls
-    keep the analysis' kInjective."""
+    """The PRESET op pattern for the calls of one token (a decode step's). hc_post: each output
+    element reads one element of the sublayer's output (and the residual streams), so FuseOps may
+    take it as the epilogue of the GEMV that computes that output, which dlight's GEMV schedules;
+    its Matmul rule cannot (a consumer with one more axis), so wider calls keep the analysis'
+    kInjective. The embedding's gather: injective, where the analysis says opaque."""
     from tvm import relax, tirx
 
     call_tir = tvm.ir.Op.get("relax.call_tir")

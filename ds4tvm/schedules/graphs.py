@@ -199,8 +199,8 @@ def _copy_kernel(bb, types, kernels):
 def _copies(shapes: list, dtypes: list, name: str, threads: int = 256):
     """A PrimFunc copying each of its first len(shapes) buffers into the next ones, written
     scheduled: one launch over the largest of them, a thread per element, each copy under the
-    condition of its size (scheduled by dlight's Fallback, one launch per tensor); on a CPU
-    target the same loop serial."""
+    condition of its size (dlight's Fallback made one launch per tensor); on a CPU target the
+    same loops serial."""
     import math
 
     from tvm import tirx
