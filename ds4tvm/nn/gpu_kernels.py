@@ -17,6 +17,7 @@ import functools
 import math
 
 from gguf import GGMLQuantizationType as QT
+from tvm import tirx
 from tvm.script import tirx as T
 
 from .cpu_kernels import _arg_types, _dequant
@@ -73,6 +74,15 @@ def expert_gemv(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool,
     return main
 
 
+def clamped_swiglu_value(g, u, limit: float):
+    """nn/moe.clamped_swiglu of one gate value g and up value u, as the relax ops compute it
+    (SiLU as x * sigmoid(x))."""
+    if limit > 0:
+        g = tirx.min(g, tirx.const(limit, "float32"))
+        u = tirx.min(tirx.max(u, tirx.const(-limit, "float32")), tirx.const(limit, "float32"))
+    return g * tirx.sigmoid(g) * u
+
+
 @functools.lru_cache(maxsize=None)
 def expert_gemv_swiglu(qtype: QT, E: int, N: int, K: int, J: int, limit: float, bind: bool = True):
     """y[T, J, N] = clamped SwiGLU(g, x @ W[ids]^T) (nn/moe.clamped_swiglu of the gate projection
@@ -82,10 +92,7 @@ def expert_gemv_swiglu(qtype: QT, E: int, N: int, K: int, J: int, limit: float, 
     deq = _dequant(qtype)
 
     def act(g, u):
-        if limit > 0:
-            g = T.min(g, T.float32(limit))
-            u = T.min(T.max(u, T.float32(-limit)), T.float32(limit))
-        return g * T.sigmoid(g) * u
+        return clamped_swiglu_value(g, u, limit)
 
     @T.prim_func(private=True, s_tir=True)
     def main(x_h: T.handle, ids_h: T.handle, w0: T.Buffer(*a[0]), w1: T.Buffer(*a[1]), w2: T.Buffer(*a[2]),

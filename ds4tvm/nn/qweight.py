@@ -235,10 +235,7 @@ class QWeight(nn.Module):
         def f(x_te, ids, *ps):
             P = dict(zip(names, ps))
             if _GPU.get() is not None:   # the flat GPU form, one (token, slot) pair per output row
-                w = _dequantized(P, deq, (ids.shape[0], J, N, K), lambda t, j, n: (ids[t, j], n))
-                k = te.reduce_axis((0, K), name="k")
-                return te.compute((ids.shape[0], J, N), lambda t, j, n: te.sum(
-                    (x_te[t, j, k] if per_expert_input else x_te[t, k]) * w[t, j, n, k], axis=k), name=GPU_MATMUL)
+                return self._flat_experts(P, x_te, ids, per_expert_input)
             lanes = LANES if K % LANES == 0 and K > LANES else 1   # one lane block: its loop folds away
             ko = te.reduce_axis((0, K // lanes), name="ko")
 
@@ -259,14 +256,33 @@ class QWeight(nn.Module):
 
         return op.tensor_expr_op(f, name, [x, experts, *args])
 
+    def _flat_experts(self, P: dict, x_te, ids, per_expert_input: bool):
+        """The flat GPU form's product [T, J, N] (a `dequantize` block inlined into one `matmul`
+        reduction over K: schedules/gpu.py's HandGEMV)."""
+        E, N, K = self.shape
+        J = ids.shape[1]
+        w = _dequantized(P, DEQUANT[self.qtype], (ids.shape[0], J, N, K), lambda t, j, n: (ids[t, j], n))
+        k = te.reduce_axis((0, K), name="k")
+        return te.compute((ids.shape[0], J, N), lambda t, j, n: te.sum(
+            (x_te[t, j, k] if per_expert_input else x_te[t, k]) * w[t, j, n, k], axis=k), name=GPU_MATMUL)
+
     def expert_swiglu(self, gate: nn.Tensor, x: nn.Tensor, experts: nn.Tensor, limit: float,
                       name: str = "qlinear_experts_swiglu") -> nn.Tensor | None:
         """The GPU forms' clamped SwiGLU of gate [T, J, N] and this up projection's
-        expert_linear(x [T, K], experts) as one kernel (the SwiGLU the GEMV's epilogue); None where
-        there is no such form (the CPU, the flat-form formats)."""
+        expert_linear(x [T, K], experts) as one kernel (the SwiGLU the GEMV's epilogue, in the
+        blockized or the flat form); None on the CPU."""
         E, N, K = self.shape
-        if _GPU.get() is None or len(x.shape) != 2 or not gpu_kernels.takes_blockized(self.qtype, K):
+        if _GPU.get() is None or len(x.shape) != 2:
             return None
+        if not gpu_kernels.takes_blockized(self.qtype, K):
+            args, names = self._te_args()
+
+            def f(x_te, ids, g, *ps):
+                up = self._flat_experts(dict(zip(names, ps)), x_te, ids, False)
+                return te.compute(up.shape, lambda *i: gpu_kernels.clamped_swiglu_value(g[i], up[i], limit),
+                                  name="swiglu")
+
+            return op.tensor_expr_op(f, name, [x, experts, gate, *args])
         T, J = x.shape[0], experts.shape[1]
         func = gpu_kernels.expert_gemv_swiglu(self.qtype, E, N, K, J, float(limit), _GPU.get())
         return op.tensor_ir_op(func, name, [op.reshape(x, (T, 1, K)), experts, *self._cpu_args(None), gate],

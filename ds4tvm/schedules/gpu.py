@@ -36,7 +36,8 @@ def _hand_gemv():
     the weight's own codes, which its analysis rejects), in nn/qweight.py's GPU form (a `dequantize`
     block inlined into one `matmul` reduction over K): one thread block per output element (token,
     row), its 32 threads a warp striding over K so that neighbouring threads read neighbouring
-    weights, partial sums in registers, then summed across the warp by shuffles."""
+    weights, partial sums in registers, then summed across the warp by shuffles; an elementwise
+    epilogue (the routed experts' SwiGLU) then in the same block."""
     from tvm import s_tir
     from tvm.s_tir.dlight.base import ScheduleRule
 
@@ -46,9 +47,10 @@ def _hand_gemv():
             mm, deq = sch.get_sblock("matmul"), sch.get_sblock("dequantize")
         except Exception:  # noqa: BLE001 - not one of the linears
             return None
+        epilogue = sch.get_consumers(mm)
         k = sch.get_loops(mm)[-1]
         extent = sch.get(k).extent
-        if not hasattr(extent, "value") or extent.value % WARP:
+        if not hasattr(extent, "value") or extent.value % WARP or len(epilogue) > 1:
             return None
         sch.compute_inline(deq)
         _, lane = sch.split(k, [None, WARP])
@@ -59,6 +61,9 @@ def _hand_gemv():
         sch.compute_at(partial, row)
         sch.bind(sch.get_loops(partial)[-2], "threadIdx.x")
         sch.set_scope(partial, 0, "local")
+        if epilogue:   # elementwise (the experts' SwiGLU): after the warp's sum, in the same block
+            sch.set_scope(mm, 0, "shared")
+            sch.reverse_compute_at(epilogue[0], row)
         return sch
 
     rule = ScheduleRule.from_callable("HandGEMV")(apply)

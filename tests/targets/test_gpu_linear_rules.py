@@ -1,6 +1,7 @@
 """Every plane format's linears in their GPU forms (nn/qweight.py, nn/gpu_kernels.py) on cuda:sm_90,
 codegen only: dense, grouped and routed-expert linears at one token (decode) and at a symbolic
-token count (verify, prefill) are scheduled by a GEMV-family or Matmul rule (the dense ones of a
+token count (verify, prefill), and the routed experts' up projection with the SwiGLU as its
+epilogue, are scheduled by a GEMV-family or Matmul rule (the dense ones of a
 symbolic width by LowBatchGEMV up to 8 tokens and Matmul above, in one kernel), never by Fallback,
 and each builds to CUDA source (the GEMV ones reducing across a warp with shuffles)."""
 
@@ -28,7 +29,8 @@ def _module(qtype, K):
             g = self.grouped.grouped_linear(nn.op.reshape(nn.op.concat([x, x], dim=1), (n, 2, K)), 2)
             shared = self.experts.expert_linear(x, ids)
             per_slot = self.experts.expert_linear(xs, ids)
-            return self.dense.linear(x), g, shared, per_slot
+            act = self.experts.expert_swiglu(shared, x, ids, 7.0)   # the SwiGLU as the up GEMV's epilogue
+            return self.dense.linear(x), g, shared, per_slot, act
 
     return Linears()
 
@@ -63,7 +65,7 @@ def test_linears_take_gemv_rules_not_fallback(qtype, K):
         mod = tvm.transform.Sequential([transform.LegalizeOps(), transform.AnnotateTIROpPattern(),
                                         low_batch_specialize(log), apply_rules(rules(), log)])(mod)
     linears = {name: rule for name, rule in log.items() if name.startswith("qlinear")}
-    assert len(linears) >= 6, log   # dense, grouped and experts (shared or per-slot input) at 1 and k tokens
+    assert len(linears) >= 7, log   # dense, grouped, experts (shared or per-slot input) at 1 and k tokens, SwiGLU
     assert "Fallback" not in linears.values(), linears
     assert "LowBatchGEMV|Matmul" in linears.values(), linears   # the dense linear at verify widths
     for gv, func in mod.functions_items():   # CUDA source (codegen only: nvcc is not asked)

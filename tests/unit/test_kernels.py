@@ -62,6 +62,45 @@ def test_plane_kernels_match_gguf_dequantize(qtype, K, gpu):
     assert np.abs(ye.numpy() - ref_e).max() <= 1e-5 * np.abs(ref_e).max()
 
 
+@pytest.mark.parametrize("qtype", [QT.IQ2_XXS, QT.Q8_0], ids=lambda t: t.name)
+def test_expert_swiglu_gpu_forms_match_numpy(qtype):
+    """The routed experts' up projection with the clamped SwiGLU as its epilogue (QWeight.
+    expert_swiglu) in the GPU forms built for llvm: the flat form (IQ2_XXS, HandGEMV on GPUs) and
+    the blockized one (Q8_0), against numpy's SiLU(min(g, limit)) * clip(x @ W[e]^T, +-limit)."""
+    from tvm import relax
+    from tvm.relax.frontend import nn
+
+    from ds4tvm.nn.qweight import QWeight, gpu_forms
+
+    E, N, K, J, limit = 3, 8, 512, 2, 1.5
+    rng = np.random.default_rng(11)
+
+    class M(nn.Module):
+        def __init__(self):
+            self.we = QWeight("we", qtype, (E, N, K))
+
+        def f(self, x, gate, sel):
+            return self.we.expert_swiglu(gate, x, sel, limit)
+
+    spec = {"f": {"x": nn.spec.Tensor(["t", K], "float32"), "gate": nn.spec.Tensor(["t", J, N], "float32"),
+                  "sel": nn.spec.Tensor(["t", J], "int32"), "$": {"param_mode": "plain", "effect_mode": "none"}}}
+    with gpu_forms(on_gpu=False):
+        mod, params = M().export_tvm(spec=spec)
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    raw = random_blocks(qtype, (E, N, K), rng)
+    planes = to_planes(raw, qtype, (E, N, K))
+    args = [tvm.runtime.tensor(np.ascontiguousarray(planes.fields[n.split("plane_")[1]])) for n, _ in params]
+    x = rng.standard_normal((4, K)).astype(np.float32) * 0.1
+    gate = rng.standard_normal((4, J, N)).astype(np.float32) * 2
+    sel = rng.integers(0, E, (4, J)).astype(np.int32)
+    act = vm["f"](tvm.runtime.tensor(x), tvm.runtime.tensor(gate), tvm.runtime.tensor(sel), *args).numpy()
+    up = np.einsum("tk,tjnk->tjn", x, quants.dequantize(raw, qtype)[sel])
+    g = np.minimum(gate, limit)
+    want = g / (1 + np.exp(-g)) * np.clip(up, -limit, limit)
+    assert np.abs(up).max() > limit and gate.max() > limit   # both clamps are exercised
+    assert np.abs(act - want).max() <= 1e-5 * np.abs(want).max()
+
+
 # One of each kind of kernel in the default run (one plane with a scale, a K-quant super-block,
 # bits decoded to values, 8-lane grid rows; F16's one plane is Q8_0's path without the scale); the
 # rest under -m slow.
