@@ -47,10 +47,15 @@ def _hand_gemv():
             mm, deq = sch.get_sblock("matmul"), sch.get_sblock("dequantize")
         except Exception:  # noqa: BLE001 - not one of the linears
             return None
-        epilogue = sch.get_consumers(mm)
         k = sch.get_loops(mm)[-1]
         extent = sch.get(k).extent
-        if not hasattr(extent, "value") or extent.value % WARP or len(epilogue) > 1:
+        if not hasattr(extent, "value") or extent.value % WARP:
+            return None
+        try:
+            epilogue = _one_epilogue(sch, mm, deq)
+        except s_tir.ScheduleError:
+            return None
+        if epilogue is False:
             return None
         sch.compute_inline(deq)
         _, lane = sch.split(k, [None, WARP])
@@ -61,14 +66,29 @@ def _hand_gemv():
         sch.compute_at(partial, row)
         sch.bind(sch.get_loops(partial)[-2], "threadIdx.x")
         sch.set_scope(partial, 0, "local")
-        if epilogue:   # elementwise (the experts' SwiGLU): after the warp's sum, in the same block
+        if epilogue is not None:   # after the warp's sum, in the same block
             sch.set_scope(mm, 0, "shared")
-            sch.reverse_compute_at(epilogue[0], row)
+            sch.reverse_compute_at(epilogue, row)
         return sch
 
     rule = ScheduleRule.from_callable("HandGEMV")(apply)
     rule.ds4_name = "HandGEMV"
     return rule
+
+
+def _one_epilogue(sch, mm, deq):
+    """The other blocks of a linear's PrimFunc (its fused elementwise epilogue: the experts'
+    SwiGLU, a residual add, hc_post, and their elementwise inputs) inlined into one block after
+    `mm`: that block, None when there are none, False when they do not reduce to one."""
+    root = sch.get_sblock("root")
+    names = {sch.get(b).name_hint for b in (mm, deq)}
+    for block in sch.get_child_blocks(root):
+        if sch.get(block).name_hint not in names and sch.get_consumers(block):
+            sch.compute_inline(block)   # an intermediate: into what reads it
+    rest = [b for b in sch.get_child_blocks(root) if sch.get(b).name_hint not in names]
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 and len(sch.get_consumers(mm)) == 1 else False
 
 
 def _OrNext(rule):
