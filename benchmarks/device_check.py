@@ -34,18 +34,20 @@ def tiny_ids(vocab: int) -> list[int]:
 
 
 def all_logits(engine, ids: list[int]) -> dict[str, np.ndarray]:
-    """Logits of every token of ids from one prefill, token-by-token decode, and verify blocks."""
+    """Logits of every token of ids from one prefill, token-by-token decode, and verify blocks of
+    every width from 1 to max_verify in turn (on CUDA each width is its own recorded function)."""
     out = {}
     engine.reset()
     out["prefill"] = engine.prefill(ids, all_logits=True).logits
     engine.reset()
     out["decode"] = np.stack([engine.decode(t).logits for t in ids])
     engine.reset()
-    parts = []
-    for i in range(0, len(ids), engine.max_verify):
-        part = ids[i:i + engine.max_verify]
+    parts, i, width = [], 0, 1
+    while i < len(ids):
+        part = ids[i:i + width]
         parts.append(engine.verify(part).logits)
         engine.commit(len(part))
+        i, width = i + len(part), width % engine.max_verify + 1
     out["verify"] = np.concatenate(parts)
     return {k: v.astype(np.float32) for k, v in out.items()}
 

@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from ..artifact import MODEL, Manifest, file_identity
+from ..artifact import MODEL, Manifest, file_identity, width_variant
 from ..errors import Ds4Error
 from ..families import BuildRequest, family_named, load_attr, load_model, tensor_types
 from ..gguf import open_gguf
@@ -124,7 +124,8 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
             m.config, tensor_types(m.gguf), bounds, kv_rounding, dm.family if dm else None, support_cfg,
             tensor_types(dm.gguf) if dm else {}))
         phases.next()
-        mod, named = _export(built.module, tgt_spec, int8_activations, gpu_forms)
+        widths = recorded_widths(tgt_spec, bounds, gpu_forms)
+        mod, named = _export(built.module, tgt_spec, int8_activations, gpu_forms, widths)
         params = [[name, *built.sources[id(p)]] for name, p in named]
         functions, weights = built.functions, {MODEL: file_identity(gguf_path),
                                                **({"support": file_identity(support)} if dm else {})}
@@ -141,8 +142,8 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
             phases.next()
         recorded = []
         ex = _compile_module(mod, tgt_spec, records, report, [f.name for f in functions],
-                             recorded=recorded if gpu_forms or tgt_spec.device != "cpu" else None)
-        functions = [replace(f, recorded=f.name in recorded) for f in functions]
+                             recorded=recorded if gpu_forms or tgt_spec.device != "cpu" else None, widths=widths)
+        functions = _with_recorded(functions, recorded, widths)
         phases.next()
         out_dir.mkdir(parents=True, exist_ok=True)
         ex.export_library(str(out_dir / tgt_spec.library))
@@ -168,6 +169,27 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
 
 
 TARGET_FUNCTIONS = ("prefill", "decode", "verify")   # what the engine calls by name
+
+
+def recorded_widths(tgt_spec, bounds, gpu_forms: bool | None = None) -> dict:
+    """The functions the engine calls at any token count up to max_verify, with the widths at which
+    a copy of each is recorded (CUDA graphs: schedules/graphs.width_copies; also a CPU target
+    exported in the GPU forms, which compiles as CUDA does): every width, since the speculative
+    loop verifies 1 + however many drafts it has. {} where nothing is recorded."""
+    if not (tgt_spec.device == "cuda" or (tgt_spec.device == "cpu" and gpu_forms)):
+        return {}
+    return {"verify": list(range(1, bounds.max_verify + 1))}
+
+
+def _with_recorded(functions: list, recorded: list, widths: dict) -> list:
+    """functions marked recorded as the pipeline recorded them, each with the widths recorded for
+    it (FunctionSpec.widths) and a FunctionSpec per width copy."""
+    out = []
+    for f in functions:
+        ws = tuple(w for w in widths.get(f.name, ()) if width_variant(f.name, w) in recorded)
+        out.append(replace(f, recorded=f.name in recorded, widths=ws))
+        out += [replace(f, name=width_variant(f.name, w), recorded=True) for w in ws]
+    return out
 
 
 def _with_heads(mod, functions, heads, path: Path, tgt_spec, out_dir: Path, params: list, weights: dict,
@@ -235,10 +257,12 @@ def cpu_kernel_shape(tgt_spec) -> tuple:
     return int(tgt_spec.tvm.get("num-cores", 1)), cpu_kernels.blocking_for(tvm.target.Target(tgt_spec.tvm))
 
 
-def _export(model, tgt_spec, int8_activations: bool = False, gpu_forms: bool | None = None):
+def _export(model, tgt_spec, int8_activations: bool = False, gpu_forms: bool | None = None,
+            widths: dict | None = None):
     """The Relax module and its parameters; CPU targets get the hand-written linear kernels, GPU
     targets the GPU forms (nn/qweight.py). gpu_forms=True exports a CPU target in the GPU forms too
-    (their numerics checked on the CPU: tests/targets/test_gpu_forms.py)."""
+    (their numerics checked on the CPU: tests/targets/test_gpu_forms.py). widths: the functions
+    exported once more as their width templates (recorded_widths)."""
     from ..nn import qweight
 
     cpu = tgt_spec.device == "cpu"
@@ -249,7 +273,29 @@ def _export(model, tgt_spec, int8_activations: bool = False, gpu_forms: bool | N
         elif cpu:
             stack.enter_context(qweight.for_cpu(*cpu_kernel_shape(tgt_spec),
                                                 int8_dot(tgt_spec) if int8_activations else None))
-        return model.export_tvm(spec=model.spec())
+        return model.export_tvm(spec=_with_width_templates(model, model.spec(), widths or {}))
+
+
+def _with_width_templates(model, spec: dict, widths: dict) -> dict:
+    """spec with each function in `widths` exported once more under schedules/graphs.width_template
+    (an alias of its method on model), its token count (the symbolic first dimension of its
+    tensor inputs) named nn/state.RECORDED_WIDTH."""
+    from tvm.relax.frontend import nn
+
+    from ..nn.state import RECORDED_WIDTH
+    from ..schedules.graphs import width_template
+
+    out = dict(spec)
+    for fn in widths:
+        tensors = {a: t for a, t in spec.get(fn, {}).items() if isinstance(t, nn.spec.Tensor)}
+        counts = {t.shape[0] for t in tensors.values() if t.shape and isinstance(t.shape[0], str)}
+        if len(counts) != 1:
+            continue
+        k = counts.pop()
+        out[width_template(fn)] = {**spec[fn], **{a: nn.spec.Tensor([RECORDED_WIDTH if d == k else d for d in t.shape],
+                                                                    t.dtype) for a, t in tensors.items()}}
+        setattr(model, width_template(fn), getattr(model, fn))
+    return out
 
 
 def _records(tgt_spec, records: Path | None) -> Path | None:
@@ -267,7 +313,7 @@ def _applies(records: Path | None) -> bool:
 
 
 def _compile_module(mod, tgt_spec, records: Path | None = None, report: Path | None = None, functions=(),
-                    recorded: list | None = None):
+                    recorded: list | None = None, widths: dict | None = None):
     """The compiled module; with `report`, ds4-compile --report's JSON of `functions` written there
     (schedules/report.py). recorded: filled with the functions whose arguments are recorded
     (schedules/graphs.py: CUDA; a CPU target given it compiles as the CUDA pipeline does, the GPU
@@ -283,12 +329,13 @@ def _compile_module(mod, tgt_spec, records: Path | None = None, report: Path | N
     log = {} if report is not None else None   # what scheduled each kernel: only a report reads it
     with tgt, fatbin:
         records = _records(tgt_spec, records)
-        relax_pipeline = (cpu_pipeline(tgt, records if _applies(records) else None, log, recorded)
-                          if tgt_spec.device == "cpu" else gpu_pipeline(tgt, tgt_spec.device, log, recorded))
+        relax_pipeline = (cpu_pipeline(tgt, records if _applies(records) else None, log, recorded, widths)
+                          if tgt_spec.device == "cpu" else gpu_pipeline(tgt, tgt_spec.device, log, recorded, widths))
         lowered = relax_pipeline(mod)
         if report is not None:
             compiled = {gv.name_hint for gv in lowered.get_global_vars()}
-            names = [f for f in functions if f in compiled]
+            copies = [width_variant(f, w) for f, ws in (widths or {}).items() for w in ws]
+            names = [f for f in [*functions, *copies] if f in compiled]
             Path(report).write_text(json.dumps(module_report(lowered, names, log, tgt_spec.name), indent=1))
         return tvm.compile(lowered, target=tgt, relax_pipeline=None)
 
@@ -311,9 +358,11 @@ def compile_shapes(family: str, target: str, bounds, out_dir: Path, progress: bo
         req.bounds = bounds
         built = load_attr(fam.build)(req)
         phases.next()
-        mod, named = _export(built.module, tgt_spec, int8_activations)
+        widths = recorded_widths(tgt_spec, bounds)
+        mod, named = _export(built.module, tgt_spec, int8_activations, widths=widths)
         phases.next()
-        ex = _compile_module(mod, tgt_spec, report=report, functions=[f.name for f in built.functions])
+        ex = _compile_module(mod, tgt_spec, report=report, functions=[f.name for f in built.functions],
+                             widths=widths)
         phases.next()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -214,12 +214,20 @@ def _emit_rows_func(rows: int, width: int, ratio: int, compact: bool):
     return emit_rows.with_attr("global_symbol", f"emit_rows_{rows}x{width}_r{ratio}{'_c' if compact else ''}")
 
 
+# The token count of a function exported to be recorded at each of several widths (a CUDA graph
+# per width: schedules/graphs.width_copies): symbolic while exported, no shape may depend on the
+# position in it.
+RECORDED_WIDTH = "width"
+
+
 def compacts(x: nn.Tensor) -> bool:
     """Whether pooled_window pools only the windows that end among x's tokens. A call of a dynamic
-    number of tokens (prefill, verify) does; a decode step (one static token) pools its one window
-    whether it ends there or not, as a row count that depends on the position would make its
-    static-shape kernels allocate a dynamic size, which CUDA code generation refuses."""
-    return not isinstance(x.shape[0], int)
+    number of tokens (prefill, verify) does; a decode step (one static token) and a recorded width
+    pool one window per token whether it ends there or not, as a row count that depends on the
+    position would make their static-shape kernels allocate a dynamic size, which CUDA code
+    generation refuses."""
+    n = x.shape[0]
+    return not isinstance(n, int) and not (isinstance(n, tirx.Var) and n.name == RECORDED_WIDTH)
 
 
 def emit_rows(table: nn.Tensor, candidates: nn.Tensor, start, ratio: int, compact: bool, name: str) -> nn.Tensor:

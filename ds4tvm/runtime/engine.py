@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact import MANIFEST, MODEL, FunctionSpec, Manifest
+from ..artifact import MANIFEST, MODEL, FunctionSpec, Manifest, width_variant
 from ..devices import device_for
 from ..errors import Cancelled, Ds4Error
 from ..gguf import open_gguf
@@ -303,6 +303,8 @@ class Engine:
         return {name: result[i].numpy() for i, name in enumerate(spec.outputs)}
 
     def _step(self, fn: str, ids: np.ndarray, last_row: bool = False) -> Step:
+        if len(ids) in self.functions[fn].widths:   # its copy recorded at this width (CUDA graphs)
+            fn = width_variant(fn, len(ids))
         out = self.call(fn, ids=ids, start=self.pos)
         logits = out.pop("logits")
         return Step(fn, logits[-1] if last_row else logits, out)

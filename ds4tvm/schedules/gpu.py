@@ -204,14 +204,16 @@ def _rule_name(rule) -> str:
     return getattr(rule, "ds4_name", None) or type(rule).__name__
 
 
-def pipeline(target: tvm.target.Target, device: str, log: dict | None = None, recorded: list | None = None):
+def pipeline(target: tvm.target.Target, device: str, log: dict | None = None, recorded: list | None = None,
+             widths: dict | None = None):
     """log: filled with the rule that scheduled each kernel (ds4-compile --report). recorded: on
     CUDA, filled with the functions rewritten for CUDA graphs (schedules/graphs.py), whose
-    callers must pass the same argument tensors on every call."""
+    callers must pass the same argument tensors on every call. widths: on CUDA, function ->
+    the token counts at which a copy of it is recorded (graphs.width_copies)."""
     from tvm.relax import backend, transform
 
     from .fusion import fusion_passes
-    from .graphs import record_arguments, trim_outside_graphs
+    from .graphs import finish_recorded, record_arguments, trim_outside_graphs, width_copies
     from .report import note_weights_only
 
     graphs = device == "cuda"
@@ -220,8 +222,10 @@ def pipeline(target: tvm.target.Target, device: str, log: dict | None = None, re
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": graphs}):
             passes = [backend.DispatchSampling(), backend.DispatchSortScan(), transform.LegalizeOps(),
-                      *([record_arguments([] if recorded is None else recorded)] if graphs else []),
-                      *fusion_passes(), low_batch_specialize(log), apply_rules(rules(), log)]
+                      *([width_copies(widths or {}), record_arguments([] if recorded is None else recorded)]
+                        if graphs else []),
+                      *fusion_passes(), low_batch_specialize(log), apply_rules(rules(), log),
+                      *([finish_recorded()] if graphs else [])]
             if device in ("rocm", "metal"):
                 passes.append(tvm.tirx.transform.ForceNarrowIndexToInt32())
             passes += [transform.RewriteDataflowReshape(), *([note_weights_only(log)] if log is not None else []),

@@ -16,10 +16,21 @@ so that nothing in it is per call:
   written in place; the exporter returns the states in the order it takes them): reading each state
   out of a tuple on the way in, and each written one out of the graph's results on the way out,
   was one VM instruction per state tensor outside the graph;
-- the tensors it returns are copied by one kernel at its end, so that the kernels computing them
-  write planned storage inside the graph (a kernel writing a per-call output in the middle of the
-  step splits the graph); after capture, the graph's cached storage reaches the captured function
+- the tensors it returns are copied by one kernel at its end (added once kernels are scheduled:
+  finish_recorded), so that the kernels computing them write planned storage inside the graph (a
+  kernel writing a per-call output in the middle of the step splits the graph); after capture, the graph's cached storage reaches the captured function
   as one tuple, and kills that free nothing go (trim_outside_graphs).
+
+A function called at several token counts (verify) is recorded at each width it is compiled for.
+It is exported a second time as its width template (width_template), its token count named
+nn/state.RECORDED_WIDTH so that the family's code makes no shape depend on the position (as in a
+decode step), and `width_copies` replaces the template by a copy per width. A copy goes through
+this rewrite and fusion with its token count still symbolic, calling the kernels the symbolic
+functions call (its linears keep low_batch_specialize's branches on the token count, taken inside
+the kernel), and is bound to its width only after the kernels are scheduled (finish_recorded):
+every call in it is then static and RewriteCUDAGraph captures it. Bound before fusion, FuseTIR
+fails (a kernel's symbolic buffer and the static tensor bound to it); exported at each width,
+every kernel is compiled once more per width and dlight's Matmul takes its linears.
 
 The input parameters are counted in `ds4.num_args` (schedules/report.py reads it to tell weights
 from inputs). A function that cannot be rewritten (the position used other than as a kernel's
@@ -30,10 +41,12 @@ from __future__ import annotations
 
 import tvm
 
+from ..artifact import width_variant
 from .fusion import OPAQUE, block_like
 
 NUM_ARGS = "ds4.num_args"
 STATES = "ds4.states"   # [first parameter, count] of the state tensors of a recorded function
+WIDTH = "ds4.width"     # the token count a copy of a function is bound to (width_copies)
 
 
 def num_args(func) -> int:
@@ -45,14 +58,14 @@ def num_args(func) -> int:
 
 
 def record_arguments(recorded: list):
-    """A pass (after LegalizeOps) rewriting every exported function with static shapes as above;
-    appends their names to `recorded`."""
+    """A pass (after LegalizeOps) rewriting every exported function with static shapes (and every
+    width copy) as above; appends their names to `recorded`."""
     from tvm import relax
 
     @tvm.transform.module_pass(opt_level=0, name="RecordArguments")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         bb = relax.BlockBuilder(mod)
-        kernels: dict = {}   # kernels added here, by what they are (see _kernel_reading, _copy_kernel)
+        kernels: dict = {}   # kernels added here, by what they are (see _kernel_reading)
         rewritten = []
         for gv, func in list(mod.functions_items()):
             if isinstance(func, relax.Function) and func.attrs is not None and "num_input" in func.attrs:
@@ -68,14 +81,59 @@ def record_arguments(recorded: list):
     return _pass
 
 
-def _static(ty) -> bool:
+def _static(ty, width=None) -> bool:
+    """Whether ty's shapes are constants (or the width variable of a width copy)."""
     from tvm import relax, tirx
 
     if isinstance(ty, relax.TupleType):
-        return all(_static(f) for f in ty.fields)
+        return all(_static(f, width) for f in ty.fields)
     if isinstance(ty, relax.TensorType):
-        return ty.shape is not None and all(isinstance(d, tirx.IntImm) for d in ty.shape.values)
+        return ty.shape is not None and all(isinstance(d, tirx.IntImm) or (width is not None and d.same_as(width))
+                                            for d in ty.shape.values)
     return False
+
+
+def _width_var(func):
+    """The one symbolic dimension of func's tensor parameters (its token count), else None."""
+    from tvm import relax, tirx
+
+    found = []
+    for p in func.params:
+        if isinstance(p.ty, relax.TensorType) and p.ty.shape is not None:
+            found += [d for d in p.ty.shape.values if isinstance(d, tirx.Var) and not any(d.same_as(f) for f in found)]
+    return found[0] if len(found) == 1 else None
+
+
+def width_template(fn: str) -> str:
+    """The name fn is exported under a second time, its token count named nn/state.RECORDED_WIDTH:
+    the function width_copies copies."""
+    return f"{fn}_width"
+
+
+def width_copies(widths: dict):
+    """A pass (after LegalizeOps, before record_arguments) replacing, for each function name ->
+    widths in `widths`, its width template by a copy per width (see above), named
+    width_variant(fn, width)."""
+    from tvm import relax
+
+    @tvm.transform.module_pass(opt_level=0, name="WidthCopies")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        names = {gv.name_hint: gv for gv in mod.get_global_vars()}
+        for fn, ws in widths.items():
+            gv = names.get(width_template(fn))
+            if gv is None:
+                continue
+            template = mod[gv]
+            del mod[gv]
+            if _width_var(template) is None:
+                continue
+            for w in ws:
+                name = width_variant(fn, w)
+                copy = relax.utils.copy_with_new_vars(template)   # FuseOps takes the module's bindings as one graph
+                mod[tvm.ir.GlobalVar(name)] = copy.with_attr("global_symbol", name).with_attr(WIDTH, int(w))
+        return mod
+
+    return _pass
 
 
 def _position_param(func):
@@ -84,13 +142,14 @@ def _position_param(func):
     from tvm import relax, tirx
 
     found = None
+    width = _width_var(func) if WIDTH in (func.attrs or {}) else None
     for i, p in enumerate(func.params):
         if isinstance(p.ty, relax.ShapeType):
             values = p.ty.values
             if found is not None or values is None or len(values) != 1 or not isinstance(values[0], tirx.Var):
                 return False
             found = (i, values[0])
-        elif not _static(p.ty):
+        elif not _static(p.ty, width):
             return False
     return found
 
@@ -115,7 +174,6 @@ def _rewrite(bb, func, kernels):
     if flat is None:
         return None
     params, body, states = flat
-    body = _outputs_copied_last(bb, body, kernels)
     new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
     if position is not None and any(v.same_as(start) for v in relax.analysis.free_symbolic_vars(new)):
         return None
@@ -150,6 +208,31 @@ def _flattened_states(params, body):
             bindings.append(b)
         blocks.append(block_like(block, bindings))
     return params[:i] + fields + params[i + 1:], relax.SeqExpr(blocks, body.body), [i, len(fields)]
+
+
+def finish_recorded():
+    """A pass (after the kernels are scheduled) on the functions record_arguments rewrote: a width
+    copy bound to its width, then the tensors each returns copied at its end."""
+    from tvm import relax
+
+    @tvm.transform.module_pass(opt_level=0, name="FinishRecorded")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        bb = relax.BlockBuilder(mod)
+        kernels: dict = {}
+        finished = []
+        for gv, func in list(mod.functions_items()):
+            if isinstance(func, relax.Function) and NUM_ARGS in (func.attrs or {}):
+                if WIDTH in func.attrs:
+                    func = func.bind_symbolic_vars({_width_var(func): int(func.attrs[WIDTH])})
+                body = _outputs_copied_last(bb, func.body, kernels)
+                finished.append((gv, relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs,
+                                                    func.span)))
+        mod = bb.get()
+        for gv, func in finished:
+            mod[gv] = func
+        return relax.transform.Normalize()(mod)
+
+    return _pass
 
 
 def _outputs_copied_last(bb, body, kernels):

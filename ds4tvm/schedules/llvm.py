@@ -196,16 +196,17 @@ def legalize_passes() -> list:
 
 
 def pipeline(target: tvm.target.Target, records: str | None = None, log: dict | None = None,
-             recorded: list | None = None):
+             recorded: list | None = None, widths: dict | None = None):
     """records: a meta-schedule database directory (schedules/tuning.py) applied before the
     hand schedules, which then skip what it scheduled; log: kernel -> what scheduled it.
     recorded: given (for a module exported in the GPU forms), the CUDA pipeline's graph rewrite
     of the arguments (filled with the functions rewritten) and its fusion, so that the fused
-    graph's numerics and the recorded-argument calls are checked here."""
+    graph's numerics and the recorded-argument calls are checked here (with the width copies of
+    `widths`)."""
     from tvm.relax import transform
 
     from .fusion import fusion_passes
-    from .graphs import record_arguments
+    from .graphs import finish_recorded, record_arguments, width_copies
     from .report import note_weights_only
 
     database = contextlib.nullcontext()
@@ -218,9 +219,12 @@ def pipeline(target: tvm.target.Target, records: str | None = None, log: dict | 
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target, database:
             seq = tvm.transform.Sequential([
-                *legalize_passes(), *([record_arguments(recorded), *fusion_passes()] if recorded is not None else []),
+                *legalize_passes(),
+                *([width_copies(widths or {}), record_arguments(recorded), *fusion_passes()] if recorded is not None
+                  else []),
                 *([transform.MetaScheduleApplyDatabase()] if records else []),
-                schedule_kernels(int(target.attrs.get("num-cores", 1)), log), transform.RewriteDataflowReshape(),
+                schedule_kernels(int(target.attrs.get("num-cores", 1)), log),
+                *([finish_recorded()] if recorded is not None else []), transform.RewriteDataflowReshape(),
                 *([note_weights_only(log)] if log is not None else []),
                 transform.ToNonDataflow(), transform.RemovePurityChecking(),
                 transform.CallTIRRewrite(), transform.StaticPlanBlockMemory(), transform.LowerAllocTensor(),

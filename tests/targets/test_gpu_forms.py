@@ -92,9 +92,10 @@ def _interleaved(engine, ids) -> np.ndarray:
 @pytest.mark.slow   # two compiles (one to two minutes); the default run checks Qwen3.8's CUDA graph (test_gpu_targets.py)
 def test_fused_recorded_gpu_graph_on_llvm_gives_the_cpu_artifacts_logits(small_model, tmp_path):
     """The CUDA pipeline's module (GPU forms, fusion with the state writers kept after their reads,
-    decode's arguments recorded with the position as a tensor) built for llvm: prefill, decode and
-    verify logits equal the CPU artifact's within 1e-4, also with two sequences decoded in turns
-    (the engine keeps a recorded function's state tensors attached by exchanging contents)."""
+    decode's and each verify width's arguments recorded with the position as a tensor) built for
+    llvm: prefill, decode and verify logits equal the CPU artifact's within 1e-4, also with two
+    sequences decoded in turns (the engine keeps a recorded function's state tensors attached by
+    exchanging contents)."""
     from ds4tvm.artifact import Bounds, Manifest
     from ds4tvm.compile.driver import compile_gguf
     from ds4tvm.runtime.engine import Engine
@@ -107,7 +108,8 @@ def test_fused_recorded_gpu_graph_on_llvm_gives_the_cpu_artifacts_logits(small_m
     gpu = compile_gguf(small_model, "llvm", tmp_path / "gpu-forms", bounds, gpu_forms=True,
                        report=tmp_path / "report.json")
     recorded = {f["name"]: f.get("recorded", False) for f in Manifest.read(gpu).functions}
-    assert recorded == {"prefill": False, "prefill_all": False, "decode": True, "verify": False}
+    copies = {f"verify_w{w}": True for w in range(1, 5)}   # all_logits verifies at each width
+    assert recorded == {"prefill": False, "prefill_all": False, "decode": True, "verify": False, **copies}
     ids = [int(t) for t in np.random.default_rng(3).integers(0, 512, 40)]
     ours, theirs = all_logits(Engine(gpu), ids), all_logits(Engine(cpu), ids)
     ours["interleaved"], theirs["interleaved"] = _interleaved(Engine(gpu), ids), _interleaved(Engine(cpu), ids)

@@ -200,14 +200,18 @@ def test_qwen4exp_compiles(tmp_path, target):
         assert linears and all(k["rule"] in GEMV_RULES for k in linears), (fn, [k for k in linears if k["rule"] not in
                                                                                  GEMV_RULES])
         assert f["weights_only"] == [] and f["n_kernels"] == sum(f["by_rule"].values()), fn
-    if target.startswith("cuda"):   # decode (static shapes) replays one CUDA graph; verify none
+    if target.startswith("cuda"):   # decode and verify at each width replay one CUDA graph; verify none
         recorded = {f["name"] for f in m.functions if f.get("recorded")}
-        assert "decode" in recorded and "verify" not in recorded
-        decode = report["decode"]
-        # outside the graph: the copy of decode's outputs, their allocations, the replay
-        assert decode["graph_regions"] == 1 and decode["outside_graphs"] <= 20, decode["outside_by_kind"]
-        assert len([k for k in decode["kernels"] if not k["in_graph"]]) == 1
+        widths = range(1, m.bounds["max_verify"] + 1)
+        assert recorded == {"decode", *(f"verify_w{w}" for w in widths)} | (recorded & {"mtp_observe", "mtp_step"})
+        assert next(f for f in m.functions if f["name"] == "verify")["widths"] == list(widths)
+        for fn in ("decode", *(f"verify_w{w}" for w in widths)):
+            # outside the graph: the copy of the outputs, their allocations, the replay
+            f = report[fn]
+            assert f["graph_regions"] == 1 and f["outside_graphs"] <= 20, (fn, f["outside_by_kind"])
+            assert len([k for k in f["kernels"] if not k["in_graph"]]) == 1, fn
         assert report["verify"]["graph_regions"] == 0
+        decode = report["decode"]
         # launches per kernel against the device functions code generation made of it (TOPI's
         # sorts launch some of theirs in loops: left out)
         symbols = _device_functions(next(out.glob("lib-*.so")))
