@@ -134,28 +134,33 @@ class FunctionSpec:
     weight arguments it takes (None: all of them). recorded: the call's argument tensors are
     recorded by its first call (CUDA graphs replay their addresses; schedules/graphs.py): the
     caller passes the same tensors every time, the position as a [1] int64 tensor and each state
-    tensor as its own argument. widths: the token counts at which a copy of it, recorded, is
-    compiled too (a FunctionSpec of its own, named width_variant(name, width)): the caller runs
-    that copy for a call of that many tokens (CUDA graphs replay static shapes only)."""
+    tensor as its own argument. per_width: its family calls it with 1..max_verify rows, the length
+    of its first input (a speculative cycle's verify, a drafter's observation of the rows it
+    accepted), so that where functions are recorded a copy of it is compiled per width. widths:
+    the widths at which such a copy, recorded, was compiled (a FunctionSpec of its own, named
+    width_variant(name, width)): `Engine.call` runs that copy for a call of that many rows (CUDA
+    graphs replay static shapes only)."""
     name: str
     inputs: tuple[tuple[str, str], ...]     # (name, kind)
     outputs: tuple[str, ...]
     states: str | None = None
     params: tuple[int, int] | None = None
     recorded: bool = False
+    per_width: bool = False
     widths: tuple[int, ...] = ()
 
     def to_json(self) -> dict:
         return {"name": self.name, "inputs": [list(i) for i in self.inputs], "outputs": list(self.outputs),
                 "states": self.states, "params": list(self.params) if self.params is not None else None,
-                **({"recorded": True} if self.recorded else {}), **({"widths": list(self.widths)} if self.widths else {})}
+                **({"recorded": True} if self.recorded else {}), **({"per_width": True} if self.per_width else {}),
+                **({"widths": list(self.widths)} if self.widths else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> "FunctionSpec":
         params = d.get("params")
         return cls(d["name"], tuple(tuple(i) for i in d["inputs"]), tuple(d["outputs"]), d.get("states"),
                    tuple(params) if params is not None else None, bool(d.get("recorded", False)),
-                   tuple(int(w) for w in d.get("widths", ())))
+                   bool(d.get("per_width", False)), tuple(int(w) for w in d.get("widths", ())))
 
 
 @dataclass

@@ -124,7 +124,7 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
             m.config, tensor_types(m.gguf), bounds, kv_rounding, dm.family if dm else None, support_cfg,
             tensor_types(dm.gguf) if dm else {}))
         phases.next()
-        widths = recorded_widths(tgt_spec, bounds, gpu_forms)
+        widths = recorded_widths(built.functions, tgt_spec, bounds, gpu_forms)
         mod, named = _export(built.module, tgt_spec, int8_activations, gpu_forms, widths)
         params = [[name, *built.sources[id(p)]] for name, p in named]
         functions, weights = built.functions, {MODEL: file_identity(gguf_path),
@@ -171,14 +171,14 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
 TARGET_FUNCTIONS = ("prefill", "decode", "verify")   # what the engine calls by name
 
 
-def recorded_widths(tgt_spec, bounds, gpu_forms: bool | None = None) -> dict:
-    """The functions the engine calls at any token count up to max_verify, with the widths at which
-    a copy of each is recorded (CUDA graphs: schedules/graphs.width_copies; also a CPU target
+def recorded_widths(functions: list, tgt_spec, bounds, gpu_forms: bool | None = None) -> dict:
+    """The functions called with 1..max_verify rows (FunctionSpec.per_width), with the widths at
+    which a copy of each is recorded (CUDA graphs: schedules/graphs.width_copies; also a CPU target
     exported in the GPU forms, which compiles as CUDA does): every width, since the speculative
     loop verifies 1 + however many drafts it has. {} where nothing is recorded."""
     if not (tgt_spec.device == "cuda" or (tgt_spec.device == "cpu" and gpu_forms)):
         return {}
-    return {"verify": list(range(1, bounds.max_verify + 1))}
+    return {f.name: list(range(1, bounds.max_verify + 1)) for f in functions if f.per_width}
 
 
 def _with_recorded(functions: list, recorded: list, widths: dict) -> list:
@@ -358,7 +358,7 @@ def compile_shapes(family: str, target: str, bounds, out_dir: Path, progress: bo
         req.bounds = bounds
         built = load_attr(fam.build)(req)
         phases.next()
-        widths = recorded_widths(tgt_spec, bounds)
+        widths = recorded_widths(built.functions, tgt_spec, bounds)
         mod, named = _export(built.module, tgt_spec, int8_activations, widths=widths)
         phases.next()
         ex = _compile_module(mod, tgt_spec, report=report, functions=[f.name for f in built.functions],

@@ -284,6 +284,10 @@ class Engine:
         spec: FunctionSpec = self.functions.get(fn)
         if spec is None:
             raise Ds4Error(f"{self.dir}: has no function {fn!r}; it has {', '.join(sorted(self.functions))}")
+        width = len(inputs.get(spec.inputs[0][0], ())) if spec.widths else 0
+        if width in spec.widths:   # its copy recorded at this many rows
+            fn = width_variant(fn, width)
+            spec = self.functions[fn]
         args = []
         for name, kind in spec.inputs:
             if kind == "host":
@@ -303,8 +307,6 @@ class Engine:
         return {name: result[i].numpy() for i, name in enumerate(spec.outputs)}
 
     def _step(self, fn: str, ids: np.ndarray, last_row: bool = False) -> Step:
-        if len(ids) in self.functions[fn].widths:   # its copy recorded at this width (CUDA graphs)
-            fn = width_variant(fn, len(ids))
         out = self.call(fn, ids=ids, start=self.pos)
         logits = out.pop("logits")
         return Step(fn, logits[-1] if last_row else logits, out)

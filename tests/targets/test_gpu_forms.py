@@ -123,6 +123,50 @@ def test_fused_recorded_gpu_graph_on_llvm_gives_the_cpu_artifacts_logits(small_m
     assert KEYS <= set(report["decode"]) and report["decode"]["graph_regions"] == 0   # graphs are CUDA's
 
 
+class _Calls:
+    """An engine's VM, noting the name of every function called."""
+
+    def __init__(self, vm):
+        self.vm, self.names = vm, []
+
+    def __getitem__(self, fn):
+        self.names.append(fn)
+        return self.vm[fn]
+
+
+def _greedy(engine, prompt, options, model, n=40):
+    """Greedy speculative tokens with the drafter the options ask for, and the functions run."""
+    from ds4tvm.runtime.drafters import choose_drafter
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+
+    engine.vm = calls = _Calls(engine.vm)
+    toks, stats = generate(engine, prompt, n, SamplingParams(temperature=0.0), np.random.default_rng(0),
+                           drafter=choose_drafter(engine, options, model))
+    return toks, stats, set(calls.names)
+
+
+@pytest.mark.slow   # a compile of the demo pair in the GPU forms (two minutes)
+def test_dspark_speculation_through_the_width_copies_on_llvm_gives_the_cpus_tokens(demo_pair, tmp_path):
+    """The demo DeepSeek-V4 + DSpark pair in the CUDA pipeline's module built for llvm: greedy DSpark
+    decoding runs verify and dspark_observe as their copies recorded per width, and gives the CPU
+    artifact's tokens."""
+    from ds4tvm.artifact import Bounds
+    from ds4tvm.compile.driver import compile_gguf
+    from ds4tvm.runtime.drafters import SpecOptions
+    from ds4tvm.runtime.engine import Engine
+
+    model, support, cpu, prompt = demo_pair
+    gpu = compile_gguf(model, "llvm", tmp_path / "gpu", Bounds(max_context=512, max_verify=8, prefill_chunk=256),
+                       support=support, gpu_forms=True)
+    options = SpecOptions(dspark=True)
+    ours, stats, ran = _greedy(Engine(gpu), prompt, options, model)
+    theirs, _, _ = _greedy(Engine(cpu), prompt, options, model)
+    assert ours == theirs and stats.counters["accepted_draft"] > 0
+    # a block of 5 verified as [t, 4 drafts]; the prompt's rows observed by the symbolic function
+    assert {"verify_w5", "dspark_observe_w5"} <= ran and "verify" not in ran, sorted(ran)
+
+
 def test_report_errors_are_one_line(model, tmp_path):
     for args, says in ((("--package", tmp_path / "p.tar", "--report", tmp_path / "r.json"), "not --package"),
                        (("-o", tmp_path / "art", "--report", tmp_path / "no" / "r.json"), "an existing directory")):
@@ -159,3 +203,11 @@ def test_glm_and_qwen_gpu_graph_on_llvm_give_the_cpu_artifacts_logits(family, tm
         err = np.abs(ours[mode] - theirs[mode]).max()
         print(f"{family} GPU graph on llvm, {mode}: max |delta| {err:.3g} (logits up to {np.abs(theirs[mode]).max():.2f})")
         assert err <= 1e-4, mode
+    # greedy MTP speculation ([t, draft] verified by its copy recorded at width 2): the CPU's tokens. The
+    # random MTP layer's drafts are rejected, so mtp_observe runs only on the prompt (wider than max_verify)
+    from ds4tvm.runtime.drafters import SpecOptions
+
+    mtp_ours, _, ran = _greedy(Engine(gpu), ids[:8], SpecOptions(mtp=""), gguf, n=24)
+    mtp_theirs, _, _ = _greedy(Engine(cpu), ids[:8], SpecOptions(mtp=""), gguf, n=24)
+    assert mtp_ours == mtp_theirs
+    assert "verify_w2" in ran and "verify" not in ran, sorted(ran)

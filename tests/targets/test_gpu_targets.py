@@ -200,12 +200,14 @@ def test_qwen4exp_compiles(tmp_path, target):
         assert linears and all(k["rule"] in GEMV_RULES for k in linears), (fn, [k for k in linears if k["rule"] not in
                                                                                  GEMV_RULES])
         assert f["weights_only"] == [] and f["n_kernels"] == sum(f["by_rule"].values()), fn
-    if target.startswith("cuda"):   # decode and verify at each width replay one CUDA graph; verify none
+    if target.startswith("cuda"):   # decode, verify and mtp_observe at each width replay one CUDA graph; verify none
         recorded = {f["name"] for f in m.functions if f.get("recorded")}
-        widths = range(1, m.bounds["max_verify"] + 1)
-        assert recorded == {"decode", *(f"verify_w{w}" for w in widths)} | (recorded & {"mtp_observe", "mtp_step"})
-        assert next(f for f in m.functions if f["name"] == "verify")["widths"] == list(widths)
-        for fn in ("decode", *(f"verify_w{w}" for w in widths)):
+        widths = list(range(1, m.bounds["max_verify"] + 1))
+        specs = {f["name"]: f for f in m.functions}
+        assert specs["verify"]["widths"] == specs["mtp_observe"]["widths"] == widths and "verify" not in recorded
+        copies = [f"{fn}_w{w}" for fn in ("verify", "mtp_observe") for w in widths]
+        assert {"decode", *copies} <= recorded
+        for fn in ("decode", *copies):
             # outside the graph: the copy of the outputs, their allocations, the replay
             f = report[fn]
             assert f["graph_regions"] == 1 and f["outside_graphs"] <= 20, (fn, f["outside_by_kind"])

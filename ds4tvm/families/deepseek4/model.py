@@ -236,7 +236,7 @@ class DeepSeekV4(nn.Module):
 
     def function_specs(self) -> list[FunctionSpec]:
         inputs = (("ids", "tokens"), ("start", "position"))
-        return [FunctionSpec(f, inputs, ("logits", *self.extra_outputs()), states="model")
+        return [FunctionSpec(f, inputs, ("logits", *self.extra_outputs()), states="model", per_width=f == "verify")
                 for f in self.TARGET_FUNCTIONS]
 
     def drafter_settings(self) -> dict:

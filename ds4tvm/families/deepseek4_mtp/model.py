@@ -92,7 +92,7 @@ def extend(target_cls):
 
         def function_specs(self):
             inputs = (("hc_prev", "float32"), ("tokens", "tokens"), ("start", "position"))
-            return super().function_specs() + [FunctionSpec("mtp_observe", inputs, (), states="mtp"),
+            return super().function_specs() + [FunctionSpec("mtp_observe", inputs, (), states="mtp", per_width=True),
                                                FunctionSpec("mtp_step", inputs, ("logits", "hc_state"), states="mtp")]
 
         def drafter_settings(self) -> dict:

@@ -194,7 +194,7 @@ def extend(target_cls):
         def function_specs(self):
             pos, cap = ("start", "position"), ("captured", "float32")
             return super().function_specs() + [
-                FunctionSpec("dspark_observe", (cap, pos), (), states="dspark"),
+                FunctionSpec("dspark_observe", (cap, pos), (), states="dspark", per_width=True),
                 FunctionSpec("dspark_observe_direct", (cap, pos), (), states="dspark"),
                 FunctionSpec("dspark_block", (cap, ("tokens", "tokens"), pos), ("r",), states="dspark"),
                 FunctionSpec("dspark_logits", (("r", "float32"),), ("logits",)),

@@ -293,7 +293,8 @@ class GLM5Next(nn.Module):
 
     def function_specs(self) -> list[FunctionSpec]:
         inputs = (("ids", "tokens"), ("start", "position"))
-        return [FunctionSpec(f, inputs, ("logits", "hidden"), states="model") for f in self.TARGET_FUNCTIONS]
+        return [FunctionSpec(f, inputs, ("logits", "hidden"), states="model", per_width=f == "verify")
+                for f in self.TARGET_FUNCTIONS]
 
     def spec(self) -> dict:
         st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in state_specs(self.cfg, self.bounds)]

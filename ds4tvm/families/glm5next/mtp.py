@@ -88,7 +88,7 @@ class GLM5NextWithMTP(GLM5Next):
 
     def function_specs(self) -> list[FunctionSpec]:
         inputs = (("hidden_prev", "float32"), ("tokens", "tokens"), ("start", "position"))
-        return super().function_specs() + [FunctionSpec("mtp_observe", inputs, (), states=GROUP),
+        return super().function_specs() + [FunctionSpec("mtp_observe", inputs, (), states=GROUP, per_width=True),
                                            FunctionSpec("mtp_step", inputs, ("logits",), states=GROUP)]
 
     def drafter_settings(self) -> dict:

@@ -339,7 +339,8 @@ class Qwen4Exp(nn.Module):
 
     def function_specs(self) -> list[FunctionSpec]:
         inputs = (("ids", "tokens"), ("ple", "host"), ("start", "position"))
-        return [FunctionSpec(f, inputs, self.OUTPUTS, states="model") for f in self.TARGET_FUNCTIONS]
+        return [FunctionSpec(f, inputs, self.OUTPUTS, states="model", per_width=f == "verify")
+                for f in self.TARGET_FUNCTIONS]
 
     def spec(self) -> dict:
         st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in state_specs(self.cfg, self.bounds)]

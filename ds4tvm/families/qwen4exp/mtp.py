@@ -102,7 +102,7 @@ class Qwen4ExpWithMTP(Qwen4Exp):
 
     def function_specs(self) -> list[FunctionSpec]:
         inputs = (("streams_prev", "float32"), ("tokens", "tokens"), ("start", "position"))
-        return super().function_specs() + [FunctionSpec("mtp_observe", inputs, (), states=GROUP),
+        return super().function_specs() + [FunctionSpec("mtp_observe", inputs, (), states=GROUP, per_width=True),
                                            FunctionSpec("mtp_step", inputs, ("logits", "streams"), states=GROUP)]
 
     def drafter_settings(self) -> dict:
