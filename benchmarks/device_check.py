@@ -213,7 +213,8 @@ def timed(work: Path, name: str, gen: int) -> dict:
         engine.decode(7)
     dt = (time.perf_counter() - t) / gen
     copy = copy_bandwidth(engine.dev) / 1e9   # measured beside each model: the device's own ceiling
-    decode = json.loads((work / f"{name}-report.json").read_text())["functions"]["decode"]
+    functions = json.loads((work / f"{name}-report.json").read_text())["functions"]
+    decode, verify6 = functions["decode"], functions.get("verify_w6", {})
     out.update({
         "weights_gib": round(weight_bytes / 2**30, 2), "bytes_per_token_gib": round(per_token / 2**30, 3),
         "prefill_tokens": len(prompt), "prefill_tok_s": round(len(prompt) / t_prefill, 1),
@@ -221,6 +222,8 @@ def timed(work: Path, name: str, gen: int) -> dict:
         "bandwidth_fraction": round(per_token / dt / 1e9 / copy, 4),
         "decode_kernels": decode["n_launches"], "decode_calls": decode["n_kernels"], "decode_graph_regions": decode["graph_regions"],
         "decode_kernels_in_graphs": decode["kernels_in_graphs"], "decode_outside_graphs": decode["outside_graphs"],
+        "verify6_kernels": verify6.get("n_launches"), "verify6_graph_regions": verify6.get("graph_regions", 0),
+        "verify6_outside_graphs": verify6.get("outside_graphs"),
         "verify_cost_vs_decode": {k: round(v, 2) for k, v in verify_cost(engine, max_k=8).items()},
         "decode_profile": decode_profile(engine)})
     del engine
@@ -263,6 +266,8 @@ def main() -> None:
               f"{s['decode_weight_gb_s']} GB/s = {s['bandwidth_fraction']:.2%} of copy bandwidth; decode step "
               f"{s['decode_kernels']} kernels ({s['decode_calls']} kernel calls), {s['decode_kernels_in_graphs']} calls in {s['decode_graph_regions']} "
               f"CUDA graph region(s), {s['decode_outside_graphs']} VM instructions outside")
+        print(f"  verify of 6 tokens: {s['verify6_kernels']} kernels, {s['verify6_graph_regions']} CUDA graph region(s), "
+              f"{s['verify6_outside_graphs']} VM instructions outside")
         print("  verify(k) / decode: " + " ".join(f"k={k}:{v}" for k, v in s["verify_cost_vs_decode"].items()))
         for kernel, n, ms in s["decode_profile"]:
             print(f"  {ms:9.3f} ms {n:6d} calls  {kernel}")
