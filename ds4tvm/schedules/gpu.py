@@ -11,9 +11,10 @@ Metal has no 64-bit thread indices).
 
 Before scheduling, the elementwise chains are fused (schedules/fusion.py: FuseOps + FuseTIR with
 every in-place state writer opaque and ordered after the kernels that read the rows it writes).
-On CUDA, functions with static shapes (decode) take recorded arguments (schedules/graphs.py: the
-position as a device tensor, every argument static) so that RewriteCUDAGraph captures the step in
-one CUDA graph; the VM then replays it, with the output head's kernels outside.
+On CUDA, functions with static shapes (decode), and the copies per width of those called with
+1..max_verify rows (verify), take recorded arguments (schedules/graphs.py: the position as a
+device tensor, every argument static) so that RewriteCUDAGraph captures each in one CUDA graph,
+which the VM then replays.
 """
 
 from __future__ import annotations
