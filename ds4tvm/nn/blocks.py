@@ -16,7 +16,7 @@ from ..schedules.fusion import BROADCAST, ELEMWISE, PRESET
 from . import gpu_kernels
 from .qweight import binds_gpu_threads, exporting_gpu_forms
 from .rounding import fp8_round_rows, hadamard_fp4
-from .state import RingRows, ring_write, rows_reader
+from .state import RingRows, recorded_width, ring_write, rows_reader
 from .state import args as state_args
 
 F32 = "float32"
@@ -550,15 +550,17 @@ def sparse_window_attention(q: nn.Tensor, kv_ctx, comp: nn.Tensor | None, sel: n
     row back by, at its token's position (rope(..., inverse=True)). write_ring (ring, rows): the
     rows written into the ring after the attention read it (ring_write); then returns (output,
     ring). With RingRows in the GPU forms, one kernel (gpu_kernels.window_attention) that also
-    writes a decode step's row into the ring: a thread block per (token, head)."""
+    writes a decode step's or a recorded width's rows into the ring: a thread block per (token, head)."""
     has_comp = comp is not None
     use_sel = sel is not None
     n, H, D = q.shape
     M = (int(sel.shape[1]) if use_sel else int(comp.shape[0])) if has_comp else 0
     if isinstance(kv_ctx, RingRows) and exporting_gpu_forms() and window + M <= gpu_kernels.MAX_SLOTS:
         ring_shape = tuple(int(x) for x in kv_ctx.ring.shape)
+        # the rows written land in slots no block reads: fewer new rows than the ring holds beyond
+        # `before` (a recorded width: at most max_verify rows, for which rings are sized)
         in_kernel = write_ring is not None and write_ring[0] is kv_ctx.ring and write_ring[1] is kv_ctx.new \
-            and isinstance(n, int) and n + kv_ctx.before <= ring_shape[0]
+            and (recorded_width(n) or isinstance(n, int) and n + kv_ctx.before <= ring_shape[0])
         func = gpu_kernels.window_attention(
             int(H), int(D), ring_shape, kv_ctx.before, tuple(int(x) for x in comp.shape) if has_comp else None,
             M if use_sel else None, window, ratio, 2 * len(rope_back) if rope_back is not None else 0,

@@ -216,8 +216,13 @@ def _emit_rows_func(rows: int, width: int, ratio: int, compact: bool):
 
 # The token count of a function exported to be recorded at each of several widths (a CUDA graph
 # per width: schedules/graphs.width_copies): symbolic while exported, no shape may depend on the
-# position in it.
+# position in it; at most max_verify rows.
 RECORDED_WIDTH = "width"
+
+
+def recorded_width(n) -> bool:
+    """Whether a token count is RECORDED_WIDTH's (a call of at most max_verify rows)."""
+    return isinstance(n, tirx.Var) and n.name == RECORDED_WIDTH
 
 
 def compacts(x: nn.Tensor) -> bool:
@@ -227,7 +232,7 @@ def compacts(x: nn.Tensor) -> bool:
     position would make their static-shape kernels allocate a dynamic size, which CUDA code
     generation refuses."""
     n = x.shape[0]
-    return not isinstance(n, int) and not (isinstance(n, tirx.Var) and n.name == RECORDED_WIDTH)
+    return not isinstance(n, int) and not recorded_width(n)
 
 
 def emit_rows(table: nn.Tensor, candidates: nn.Tensor, start, ratio: int, compact: bool, name: str) -> nn.Tensor:
