@@ -266,8 +266,8 @@ def main() -> None:
               f"{s['decode_weight_gb_s']} GB/s = {s['bandwidth_fraction']:.2%} of copy bandwidth; decode step "
               f"{s['decode_kernels']} kernels ({s['decode_calls']} kernel calls), {s['decode_kernels_in_graphs']} calls in {s['decode_graph_regions']} "
               f"CUDA graph region(s), {s['decode_outside_graphs']} VM instructions outside")
-        print(f"  verify of 6 tokens: {s['verify6_kernels']} kernels, {s['verify6_graph_regions']} CUDA graph region(s), "
-              f"{s['verify6_outside_graphs']} VM instructions outside")
+        print(f"  verify of 6 tokens: {s['verify6_kernels']} kernels, {s['verify6_graph_regions']} CUDA graph "
+              f"region(s), {s['verify6_outside_graphs']} VM instructions outside")
         print("  verify(k) / decode: " + " ".join(f"k={k}:{v}" for k, v in s["verify_cost_vs_decode"].items()))
         for kernel, n, ms in s["decode_profile"]:
             print(f"  {ms:9.3f} ms {n:6d} calls  {kernel}")

@@ -292,8 +292,9 @@ def _with_width_templates(model, spec: dict, widths: dict) -> dict:
         if len(counts) != 1:
             continue
         k = counts.pop()
-        out[width_template(fn)] = {**spec[fn], **{a: nn.spec.Tensor([RECORDED_WIDTH if d == k else d for d in t.shape],
-                                                                    t.dtype) for a, t in tensors.items()}}
+        renamed = {a: nn.spec.Tensor([RECORDED_WIDTH if d == k else d for d in t.shape], t.dtype)
+                   for a, t in tensors.items()}
+        out[width_template(fn)] = {**spec[fn], **renamed}
         setattr(model, width_template(fn), getattr(model, fn))
     return out
 

@@ -151,8 +151,8 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
     in order and, with n_rot, rotates it back by RoPE at the token's position. With write_ring, the
     first head's block of each token then writes the token's row into the ring (in place: the
     ring is then the kernel's first output), which no block reads while fewer rows are new than
-    the ring holds beyond `before` (a decode step, a recorded width). bind=False: the same loops serial (a CPU runs
-    them: the numerics check of the GPU forms)."""
+    the ring holds beyond `before` (a decode step, a recorded width). bind=False: the same loops
+    serial (a CPU runs them: the numerics check of the GPU forms)."""
     from .blocks import NEG_INF, _window_slots   # blocks imports this module
     from .state import context_row
 
