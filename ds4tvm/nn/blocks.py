@@ -550,7 +550,8 @@ def sparse_window_attention(q: nn.Tensor, kv_ctx, comp: nn.Tensor | None, sel: n
     row back by, at its token's position (rope(..., inverse=True)). write_ring (ring, rows): the
     rows written into the ring after the attention read it (ring_write); then returns (output,
     ring). With RingRows in the GPU forms, one kernel (gpu_kernels.window_attention) that also
-    writes a decode step's or a recorded width's rows into the ring: a thread block per (token, head)."""
+    writes a decode step's or a recorded width's rows into the ring: a thread block per (token,
+    head)."""
     has_comp = comp is not None
     use_sel = sel is not None
     n, H, D = q.shape

@@ -18,8 +18,9 @@ so that nothing in it is per call:
   was one VM instruction per state tensor outside the graph;
 - the tensors it returns are copied by one kernel at its end (added once kernels are scheduled:
   finish_recorded), so that the kernels computing them write planned storage inside the graph (a
-  kernel writing a per-call output in the middle of the step splits the graph); after capture, the graph's cached storage reaches the captured function
-  as one tuple, and kills that free nothing go (trim_outside_graphs).
+  kernel writing a per-call output in the middle of the step splits the graph); after capture,
+  the graph's cached storage reaches the captured function as one tuple, and kills that free
+  nothing go (trim_outside_graphs).
 
 A function called at several token counts (verify) is recorded at each width it is compiled for.
 It is exported a second time as its width template (width_template), its token count named
