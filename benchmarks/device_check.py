@@ -1,41 +1,239 @@
-"""The GPU check behind scripts/device_check.sh, in two phases so that the GPU machine needs only
-TVM's runtime:
+"""The GPU check behind scripts/device_check.sh, in phases so that the GPU machine needs only TVM's
+runtime, and so that the CPU runs every step of it on each test run (tests/targets/test_device_check.py):
 
-  prepare DIR --arch sm_90   (any machine with ds4tvm and TVM's compiler)
-      builds the demo DeepSeek-V4 + DSpark pair, compiles it for the GPU, records the CPU
-      artifact's logits (prefill, decode, verify) and greedy DSpark tokens as the reference, and
-      compiles two larger DeepSeek-V4-shaped random models for the GPU with their `--report`:
-      "big" (8 layers, width 2048, Q8_0, 0.5 GB read per decode step) and "large" (20 layers of
-      the published DeepSeek-V4-Flash shapes with 16 experts, the Q2 recipe types, 4.7 GB read
-      per decode step); their GGUFs are written again from the same seeds by `check`, so DIR
-      stays small enough to carry;
-  check DIR                  (the machine with the NVIDIA GPU)
-      compares the GPU's logits and tokens with the reference, then times prefill, decode and
-      verify(k) on each larger model and reports the weight bandwidth a decode step reaches as a
-      fraction of the device's own copy bandwidth, with the kernels a decode step runs and how
-      many of them CUDA graphs replay. Prints a table; JSON goes to --out.
+  prepare DIR --arch sm_90      (any machine with ds4tvm and TVM's compiler) the "cuda" plan:
+      for each family a demo-sized model with its drafter (DeepSeek-V4: the embedded trained pair
+      and DSpark; GLM-5.3 and Qwen3.8: tiny random models with their MTP layers), compiled for the
+      GPU, with the CPU artifact's logits (prefill, decode, every verify width, two sequences in
+      turns) and greedy tokens (target-only) recorded as the reference; and the timed models, slices
+      of the published shapes sized to read a few GB per decode step, compiled for the GPU with their
+      `--report` ("deepseek4-big": 8 layers of width 2048 in Q8_0, 0.5 GB; "deepseek4-large": 20
+      published layers with 16 experts and a DSpark support file; "glm5next-large" and
+      "qwen4exp-large": published layers with their MTP layers). The timed GGUFs are written again
+      from their seeds by `check` (seconds per GB), so DIR stays small enough to carry;
+  prepare DIR --device cpu      the "cpu" plan: the same steps with tiny models of the three
+      families, their GPU forms compiled for llvm (the kernels the GPU runs, loops serial);
+  check DIR                     on the machine the plan targets: per model, logits and greedy tokens
+      against the reference (the drafter's, and a drafter whose drafts are target-only's tokens,
+      must give target-only's tokens), then prefill, decode, verify(k) and the drafter's cycle
+      timed, the weight bandwidth of a decode step as a fraction of the device's copy bandwidth,
+      the kernels and CUDA graph regions a decode step runs (the report) and a per-kernel profile,
+      and the speculative speed-up with the real drafter and at full acceptance. Prints a table,
+      writes JSON to --out, and exits 1 when a logit differs from the reference by more than 1e-4
+      or a greedy token differs (the JSON's `failures`);
+  selftest DIR                  prepare --device cpu, then check.
+
 Nothing is fetched from the network."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import sys
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
+LIMIT = 1e-4           # largest |logit difference| accepted against the CPU artifact (f32 sums in another order)
+# GLM-5.3's KDA recurrence carries f32 reassociation further: the CPU artifact is 1.75e-4 from
+# transformers on the oracle test's model (tests/families/test_glm5next_oracle.py), and on the tiny
+# model here the GPU forms built for llvm (serial sums over K) are 1.18e-4 from it where two CPU
+# builds (cpu, llvm) are 3.5e-5 apart; DSA-only layers stay at the CPU builds' spread, KDA-only ones
+# do not. The GPU must be no further from the CPU than the CPU is from the independent oracle.
+GLM_LIMIT = 2e-4
 PROMPT_IDS_SEED = 0
-N_SPEC = 64
+PLAN_FILE = "plan.json"
 
 
-def tiny_ids(vocab: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(PROMPT_IDS_SEED).integers(4, min(vocab, 500), 40)]
+@dataclass(frozen=True)
+class Model:
+    """One model of a plan. write(dir) -> (model GGUF, support GGUF or None), the same bytes every
+    time (the manifest's fingerprint must match); compare: its logits and tokens are checked
+    against a CPU artifact (models the CPU runs in seconds); drafter: SpecOptions fields."""
+    name: str
+    write: Callable[[Path], tuple[Path, Path | None]]
+    bounds: dict
+    drafter: dict = field(default_factory=dict)
+    compare: bool = True
+    gen: int = 32          # tokens generated by each speculative run
+    limit: float = LIMIT
+
+
+# ---- the models ---------------------------------------------------------------------------------
+
+def _written(path: Path, write: Callable[[Path], Path]) -> Path:
+    """path, written by write(tmp) unless it exists (a killed write leaves no half file)."""
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        write(tmp)
+        tmp.replace(path)
+    return path
+
+
+def embedded_demo(d: Path):
+    from ds4tvm.demo import embedded_pair
+
+    return embedded_pair()
+
+
+def mixed_types(spec):
+    """Several GPU paths at once: Q8_0 dense, MXFP4 routed experts, BF16 shared experts, F16/F32 the rest."""
+    from gguf import GGMLQuantizationType as QT
+
+    from ds4tvm.families.deepseek4.random_model import default_type
+    from ds4tvm.gguf.validate import DENSE, ROUTED
+
+    if spec.types == ROUTED:
+        return QT.MXFP4
+    if "shexp" in spec.name:
+        return QT.BF16
+    if spec.types == DENSE and spec.shape[0] % 32 == 0:
+        return QT.Q8_0
+    return default_type(spec)
+
+
+def tiny_deepseek4(d: Path):
+    """Every DeepSeek-V4 layer kind (window, ratio 4 with its indexer, ratio 128, a hash layer) in
+    the mixed_types, and a DSpark support file whose Markov head proposes a random successor of
+    each token with full confidence (families/dspark/agreeing.py), so that it always proposes."""
+    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+    from ds4tvm.families.dspark.agreeing import write_markov_dspark
+
+    cfg = tiny_config(n_layers=4, compress_ratios=(0, 4, 128, 4), swiglu_clamp=(10.0,) * 4)
+    model = _written(d / "model.gguf", lambda p: write_random_deepseek4(p, cfg, seed=5, type_of=mixed_types))
+    successor = np.random.default_rng(6).integers(0, cfg.n_vocab, cfg.n_vocab)
+    return model, _written(d / "dspark.gguf", lambda p: write_markov_dspark(p, cfg, successor, seed=6))
+
+
+def tiny_glm5next(d: Path):
+    from ds4tvm.families.glm5next.random_model import tiny_config, write_random_glm5next
+
+    return _written(d / "model.gguf", lambda p: write_random_glm5next(p, tiny_config(), seed=1)), None
+
+
+def tiny_qwen4exp(d: Path):
+    from ds4tvm.families.qwen4exp.random_model import tiny_config, write_random_qwen4exp
+
+    return _written(d / "model.gguf", lambda p: write_random_qwen4exp(p, tiny_config(n_nextn=1), seed=1)), None
+
+
+def big_config():
+    from ds4tvm.families.deepseek4.random_model import tiny_config
+
+    return tiny_config(n_layers=8, n_embd=2048, n_vocab=32768, n_head=16, head_dim=512, n_rot=64,
+                       q_lora_rank=1024, o_lora_rank=1024, o_groups=4, n_expert=16, n_expert_used=6,
+                       n_ff_exp=512, idx_n_head=16, idx_head_dim=128, idx_top_k=64, sliding_window=128,
+                       compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128), n_hash_layers=1)
+
+
+def big_deepseek4(d: Path):
+    """8 layers of width 2048, Q8_0 (the model of the first H200 run: 0.5 GB read per token)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from ds4tvm.families.deepseek4.random_model import default_type, write_random_deepseek4
+    from ds4tvm.gguf.validate import DENSE, EMBED, ROUTED
+
+    def type_of(s):
+        return QT.Q8_0 if s.types in (DENSE, ROUTED, EMBED) and s.shape[0] % 32 == 0 else default_type(s)
+
+    return _written(d / "model.gguf", lambda p: write_random_deepseek4(p, big_config(), seed=9, type_of=type_of)), None
+
+
+def large_deepseek4(d: Path):
+    """20 layers of the published DeepSeek-V4-Flash shapes, 16 routed experts, the Q2 recipe types
+    (random valid blocks: no quantizer run), and a DSpark support file of the published shapes."""
+    from ds4tvm.families.deepseek4.published import flash_config, q2_recipe_type
+    from ds4tvm.families.deepseek4.random_model import write_random_deepseek4
+    from ds4tvm.families.dspark.random_model import write_random_dspark
+
+    cfg, n = flash_config(), 20
+    cfg = replace(cfg, n_layers=n, n_expert=16, compress_ratios=cfg.compress_ratios[:n], swiglu_clamp=cfg.swiglu_clamp[:n])
+    model = _written(d / "model.gguf", lambda p: write_random_deepseek4(p, cfg, seed=11, type_of=q2_recipe_type,
+                                                                        random_codes=True))
+    return model, _written(d / "dspark.gguf", lambda p: write_random_dspark(p, cfg, seed=12, markov_rank=256))
+
+
+def large_glm5next(d: Path):
+    """6 layers of GLM-5.3-Flash's published shapes (3 dense, then MoE; KDA and DSA) and its MTP
+    layer, 16 routed experts, the Q2 recipe types."""
+    from ds4tvm.families.glm5next.published import published_config, q2_recipe_type
+    from ds4tvm.families.glm5next.random_model import write_random_glm5next
+
+    cfg, n = published_config(), 6
+    types = cfg.layer_types[:n] + cfg.layer_types[-1:]
+    cfg = replace(cfg, n_layers=n, n_expert=16, layer_types=types, swiglu_exp=cfg.swiglu_exp[:n + 1],
+                  swiglu_shexp=cfg.swiglu_shexp[:n + 1], idx_full=cfg.idx_full[:n])
+    return _written(d / "model.gguf", lambda p: write_random_glm5next(p, cfg, seed=13, type_of=q2_recipe_type,
+                                                                      random_codes=True)), None
+
+
+def large_qwen4exp(d: Path):
+    """8 layers of Qwen3.8's published shapes (GGGA GGGA) and its MTP layer, 16 routed experts, the
+    Q4K recipe types; the PLE n-gram table cut to primes from 4096 (the real one is 95 GiB)."""
+    from ds4tvm.families.qwen4exp.published import published_config, q4k_recipe_type
+    from ds4tvm.families.qwen4exp.random_model import hash_constants, write_random_qwen4exp
+
+    cfg, n = published_config(), 8
+    cfg = replace(cfg, n_layers=n, n_expert=16, layer_ratios=cfg.layer_ratios[:n] + cfg.layer_ratios[-1:],
+                  **hash_constants(cfg.n_vocab, cfg.ngram, (cfg.ngram - 1) * cfg.heads_per_ngram, 4096))
+    cfg = replace(cfg, ple_table_rows=-(-cfg.ple_rows // 8) * 8)
+    return _written(d / "model.gguf", lambda p: write_random_qwen4exp(p, cfg, seed=14, type_of=q4k_recipe_type,
+                                                                      random_codes=True)), None
+
+
+SMALL = dict(max_context=256, max_verify=4)
+RECURRENT = dict(max_context=1024, max_verify=4, prefill_chunk=256)   # KDA/GDN snapshots: MTP verifies 2-3 rows
+TIMED = dict(max_context=1024, max_verify=8, prefill_chunk=256)       # verify(k) timed to k = 8
+DSPARK, MTP = {"dspark": True}, {"mtp": ""}
+
+
+def plans() -> dict[str, list[Model]]:
+    from ds4tvm.demo import BOUNDS
+
+    tiny = [Model("deepseek4-tiny", tiny_deepseek4, SMALL, DSPARK),
+            Model("glm5next-tiny", tiny_glm5next, SMALL, MTP, limit=GLM_LIMIT),
+            Model("qwen4exp-tiny", tiny_qwen4exp, SMALL, MTP)]
+    return {"cpu": tiny,
+            "cuda": [Model("deepseek4-demo", embedded_demo, BOUNDS, DSPARK, gen=64), *tiny[1:],
+                     Model("deepseek4-big", big_deepseek4, TIMED, compare=False, gen=64),
+                     Model("deepseek4-large", large_deepseek4, TIMED, DSPARK, compare=False, gen=64),
+                     Model("glm5next-large", large_glm5next, RECURRENT, MTP, compare=False, gen=64),
+                     Model("qwen4exp-large", large_qwen4exp, RECURRENT, MTP, compare=False, gen=64)]}
+
+
+# ---- what is compared ---------------------------------------------------------------------------
+
+def tiny_ids(vocab: int, n: int = 40) -> list[int]:
+    return [int(t) for t in np.random.default_rng(PROMPT_IDS_SEED).integers(4, min(vocab, 500), n)]
+
+
+def interleaved(engine, ids: list[int]) -> np.ndarray:
+    """Logits of two sequences decoded in turns on one engine (attach between every step: a
+    recorded function's state tensors stay where it recorded them)."""
+    engine.reset()
+    first = engine.seq
+    engine.prefill(ids[:12])
+    second = engine.new_sequence()
+    engine.attach(second)
+    engine.prefill(ids[20:26])
+    rows = []
+    for i in range(6):
+        for seq, tok in ((first, ids[12 + i]), (second, ids[26 + i])):
+            engine.attach(seq)
+            rows.append(engine.decode(tok).logits)
+    engine.attach(first)
+    return np.array(rows)
 
 
 def all_logits(engine, ids: list[int]) -> dict[str, np.ndarray]:
-    """Logits of every token of ids from one prefill, token-by-token decode, and verify blocks of
-    every width from 1 to max_verify in turn (on CUDA each width is its own recorded function)."""
+    """Logits of every token of ids from one prefill, token-by-token decode, verify blocks of every
+    width from 1 to max_verify in turn (on CUDA each width is its own recorded function), and two
+    sequences decoded in turns."""
     out = {}
     engine.reset()
     out["prefill"] = engine.prefill(ids, all_logits=True).logits
@@ -49,92 +247,162 @@ def all_logits(engine, ids: list[int]) -> dict[str, np.ndarray]:
         engine.commit(len(part))
         i, width = i + len(part), width % engine.max_verify + 1
     out["verify"] = np.concatenate(parts)
+    out["interleaved"] = interleaved(engine, ids)
+    engine.reset()
     return {k: v.astype(np.float32) for k, v in out.items()}
 
 
-def speculative_tokens(engine, prompt: list[int]) -> tuple[list[int], dict]:
-    from ds4tvm.runtime.drafters.dspark import DSparkDrafter
+class TimedDrafter:
+    """A drafter (delegated to) with the seconds spent in its calls; with `want` (target-only's
+    tokens after a prompt of n_prompt), its guesses and drafts are replaced by those tokens, so the
+    target accepts every one while the drafter does its own work (a drafter whose drafts follow
+    its own guess, as DSpark's block, is asked for them after that guess)."""
+
+    def __init__(self, inner, want: list[int] | None = None, n_prompt: int = 0):
+        self.inner, self.want, self.n_prompt, self.seconds, self.guessed = inner, want, n_prompt, 0.0, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _timed(self, fn, *args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+    def guess(self, engine, remaining):
+        self.guessed = g = self._timed(self.inner.guess, engine, remaining)
+        i = engine.pos - self.n_prompt
+        return g if g is None or self.want is None or i >= len(self.want) else self.want[i]
+
+    def draft(self, engine, token, max_tokens):
+        if self.want is None:
+            return self._timed(self.inner.draft, engine, token, max_tokens)
+        out = self._timed(self.inner.draft, engine, token if self.guessed is None else self.guessed, max_tokens)
+        i = engine.pos + 1 - self.n_prompt
+        return self.want[i:i + len(out)]
+
+    def observe(self, engine, step, tokens):
+        return self._timed(self.inner.observe, engine, step, tokens)
+
+
+class FunctionsRun:
+    """An engine's VM, noting the name of every function called (which width copies ran)."""
+
+    def __init__(self, vm):
+        self.vm, self.names = vm, set()
+
+    def __getitem__(self, fn):
+        self.names.add(fn)
+        return self.vm[fn]
+
+
+def generation(engine, model: Path, m: Model, prompt: list[int], want: list[int] | None = None,
+               agreeing: bool = False) -> tuple[list[int], dict]:
+    """Greedy tokens after prompt, target-only (no drafter flags, or want None and not asked) or
+    with the model's drafter, timed; no cost gate, so the drafter is asked at every step."""
+    from ds4tvm.runtime.drafters import SpecOptions, choose_drafter
     from ds4tvm.runtime.sampler import SamplingParams
     from ds4tvm.runtime.speculative import generate
 
+    drafter = None
+    if want is not None:
+        drafter = TimedDrafter(choose_drafter(engine, SpecOptions(**m.drafter), model),
+                               want if agreeing else None, len(prompt))
     engine.reset()
-    toks, stats = generate(engine, prompt, N_SPEC, SamplingParams(temperature=0.0), np.random.default_rng(0),
-                           drafter=DSparkDrafter(engine))
-    return toks, {"proposed": stats.counters["proposed"], "accepted": stats.counters["accepted_draft"],
-                  "tok_s": stats.tok_s}
+    engine.vm = calls = FunctionsRun(engine.vm)
+    try:
+        toks, stats = generate(engine, prompt, m.gen, SamplingParams(temperature=0.0), np.random.default_rng(0),
+                               drafter=drafter)
+    finally:
+        engine.vm = calls.vm
+    out = {"tokens": len(toks), "tok_s": round(stats.tok_s, 1), "functions": sorted(calls.names)}
+    if drafter is not None:
+        out.update(proposed=stats.counters["proposed"], accepted=stats.counters["accepted_draft"],
+                   drafter_ms_per_token=round(1e3 * drafter.seconds / max(1, len(toks)), 3),
+                   ms_per_token=round(1e3 * stats.seconds / max(1, len(toks)), 3))
+    return toks, out
 
 
-def big_config():
-    from ds4tvm.families.deepseek4.random_model import tiny_config
-
-    return tiny_config(n_layers=8, n_embd=2048, n_vocab=32768, n_head=16, head_dim=512, n_rot=64,
-                       q_lora_rank=1024, o_lora_rank=1024, o_groups=4, n_expert=16, n_expert_used=6,
-                       n_ff_exp=512, idx_n_head=16, idx_head_dim=128, idx_top_k=64, sliding_window=128,
-                       compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128), n_hash_layers=1)
+def equal_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def write_big(path: Path) -> Path:
-    from gguf import GGMLQuantizationType as QT
-
-    from ds4tvm.families.deepseek4.random_model import default_type, write_random_deepseek4
-    from ds4tvm.gguf.validate import DENSE, EMBED, ROUTED
-
-    def type_of(s):
-        return QT.Q8_0 if s.types in (DENSE, ROUTED, EMBED) and s.shape[0] % 32 == 0 else default_type(s)
-
-    return write_random_deepseek4(path, big_config(), seed=9, type_of=type_of)
-
-
-def large_config():
-    """20 layers of the published DeepSeek-V4-Flash shapes, 16 routed experts (the file stays
-    7.2 GB), 4.7 GB read per decode step in the Q2 recipe types."""
-    from dataclasses import replace
-
-    from ds4tvm.families.deepseek4.published import flash_config
-
-    cfg, n = flash_config(), 20
-    return replace(cfg, n_layers=n, n_expert=16, compress_ratios=cfg.compress_ratios[:n],
-                   swiglu_clamp=cfg.swiglu_clamp[:n])
+def speculation(engine, model: Path, m: Model, prompt: list[int]) -> dict:
+    """Target-only, then the drafter, then the drafter agreeing (drafts = target-only's tokens):
+    tokens, speed and the speed-up; every run's tokens must be target-only's."""
+    plain, out = generation(engine, model, m, prompt)
+    res = {"prompt_tokens": len(prompt), "target_only": out, "target_only_tokens": plain}
+    if not m.drafter:
+        return res
+    for arm, agreeing in (("drafter", False), ("agreeing", True)):
+        toks, out = generation(engine, model, m, prompt, plain, agreeing)
+        out["equal_prefix"] = equal_prefix(toks, plain)
+        out["speedup"] = round(out["tok_s"] / res["target_only"]["tok_s"], 3) if res["target_only"]["tok_s"] else 0.0
+        res[arm] = out
+    return res
 
 
-def write_large(path: Path) -> Path:
-    """Random valid blocks in every quantized tensor (no quantizer run): seconds per gigabyte."""
-    from ds4tvm.families.deepseek4.published import q2_recipe_type
-    from ds4tvm.families.deepseek4.random_model import write_random_deepseek4
+# ---- prepare --------------------------------------------------------------------------------------
 
-    return write_random_deepseek4(path, large_config(), seed=11, type_of=q2_recipe_type, random_codes=True)
-
-
-TIMED = {"big": (write_big, big_config), "large": (write_large, large_config)}   # name -> (writer, config)
-TIMED_BOUNDS = dict(max_context=1024, max_verify=8, prefill_chunk=256)   # verify(k) timed to k = 8
-
-
-def prepare(work: Path, arch: str) -> None:
-    from ds4tvm.compile.toolchains import prepare as prepare_toolchain
-
-    prepare_toolchain("cuda")   # before TVM is first imported
+def _reference(m: Model, model: Path, support: Path | None, cpu_dir: Path, ref: Path) -> None:
+    """The CPU artifact's logits and target-only tokens: what `check` compares with."""
     from ds4tvm.artifact import Bounds
     from ds4tvm.compile.driver import compile_gguf
-    from ds4tvm.demo import BOUNDS, PROMPT, embedded_artifact, embedded_pair
     from ds4tvm.runtime.engine import Engine
-    from ds4tvm.runtime.tokenizer import Tokenizer
 
+    compile_gguf(model, "cpu", cpu_dir, Bounds(**m.bounds), support=support)
+    cpu = Engine(cpu_dir)
+    prompt = spec_prompt(cpu, m)
+    logits = all_logits(cpu, tiny_ids(cpu.n_vocab))
+    tokens, _ = generation(cpu, model, m, prompt)
+    np.savez(ref, tokens=np.array(tokens), prompt=np.array(prompt), **logits)
+    del cpu
+    shutil.rmtree(cpu_dir)
+
+
+def spec_prompt(engine, m: Model) -> list[int]:
+    """The demo's prompt for the embedded pair (its drafter was trained on such code), else ids."""
+    if m.write is embedded_demo:
+        from ds4tvm.demo import PROMPT
+        from ds4tvm.runtime.tokenizer import Tokenizer
+
+        return Tokenizer.from_metadata(engine.tokenizer_data).encode(PROMPT)
+    return tiny_ids(engine.n_vocab, 8)
+
+
+def prepare(work: Path, plan: str, arch: str = "sm_90", only: list[str] | None = None) -> None:
+    if plan == "cuda":
+        from ds4tvm.compile.toolchains import prepare as prepare_toolchain
+
+        prepare_toolchain("cuda")   # before TVM is first imported
+    from ds4tvm.artifact import Bounds
+    from ds4tvm.compile.driver import compile_gguf
+
+    target = f"cuda:{arch}" if plan == "cuda" else "llvm"
+    models = [m for m in plans()[plan] if not only or m.name in only]
     work.mkdir(parents=True, exist_ok=True)
-    model, support = embedded_pair()
-    cpu = Engine(embedded_artifact(work / "demo", progress=False))
-    prompt = Tokenizer.from_metadata(cpu.tokenizer_data).encode(PROMPT)
-    ref = all_logits(cpu, tiny_ids(cpu.n_vocab))
-    toks, _ = speculative_tokens(cpu, prompt)
-    np.savez(work / "reference.npz", tokens=np.array(toks), prompt=np.array(prompt), **ref)
-    compile_gguf(model, f"cuda:{arch}", work / "demo-cuda", Bounds(**BOUNDS), support=support)
-    for name, (writer, _) in TIMED.items():
-        gguf = writer(work / f"{name}.gguf")
-        compile_gguf(gguf, f"cuda:{arch}", work / f"{name}-cuda", Bounds(**TIMED_BOUNDS),
-                     report=work / f"{name}-report.json")
-        gguf.unlink()   # `check` writes it again from the seed (the manifest's fingerprint must match)
+    for m in models:
+        d = work / m.name
+        t = time.perf_counter()
+        model, support = m.write(d)
+        if m.compare:
+            _reference(m, model, support, d / "cpu-reference", d / "reference.npz")
+        shutil.rmtree(d / "artifact", ignore_errors=True)
+        compile_gguf(model, target, d / "artifact", Bounds(**m.bounds), support=support,
+                     report=d / "report.json", gpu_forms=plan == "cpu" or None)
+        if not m.compare:   # large: `check` writes it again from its seed
+            for p in (model, support):
+                if p is not None:
+                    p.unlink()
+        print(f"device_check: prepared {m.name} in {time.perf_counter() - t:.0f} s", flush=True)
+    (work / PLAN_FILE).write_text(json.dumps({"plan": plan, "target": target, "models": [m.name for m in models]}))
 
 
-def copy_bandwidth(dev, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+# ---- check ----------------------------------------------------------------------------------------
+
+def copy_bandwidth(dev, nbytes: int, repeats: int = 10) -> float:
     """Device-to-device copy, bytes read + written per second (the ceiling to compare with)."""
     import tvm
 
@@ -149,56 +417,46 @@ def copy_bandwidth(dev, nbytes: int = 1 << 30, repeats: int = 10) -> float:
     return 2 * nbytes * repeats / (time.perf_counter() - t)
 
 
-def check(work: Path, gen: int) -> dict:
-    from ds4tvm.runtime.engine import Engine
-
-    report = {}
-    demo = work / "demo"
-    gpu = Engine(work / "demo-cuda", weights={"model": demo / "ds4-demo-tiny-deepseek4.gguf",
-                                              "support": demo / "ds4-demo-tiny-dspark.gguf"})
-    report["device"] = str(gpu.dev)
-    ref = np.load(work / "reference.npz")
-    got = all_logits(gpu, tiny_ids(gpu.n_vocab))
-    report["logits_vs_cpu"] = {
-        mode: {"max_abs_diff": float(np.abs(got[mode] - ref[mode]).max()),
-               "max_abs_logit": float(np.abs(ref[mode]).max()),
-               "argmax_equal": int((got[mode].argmax(-1) == ref[mode].argmax(-1)).sum()),
-               "rows": int(ref[mode].shape[0])} for mode in ("prefill", "decode", "verify")}
-    toks, stats = speculative_tokens(gpu, [int(t) for t in ref["prompt"]])
-    want = [int(t) for t in ref["tokens"]]
-    report["dspark_greedy"] = {"tokens": len(want), "equal_prefix": next(
-        (i for i, (a, b) in enumerate(zip(toks, want)) if a != b), min(len(toks), len(want))), **stats}
-
-    report["copy_bandwidth_gb_s"] = round(copy_bandwidth(gpu.dev) / 1e9, 1)
-    for name in TIMED:
-        report[name] = timed(work, name, gen)
-    return report
-
-
-def bytes_per_token(f, cfg) -> tuple[int, int]:
+def bytes_per_token(path: Path) -> tuple[int, int]:
     """(file weight bytes, bytes a decode step reads: every matrix once, the chosen experts' share
     of the routed ones, no embedding table)."""
+    from ds4tvm.gguf import open_gguf
+
+    f = open_gguf(path)
     weight_bytes = sum(t.n_bytes for t in f.tensors.values())
     expert_bytes = sum(t.n_bytes for n, t in f.tensors.items() if "_exps" in n)
     embd_bytes = f.tensors["token_embd.weight"].n_bytes
-    return weight_bytes, int(weight_bytes - embd_bytes - expert_bytes * (1 - cfg.n_expert_used / cfg.n_expert))
+    used = f.get(f.key("expert_used_count"), "int") / f.get(f.key("expert_count"), "int")
+    return weight_bytes, int(weight_bytes - embd_bytes - expert_bytes * (1 - used))
 
 
-def timed(work: Path, name: str, gen: int) -> dict:
-    """Prefill, decode and verify(k) speed of one of the TIMED models, with what its decode runs."""
-    from ds4tvm.gguf import open_gguf
-    from ds4tvm.runtime.engine import Engine
+def compared(engine, ref, model: Path, m: Model) -> tuple[dict, list[str]]:
+    """Logits and greedy tokens against the CPU reference, and the failures they show."""
+    got = all_logits(engine, tiny_ids(engine.n_vocab))
+    logits = {mode: {"max_abs_diff": float(np.abs(got[mode] - ref[mode]).max()), "limit": m.limit,
+                     "max_abs_logit": float(np.abs(ref[mode]).max()),
+                     "argmax_equal": int((got[mode].argmax(-1) == ref[mode].argmax(-1)).sum()),
+                     "rows": int(ref[mode].shape[0])} for mode in got}
+    failures = [f"{m.name}: {mode} logits differ from the CPU's by {x['max_abs_diff']:.3g} > {m.limit:g}"
+                for mode, x in logits.items() if not x["max_abs_diff"] <= m.limit]
+    spec = speculation(engine, model, m, [int(t) for t in ref["prompt"]])
+    want = [int(t) for t in ref["tokens"]]
+    spec["cpu_equal_prefix"] = equal_prefix(spec["target_only_tokens"], want)
+    if spec["cpu_equal_prefix"] < len(want) or len(spec["target_only_tokens"]) != len(want):
+        failures.append(f"{m.name}: target-only greedy tokens differ from the CPU's at {spec['cpu_equal_prefix']}")
+    for arm in ("drafter", "agreeing"):
+        if arm in spec and spec[arm]["equal_prefix"] < spec["target_only"]["tokens"]:
+            failures.append(f"{m.name}: greedy tokens with the {arm} drafter differ from target-only's at "
+                            f"{spec[arm]['equal_prefix']}")
+    return {"logits_vs_cpu": logits, "speculation": spec}, failures
+
+
+def timed(engine, m: Model, model: Path, report: dict, copy_gb_s: float) -> dict:
+    """Prefill, decode and verify(k) speed, with what a decode step and a verify of 6 run."""
     from ds4tvm.runtime.speculative import median_seconds, verify_cost
 
-    writer, config = TIMED[name]
-    t = time.perf_counter()
-    gguf = writer(work / f"{name}.gguf")
-    out = {"gguf_seconds": round(time.perf_counter() - t, 1)}
-    weight_bytes, per_token = bytes_per_token(open_gguf(gguf), config())
-    t = time.perf_counter()
-    engine = Engine(work / f"{name}-cuda", weights={"model": gguf})
-    out["load_seconds"] = round(time.perf_counter() - t, 1)
-    prompt = list(range(4, 260))
+    weight_bytes, per_token = bytes_per_token(model)
+    prompt = [4 + i % (engine.n_vocab - 4) for i in range(min(256, engine.max_context // 2))]
 
     def prefill():
         engine.reset()
@@ -208,69 +466,129 @@ def timed(work: Path, name: str, gen: int) -> dict:
     t_prefill = median_seconds(prefill, 3)
     for _ in range(4):   # warm-up (the first decode captures its CUDA graph)
         engine.decode(7)
+    n = 32
     t = time.perf_counter()
-    for _ in range(gen):
+    for _ in range(n):
         engine.decode(7)
-    dt = (time.perf_counter() - t) / gen
-    copy = copy_bandwidth(engine.dev) / 1e9   # measured beside each model: the device's own ceiling
-    functions = json.loads((work / f"{name}-report.json").read_text())["functions"]
-    decode, verify6 = functions["decode"], functions.get("verify_w6", {})
-    out.update({
-        "weights_gib": round(weight_bytes / 2**30, 2), "bytes_per_token_gib": round(per_token / 2**30, 3),
+    dt = (time.perf_counter() - t) / n
+    decode, verify6 = report["decode"], report.get(f"verify_w{min(6, engine.max_verify)}", {})
+    return {
+        "weights_gib": round(weight_bytes / 2**30, 3), "bytes_per_token_gib": round(per_token / 2**30, 4),
         "prefill_tokens": len(prompt), "prefill_tok_s": round(len(prompt) / t_prefill, 1),
-        "decode_tok_s": round(1 / dt, 1), "decode_weight_gb_s": round(per_token / dt / 1e9, 1),
-        "bandwidth_fraction": round(per_token / dt / 1e9 / copy, 4),
-        "decode_kernels": decode["n_launches"], "decode_calls": decode["n_kernels"], "decode_graph_regions": decode["graph_regions"],
-        "decode_kernels_in_graphs": decode["kernels_in_graphs"], "decode_outside_graphs": decode["outside_graphs"],
+        "decode_tok_s": round(1 / dt, 1), "decode_weight_gb_s": round(per_token / dt / 1e9, 2),
+        "bandwidth_fraction": round(per_token / dt / 1e9 / copy_gb_s, 4),
+        "decode_kernels": decode["n_launches"], "decode_calls": decode["n_kernels"],
+        "decode_graph_regions": decode["graph_regions"], "decode_kernels_in_graphs": decode["kernels_in_graphs"],
+        "decode_outside_graphs": decode["outside_graphs"],
         "verify6_kernels": verify6.get("n_launches"), "verify6_graph_regions": verify6.get("graph_regions", 0),
         "verify6_outside_graphs": verify6.get("outside_graphs"),
-        "verify_cost_vs_decode": {k: round(v, 2) for k, v in verify_cost(engine, max_k=8).items()},
-        "decode_profile": decode_profile(engine)})
-    del engine
-    gguf.unlink()
-    return out
+        "verify_cost_vs_decode": {str(k): round(v, 2) for k, v in verify_cost(engine, max_k=engine.max_verify).items()},
+        "decode_profile": decode_profile(engine)}
 
 
 def decode_profile(engine, top: int = 20) -> list[list]:
     """Per-kernel time of one decode step (benchmarks/kernel_profile.py): [name, calls, ms], largest first."""
     from kernel_profile import kernel_profile   # benchmarks/ is this script's directory, first on sys.path
 
-    return kernel_profile(engine, lambda: engine.decode(7))[:top + 1]
+    engine.reset()
+    engine.prefill([4, 5, 6, 7])
+    return kernel_profile(engine, lambda: (engine.decode(7), engine.rewind(1)))[:top + 1]
+
+
+def check_model(work: Path, m: Model, copy_gb_s: float) -> tuple[dict, list[str]]:
+    from ds4tvm.runtime.engine import Engine
+
+    d = work / m.name
+    t = time.perf_counter()
+    model, support = m.write(d)
+    out = {"gguf_seconds": round(time.perf_counter() - t, 1)}
+    t = time.perf_counter()
+    engine = Engine(d / "artifact", weights={"model": model, **({"support": support} if support else {})})
+    out["load_seconds"] = round(time.perf_counter() - t, 1)
+    failures = []
+    if m.compare:
+        res, failures = compared(engine, np.load(d / "reference.npz"), model, m)
+        out.update(res)
+    else:
+        out["speculation"] = speculation(engine, model, m, tiny_ids(engine.n_vocab, 8))
+    out["timed"] = timed(engine, m, model, json.loads((d / "report.json").read_text())["functions"], copy_gb_s)
+    del engine
+    if not m.compare:
+        for p in (model, support):
+            if p is not None:
+                p.unlink()
+    return out, failures
+
+
+def check(work: Path) -> dict:
+    from ds4tvm.devices import probe_device
+
+    plan = json.loads((work / PLAN_FILE).read_text())
+    models = {m.name: m for m in plans()[plan["plan"]]}
+    dev, arch = probe_device("cuda" if plan["plan"] == "cuda" else "cpu") or (None, None)
+    if dev is None:
+        raise SystemExit(f"device_check: {work} holds {plan['target']} code and this machine has no such device")
+    copy_gb_s = copy_bandwidth(dev, 1 << 30 if plan["plan"] == "cuda" else 1 << 26) / 1e9
+    report = {"plan": plan["plan"], "target": plan["target"], "device": str(dev), "arch": arch,
+              "copy_bandwidth_gb_s": round(copy_gb_s, 1), "models": {}, "failures": []}
+    for name in plan["models"]:
+        report["models"][name], failures = check_model(work, models[name], copy_gb_s)
+        report["failures"] += failures
+    return report
+
+
+def print_report(r: dict) -> None:
+    print(f"device {r['device']} ({r['target']}): copy bandwidth {r['copy_bandwidth_gb_s']} GB/s")
+    for name, x in r["models"].items():
+        print(f"{name}:")
+        for mode, c in x.get("logits_vs_cpu", {}).items():
+            print(f"  {mode:11s} max|d| vs CPU {c['max_abs_diff']:.3e} (limit {c['limit']:g}; logits up to {c['max_abs_logit']:.2f}), "
+                  f"argmax equal {c['argmax_equal']}/{c['rows']}")
+        s = x["speculation"]
+        line = f"  greedy: target-only {s['target_only']['tok_s']} tok/s"
+        for arm in ("drafter", "agreeing"):
+            if arm in s:
+                a = s[arm]
+                line += (f"; {arm} {a['tok_s']} tok/s (x{a['speedup']}), accepted {a['accepted']}/{a['proposed']}, "
+                         f"drafter {a['drafter_ms_per_token']} of {a['ms_per_token']} ms per token, "
+                         f"tokens equal to target-only's {a['equal_prefix']}/{s['target_only']['tokens']}")
+        print(line)
+        t = x["timed"]
+        print(f"  {t['weights_gib']} GiB, {t['bytes_per_token_gib']} GiB read per token: prefill {t['prefill_tok_s']} "
+              f"tok/s ({t['prefill_tokens']} tokens), decode {t['decode_tok_s']} tok/s = {t['decode_weight_gb_s']} GB/s "
+              f"= {t['bandwidth_fraction']:.2%} of copy bandwidth")
+        print(f"  decode step {t['decode_kernels']} kernels ({t['decode_calls']} calls), {t['decode_kernels_in_graphs']} "
+              f"in {t['decode_graph_regions']} CUDA graph region(s), {t['decode_outside_graphs']} VM instructions "
+              f"outside; verify of 6: {t['verify6_kernels']} kernels, {t['verify6_graph_regions']} region(s)")
+        print("  verify(k) / decode: " + " ".join(f"k={k}:{v}" for k, v in t["verify_cost_vs_decode"].items()))
+        for kernel, n, ms in t["decode_profile"][:6]:
+            print(f"  {ms:9.3f} ms {n:6d} calls  {kernel}")
+    print("device_check: " + ("; ".join(r["failures"]) if r["failures"] else "every logit and token as the CPU's"))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=("prepare", "check"))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=("prepare", "check", "selftest"))
     ap.add_argument("dir", type=Path)
     ap.add_argument("--arch", default="sm_90", help="prepare: the GPU architecture to compile for")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="prepare: the plan's device")
+    ap.add_argument("--only", nargs="*", help="prepare: these models of the plan only")
     ap.add_argument("--out", type=Path, default=Path("device_check.json"))
-    ap.add_argument("--gen", type=int, default=64)
     a = ap.parse_args()
-    if a.phase == "prepare":
-        prepare(a.dir, a.arch)
-        print(f"device_check: prepared {a.dir}")
-        return
-    r = check(a.dir, a.gen)
+    if a.phase == "check":   # runs compiled code only: TVM's runtime library is enough
+        from ds4tvm.runtime.loader import runtime_only_tvm
+
+        runtime_only_tvm()
+    else:
+        prepare(a.dir, "cpu" if a.phase == "selftest" else a.device, a.arch, a.only)
+        if a.phase == "prepare":
+            print(f"device_check: prepared {a.dir}")
+            return
+    r = check(a.dir)
     a.out.write_text(json.dumps(r, indent=1))
-    print(f"device {r['device']}: copy bandwidth {r['copy_bandwidth_gb_s']} GB/s")
-    for mode, x in r["logits_vs_cpu"].items():
-        print(f"demo model {mode:8s} max|d| vs CPU {x['max_abs_diff']:.3e} (logits up to {x['max_abs_logit']:.2f}), "
-              f"argmax equal {x['argmax_equal']}/{x['rows']}")
-    d = r["dspark_greedy"]
-    print(f"DSpark greedy: first {d['equal_prefix']}/{d['tokens']} tokens equal to the CPU's; "
-          f"accepted {d['accepted']}/{d['proposed']} drafts; {d['tok_s']:.1f} tok/s")
-    for name in TIMED:
-        s = r[name]
-        print(f"{name} model ({s['weights_gib']} GiB, {s['bytes_per_token_gib']} GiB read per token): prefill "
-              f"{s['prefill_tok_s']} tok/s ({s['prefill_tokens']} tokens), decode {s['decode_tok_s']} tok/s, "
-              f"{s['decode_weight_gb_s']} GB/s = {s['bandwidth_fraction']:.2%} of copy bandwidth; decode step "
-              f"{s['decode_kernels']} kernels ({s['decode_calls']} kernel calls), {s['decode_kernels_in_graphs']} calls in {s['decode_graph_regions']} "
-              f"CUDA graph region(s), {s['decode_outside_graphs']} VM instructions outside")
-        print(f"  verify of 6 tokens: {s['verify6_kernels']} kernels, {s['verify6_graph_regions']} CUDA graph "
-              f"region(s), {s['verify6_outside_graphs']} VM instructions outside")
-        print("  verify(k) / decode: " + " ".join(f"k={k}:{v}" for k, v in s["verify_cost_vs_decode"].items()))
-        for kernel, n, ms in s["decode_profile"]:
-            print(f"  {ms:9.3f} ms {n:6d} calls  {kernel}")
+    print_report(r)
+    sys.exit(1 if r["failures"] else 0)
+
 
 if __name__ == "__main__":
     main()

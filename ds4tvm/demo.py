@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import typer
 
 from .errors import Ds4Error
 
@@ -23,6 +22,12 @@ SUPPORT_FILE = "ds4-demo-dspark.gguf"
 PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n    with open(path) as f:\n'
 N_TOKENS = 64
 BOUNDS = dict(max_context=2048, max_verify=8, prefill_chunk=256)
+
+
+def _echo(message: str, err: bool = False) -> None:
+    import typer   # not at import: the GPU check's pack reads BOUNDS and the pair without the CLI's libraries
+
+    typer.echo(message, err=err)
 
 
 def embedded_pair() -> tuple[Path, Path]:
@@ -64,8 +69,8 @@ def embedded_artifact(out_dir: Path | None = None, progress: bool = True) -> Pat
     art = Path(out_dir or default_dir()) / f"artifact-{stamp}"
     if not _current(art):
         if progress:
-            typer.echo("ds4: first use of the embedded model: compiling it with its DSpark drafter for this CPU "
-                       "(about a minute)", err=True)
+            _echo("ds4: first use of the embedded model: compiling it with its DSpark drafter for this CPU "
+                  "(about a minute)", err=True)
         tmp = art.with_name(art.name + f".tmp{os.getpid()}")
         compile_gguf(model, "cpu", tmp, Bounds(**BOUNDS), progress=progress, support=support)
         if not _current(art):   # else another process finished first
@@ -90,9 +95,9 @@ def run_demo(out_dir: Path | None = None) -> None:
     tok = Tokenizer.from_metadata(engine.tokenizer_data, source=TARGET_FILE)
     f = open_gguf(embedded_pair()[0])
     cfg = Config.from_gguf(f)
-    typer.echo(f"demo model: {TARGET_FILE} (DeepSeek-V4 architecture, {cfg.n_layers} layers, width {cfg.n_embd}, "
-               f"vocab {cfg.n_vocab}, {f.n_params() / 1e6:.1f}M parameters, trained on Python's standard library) "
-               f"+ DSpark drafter {SUPPORT_FILE}")
+    _echo(f"demo model: {TARGET_FILE} (DeepSeek-V4 architecture, {cfg.n_layers} layers, width {cfg.n_embd}, "
+          f"vocab {cfg.n_vocab}, {f.n_params() / 1e6:.1f}M parameters, trained on Python's standard library) "
+          f"+ DSpark drafter {SUPPORT_FILE}")
     ids = tok.encode(PROMPT)
     greedy = SamplingParams(temperature=0.0)
     gate = CostGate.for_engine(engine)   # measures the plain steps first, so the DSpark run starts informed
@@ -103,15 +108,15 @@ def run_demo(out_dir: Path | None = None) -> None:
     spec, stats = generate(engine, ids, N_TOKENS, greedy, np.random.default_rng(0), drafter=drafter,
                            stop_ids=tok.stop_ids, gate=gate)
     rule = "-" * 72
-    typer.echo(f"prompt ({len(ids)} tokens) and its greedy completion ({len(spec)} tokens):\n{rule}\n"
-               f"{PROMPT}{tok.decode(spec, skip_special=True)}\n{rule}")
+    _echo(f"prompt ({len(ids)} tokens) and its greedy completion ({len(spec)} tokens):\n{rule}\n"
+          f"{PROMPT}{tok.decode(spec, skip_special=True)}\n{rule}")
     same = "identical to" if spec == plain else "DIFFERENT from"
     c = stats.counters
-    typer.echo(f"target-only: {plain_stats.tok_s:.1f} tok/s; with DSpark (θ={drafter.theta:g}): {stats.tok_s:.1f} tok/s, "
-               f"{c['avg_accept']:.2f} tokens accepted per cycle ({100 * c['accept_rate']:.0f}% of proposed); "
-               f"the DSpark output is {same} target-only decoding at temperature 0")
+    _echo(f"target-only: {plain_stats.tok_s:.1f} tok/s; with DSpark (θ={drafter.theta:g}): {stats.tok_s:.1f} tok/s, "
+          f"{c['avg_accept']:.2f} tokens accepted per cycle ({100 * c['accept_rate']:.0f}% of proposed); "
+          f"the DSpark output is {same} target-only decoding at temperature 0")
     if c["cost_skips"]:
-        typer.echo(f"the cost gate decoded {c['cost_skips']} of the {len(spec)} tokens without asking the drafter: on "
-                   f"this CPU a proposal and its verify took longer than the plain steps they would save")
+        _echo(f"the cost gate decoded {c['cost_skips']} of the {len(spec)} tokens without asking the drafter: on "
+              f"this CPU a proposal and its verify took longer than the plain steps they would save")
     print(stats.line(), file=sys.stderr)
-    typer.echo(f"ds4 demo: done in {time.perf_counter() - t_start:.1f} s")
+    _echo(f"ds4 demo: done in {time.perf_counter() - t_start:.1f} s")

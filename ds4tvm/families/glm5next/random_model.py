@@ -57,9 +57,12 @@ def default_type(spec: TensorSpec) -> QT:
 
 def write_random_glm5next(path: str | Path, cfg: Config, seed: int = 0,
                           type_of: Callable[[TensorSpec], QT] = default_type, metadata: dict | None = None,
-                          edit_specs: Callable[[list[TensorOut]], list[TensorOut]] | None = None) -> Path:
+                          edit_specs: Callable[[list[TensorOut]], list[TensorOut]] | None = None,
+                          random_codes: bool = False) -> Path:
     """The random model of `seed` in cfg's layout. `metadata` overrides keys (None deletes one) and
-    `edit_specs` edits the tensor list: both build malformed files for the tests."""
+    `edit_specs` edits the tensor list: both build malformed files for the tests. random_codes:
+    every block type gets random valid blocks (no quantizer run: gigabytes in seconds, for speed
+    checks that compare no logits)."""
     rng = np.random.default_rng(seed)
     tensors = []
     for canonical, spec, suffix in canonical_pairs(cfg):   # values come from the canonical name
@@ -67,7 +70,7 @@ def write_random_glm5next(path: str | Path, cfg: Config, seed: int = 0,
         qtype = QT.F32 if suffix in (A_LOG, *CONVS) else type_of(spec)
 
         def produce(suffix=suffix, shape=tuple(reversed(canonical.shape)), sub=sub, qtype=qtype):
-            if qtype in NO_QUANTIZER:   # random valid blocks of about the same spread
+            if qtype in NO_QUANTIZER or (random_codes and qtype not in (QT.F32, QT.F16, QT.BF16)):   # valid blocks, same spread
                 return random_blocks(qtype, shape, sub, scale=1.0 / (32 * np.sqrt(shape[-1])))
             return quantize(in_layout(cfg, suffix, _values(suffix, shape, sub)), qtype)
 

@@ -73,9 +73,12 @@ def default_type(spec: TensorSpec) -> QT:
 
 def write_random_qwen4exp(path: str | Path, cfg: Config, seed: int = 0,
                           type_of: Callable[[TensorSpec], QT] = default_type, metadata: dict | None = None,
-                          edit_specs: Callable[[list[TensorOut]], list[TensorOut]] | None = None) -> Path:
+                          edit_specs: Callable[[list[TensorOut]], list[TensorOut]] | None = None,
+                          random_codes: bool = False) -> Path:
     """The random model of `seed`. `metadata` overrides keys (None deletes one) and `edit_specs`
-    edits the tensor list: both build malformed files for the tests."""
+    edits the tensor list: both build malformed files for the tests. random_codes: every block
+    type gets random valid blocks (no quantizer run: gigabytes in seconds, for speed checks that
+    compare no logits)."""
     rng = np.random.default_rng(seed)
     tensors = []
     for spec in tensor_specs(cfg):
@@ -83,7 +86,7 @@ def write_random_qwen4exp(path: str | Path, cfg: Config, seed: int = 0,
         qtype = type_of(spec)
 
         def produce(name=spec.name, shape=tuple(reversed(spec.shape)), sub=sub, qtype=qtype):
-            if qtype in NO_QUANTIZER:
+            if qtype in NO_QUANTIZER or (random_codes and qtype not in (QT.F32, QT.F16, QT.BF16)):
                 return random_blocks(qtype, shape, sub, scale=1.0 / (32 * np.sqrt(shape[-1])))
             return quantize(_values(name, shape, sub), qtype)
 
