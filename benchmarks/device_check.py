@@ -152,7 +152,8 @@ def large_deepseek4(d: Path):
     from ds4tvm.families.dspark.random_model import write_random_dspark
 
     cfg, n = flash_config(), 20
-    cfg = replace(cfg, n_layers=n, n_expert=16, compress_ratios=cfg.compress_ratios[:n], swiglu_clamp=cfg.swiglu_clamp[:n])
+    cfg = replace(cfg, n_layers=n, n_expert=16, compress_ratios=cfg.compress_ratios[:n],
+                  swiglu_clamp=cfg.swiglu_clamp[:n])
     model = _written(d / "model.gguf", lambda p: write_random_deepseek4(p, cfg, seed=11, type_of=q2_recipe_type,
                                                                         random_codes=True))
     return model, _written(d / "dspark.gguf", lambda p: write_random_dspark(p, cfg, seed=12, markov_rank=256))
@@ -542,8 +543,8 @@ def print_report(r: dict) -> None:
     for name, x in r["models"].items():
         print(f"{name}:")
         for mode, c in x.get("logits_vs_cpu", {}).items():
-            print(f"  {mode:11s} max|d| vs CPU {c['max_abs_diff']:.3e} (limit {c['limit']:g}; logits up to {c['max_abs_logit']:.2f}), "
-                  f"argmax equal {c['argmax_equal']}/{c['rows']}")
+            print(f"  {mode:11s} max|d| vs CPU {c['max_abs_diff']:.3e} (limit {c['limit']:g}; logits up to "
+                  f"{c['max_abs_logit']:.2f}), argmax equal {c['argmax_equal']}/{c['rows']}")
         s = x["speculation"]
         line = f"  greedy: target-only {s['target_only']['tok_s']} tok/s"
         for arm in ("drafter", "agreeing"):
@@ -555,11 +556,12 @@ def print_report(r: dict) -> None:
         print(line)
         t = x["timed"]
         print(f"  {t['weights_gib']} GiB, {t['bytes_per_token_gib']} GiB read per token: prefill {t['prefill_tok_s']} "
-              f"tok/s ({t['prefill_tokens']} tokens), decode {t['decode_tok_s']} tok/s = {t['decode_weight_gb_s']} GB/s "
-              f"= {t['bandwidth_fraction']:.2%} of copy bandwidth")
-        print(f"  decode step {t['decode_kernels']} kernels ({t['decode_calls']} calls), {t['decode_kernels_in_graphs']} "
-              f"in {t['decode_graph_regions']} CUDA graph region(s), {t['decode_outside_graphs']} VM instructions "
-              f"outside; verify of 6: {t['verify6_kernels']} kernels, {t['verify6_graph_regions']} region(s)")
+              f"tok/s ({t['prefill_tokens']} tokens), decode {t['decode_tok_s']} tok/s = "
+              f"{t['decode_weight_gb_s']} GB/s = {t['bandwidth_fraction']:.2%} of copy bandwidth")
+        print(f"  decode step {t['decode_kernels']} kernels ({t['decode_calls']} calls), "
+              f"{t['decode_kernels_in_graphs']} in {t['decode_graph_regions']} CUDA graph region(s), "
+              f"{t['decode_outside_graphs']} VM instructions outside; verify of min(6, max_verify): "
+              f"{t['verify6_kernels']} kernels, {t['verify6_graph_regions']} region(s)")
         print("  verify(k) / decode: " + " ".join(f"k={k}:{v}" for k, v in t["verify_cost_vs_decode"].items()))
         for kernel, n, ms in t["decode_profile"][:6]:
             print(f"  {ms:9.3f} ms {n:6d} calls  {kernel}")

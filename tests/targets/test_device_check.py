@@ -74,7 +74,8 @@ def test_selftest_runs_every_step_of_the_gpu_check_and_reports_every_field(selft
         assert set(m["logits_vs_cpu"]) == set(ROWS), name
         for mode, c in m["logits_vs_cpu"].items():
             assert set(c) == LOGIT_KEYS and c["rows"] == ROWS[mode] and c["limit"] == LIMITS[name], (name, mode)
-            assert c["max_abs_diff"] <= c["limit"] and c["argmax_equal"] == c["rows"] and c["max_abs_logit"] > 0.1, (name, mode)
+            assert c["max_abs_diff"] <= c["limit"] and c["argmax_equal"] == c["rows"], (name, mode)
+            assert c["max_abs_logit"] > 0.1, (name, mode)
         _check_arms(name, m["speculation"], 32)
         t = m["timed"]
         assert set(t) == TIMED_KEYS, name
