@@ -18,9 +18,10 @@ from pathlib import Path
 from . import __version__
 from .errors import Ds4Error
 
-SCHEMA_VERSION = 5  # 3: typed states and functions, any number of weight files, drafters by name;
+SCHEMA_VERSION = 6  # 3: typed states and functions, any number of weight files, drafters by name;
 #                    4: states say how far they can be rewound and how tables map rows to positions;
-#                    5: functions take a slice of the weight arguments, weight files may live in the artifact
+#                    5: functions take a slice of the weight arguments, weight files may live in the artifact;
+#                    6: the sha256 of the library and the tokenizer (`hashes`), checked before loading
 MANIFEST = "manifest.json"
 _FINGERPRINT_SPAN = 8 << 20
 
@@ -184,6 +185,7 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     tvm_version: str = ""
     ds4tvm_version: str = __version__
+    hashes: dict = field(default_factory=dict)   # file in the artifact -> sha256: the library, the tokenizer
     extra: dict = field(default_factory=dict)
 
     def state_specs(self) -> list[StateSpec]:
@@ -207,16 +209,63 @@ class Manifest:
         if not path.is_file():
             raise Ds4Error(f"{art_dir}: not a ds4tvm artifact (no {MANIFEST})")
         try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise Ds4Error(f"{path}: unreadable manifest ({e})") from None
+            raw = json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError) as e:
+            raise Ds4Error(f"{path}: unreadable manifest ({type(e).__name__}: {str(e)[:120]})") from None
+        if not isinstance(raw, dict):
+            raise Ds4Error(f"{path}: malformed manifest (not a JSON object)")
         if raw.get("schema_version") != SCHEMA_VERSION:
             raise Ds4Error(f"{path}: manifest schema {raw.get('schema_version')} is not {SCHEMA_VERSION}; "
                            f"recompile with this ds4tvm")
         try:
-            return cls(**raw)
+            m = cls(**raw)
         except TypeError as e:
             raise Ds4Error(f"{path}: malformed manifest ({e})") from None
+        m._check_form(path)
+        return m
+
+    def _check_form(self, path: Path) -> None:
+        """The fields the runtime indexes with are of the types it expects: an edited manifest is one
+        line, not a traceback (or, for a vocabulary, an index past a table) later."""
+        def bad(what: str):
+            raise Ds4Error(f"{path}: malformed manifest (field {what})")
+
+        for name in ("family", "library", "tokenizer", "device"):
+            if not isinstance(getattr(self, name), str):
+                bad(f"{name!r} is not a string")
+        for name in (self.library, self.tokenizer):
+            if Path(name).name != name or name in ("", ".", ".."):
+                bad(f"{name!r}: a file name inside the artifact is expected")
+        if not isinstance(self.n_vocab, int) or not 0 < self.n_vocab < 1 << 31:
+            bad(f"'n_vocab' is {self.n_vocab!r}, expected a vocabulary size")
+        if not isinstance(self.bounds, dict) or not all(
+                isinstance(self.bounds.get(k), int) and 0 < self.bounds[k] < 1 << 31 for k in asdict(Bounds())):
+            bad("'bounds' lacks max_context, max_verify or prefill_chunk as positive integers")
+        for name, kind in (("weights", dict), ("functions", list), ("params", list), ("states", list),
+                           ("drafters", dict), ("hashes", dict), ("extra", dict)):
+            if not isinstance(getattr(self, name), kind):
+                bad(f"{name!r} is not a {kind.__name__}")
+        if not all(isinstance(w, dict) and isinstance(w.get("gguf_path"), str) for w in self.weights.values()):
+            bad("'weights' holds an entry without a gguf_path")
+        if not all(isinstance(p, list) and len(p) == 4 for p in self.params):
+            bad("'params' holds an entry that is not [argument, tensor, plane, role]")
+        try:
+            self.state_specs(), self.function_specs()
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            bad(f"'states' or 'functions' holds a malformed entry ({type(e).__name__}: {e})")
+
+    def check_files(self, art_dir: Path) -> None:
+        """The library and the tokenizer are the files the compiler wrote (their sha256), checked
+        before the library is loaded: loading a library runs its code."""
+        for name in (self.library, self.tokenizer):
+            want, path = self.hashes.get(name), Path(art_dir) / name
+            if not isinstance(want, str):
+                raise Ds4Error(f"{art_dir}: its manifest has no sha256 for {name}; recompile the artifact")
+            if not path.is_file():
+                raise Ds4Error(f"{art_dir}: {name} is missing")
+            if file_sha256(path) != want:
+                raise Ds4Error(f"{path}: does not match the sha256 its manifest gives (replaced or damaged); "
+                               f"recompile the artifact or restore the file")
 
     def check_runtime(self, art_dir: Path) -> None:
         import tvm

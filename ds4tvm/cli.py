@@ -47,6 +47,7 @@ def inspect_report(path: Path) -> dict:
         "quant_types": f.type_counts(),
         "unused_tensors": m.unused_tensors,
         "details": m.family.describe(m.config) if m.family.describe else {},
+        "layouts": dict(f.layout_notes),
     }
 
 
@@ -70,6 +71,8 @@ def inspect(model: Path = typer.Argument(..., help="GGUF file"),
     typer.echo(f"  parameters    {r['n_params']:,}")
     typer.echo(f"  file size     {r['file_bytes']:,} bytes")
     typer.echo("  types         " + ", ".join(f"{k} x{v}" for k, v in r["quant_types"].items()))
+    for name, note in r["layouts"].items():
+        typer.echo(f"  layout        {name} {note}")
     if r["unused_tensors"]:
         typer.echo(f"  unused        {len(r['unused_tensors'])} tensors not read by {r['family']}: "
                    + ", ".join(r["unused_tensors"][:8]) + (" ..." if len(r["unused_tensors"]) > 8 else ""))
@@ -255,6 +258,8 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
         as_json: bool = typer.Option(False, "--json", help="print tokens, text and speeds as JSON"),
         session: Optional[Path] = typer.Option(None, "--session", help="continue the conversation saved in this "
                                                "file (if any) without re-reading it, and save it back"),
+        session_overwrite: bool = typer.Option(False, "--session-overwrite", help="start a new conversation in "
+                                               "--session FILE when it holds no usable one (else: an error)"),
         threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core; one for a model under 64 MB)")):
     """Generate text from a prompt, optionally with speculative decoding (DSpark, MTP)."""
     _threads(threads)
@@ -272,7 +277,7 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
                             quality, exact_sampling, draft_onnx)
     model = _model_or_embedded(model, progress=not as_json)
     engine, drafter = _speculative_engine(model, options, target, ctx, progress=not as_json)
-    conversation = _Session(session, engine, drafter) if session is not None else None
+    conversation = _Session(session, engine, drafter, session_overwrite) if session is not None else None
     ids, tok = _prompt_ids(engine, model, prompt, tokens, raw, conversation)
     cached = conversation.resume(ids) if conversation is not None else 0
     from .runtime.textstream import TextStream
@@ -454,7 +459,7 @@ class _Session:
     """`ds4 run --session FILE`: the conversation so far (the messages, or the tokens for --raw and
     --tokens prompts) and the state after it, in one checkpoint file (runtime/checkpoint.py)."""
 
-    def __init__(self, path: Path, engine, drafter):
+    def __init__(self, path: Path, engine, drafter, overwrite: bool = False):
         from .runtime.checkpoint import CheckpointError
         from .runtime.drafters import drafter_tag
 
@@ -463,9 +468,14 @@ class _Session:
         if path.exists():
             try:
                 meta = engine.load_state(path, self.tag)
+                _check_session_meta(path, meta, engine.n_vocab)
             except CheckpointError as e:
-                print(f"ds4: --session: {e.message}; starting a new conversation", file=sys.stderr)
+                if not overwrite:   # a user's file (a GGUF given by mistake) is never overwritten
+                    raise Ds4Error(f"--session: {e.message}; the file is left as it is (--session-overwrite "
+                                   f"replaces it with a new conversation)") from None
+                print(f"ds4: --session: {e.message}; starting a new conversation in its place", file=sys.stderr)
                 engine.reset()
+                meta = {}
         self.tokens = [int(t) for t in meta.get("tokens", [])]          # the conversation so far
         self.messages = list(meta.get("messages", []))
 
@@ -496,6 +506,18 @@ class _Session:
             self.engine.save_state(self.path, self.tag, meta)
         except OSError as e:
             raise Ds4Error(f"--session {self.path}: cannot write it ({e.strerror or e})") from None
+
+
+def _check_session_meta(path: Path, meta: dict, n_vocab: int) -> None:
+    """What `_Session.save` wrote: the tokens (ids of the vocabulary) and the chat messages."""
+    from .runtime.checkpoint import CheckpointError
+
+    tokens, messages = meta.get("tokens", []), meta.get("messages", [])
+    if not (isinstance(tokens, list) and all(isinstance(t, int) and 0 <= t < n_vocab for t in tokens)
+            and isinstance(messages, list)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages)):
+        raise CheckpointError(f"{path}: not a ds4 run --session conversation (its tokens or messages are malformed)")
 
 
 def _prompt_ids(engine, model, prompt, tokens, raw, session: _Session | None = None):

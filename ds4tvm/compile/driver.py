@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from ..artifact import MODEL, Manifest, file_identity, width_variant
+from ..artifact import MODEL, Manifest, file_identity, file_sha256, width_variant
 from ..errors import Ds4Error
 from ..families import BuildRequest, family_named, load_attr, load_model, tensor_types
 from ..gguf import open_gguf
@@ -153,7 +153,8 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
             target_name=tgt_spec.name, device=tgt_spec.device, arches=list(tgt_spec.arches), weights=weights,
             bounds=asdict(bounds), kv_rounding=kv_rounding, functions=[f.to_json() for f in functions],
             params=params, states=[s.to_json() for s in built.states], library=tgt_spec.library,
-            n_vocab=m.config.n_vocab, drafters=drafters, tvm_version=tvm.__version__)
+            n_vocab=m.config.n_vocab, drafters=drafters, tvm_version=tvm.__version__,
+            hashes={name: file_sha256(out_dir / name) for name in (tgt_spec.library, "tokenizer.json")})
         phases.next()
         manifest.extra["compile_seconds"] = phases.times
         if _applies(records):

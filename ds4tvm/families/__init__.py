@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..artifact import Bounds, FunctionSpec, StateSpec
+from ..artifact import MODEL, Bounds, FunctionSpec, StateSpec
 from ..errors import Ds4Error
 from ..gguf.reader import GGUFFile
 from ..gguf.validate import TensorSpec, check_tensors
@@ -184,3 +184,18 @@ def load_model(f: GGUFFile) -> LoadedModel:
     cfg = fam.config_from_gguf(f)
     unused = check_tensors(f, fam.tensor_specs(cfg))
     return LoadedModel(f, fam, cfg, unused)
+
+
+def check_weight_files(files: dict[str, GGUFFile], n_vocab: int) -> None:
+    """What the engine checks of its weight files before the first call, as the compiler did: the
+    keys, every tensor's shape and type, every index tensor within its range (read in full: they are
+    small), and the model's vocabulary against the manifest's. A file changed past its fingerprint,
+    or an edited manifest, then cannot put an out-of-range index into a kernel."""
+    for role, f in files.items():
+        known = f.architecture in REGISTRY or any(fam.claims(f) for fam in REGISTRY.values() if fam.claims)
+        if role != MODEL and not known:
+            continue   # a file the compiler wrote into the artifact (ONNX heads' weights: no index tensors)
+        m = load_model(f)
+        if role == MODEL and m.config.n_vocab != n_vocab:
+            raise Ds4Error(f"{f.name}: has a vocabulary of {m.config.n_vocab} tokens, the artifact's manifest "
+                           f"says {n_vocab}")

@@ -30,7 +30,8 @@ _FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
 _KINDS = {
     "int": (_INT_TYPES, "an integer"),
     "float": (_FLOAT_TYPES | _INT_TYPES, "a number"),
-    "bool": ({GGUFValueType.BOOL}, "a boolean"),
+    # gguf-py writes a list of Python ints 0/1 as INT32; llama.cpp's array reader converts them
+    "bool": ({GGUFValueType.BOOL} | _INT_TYPES, "a boolean"),
     "str": ({GGUFValueType.STRING}, "a string"),
 }
 
@@ -128,18 +129,33 @@ class GGUFFile:
         except Ds4Error as e:
             raise Ds4Error(f"{self.name}: {e.message}") from None
         except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError,
-                struct.error, MemoryError) as e:
+                struct.error, MemoryError, RecursionError) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise Ds4Error(f"{self.name}: truncated or corrupt GGUF header (metadata or tensor "
                            f"infos could not be read: {reason[:120]})") from None
         self.file_bytes = self.path.stat().st_size
         self.tensors: dict[str, TensorInfo] = {}
+        self.layout_notes: dict[str, str] = {}   # tensor -> how it is stored, when not as expected
         for t in self._reader.tensors:
             self.tensors[t.name] = TensorInfo(
                 t.name, t.tensor_type, tuple(int(d) for d in t.shape), int(t.n_elements),
                 int(t.n_bytes), int(t.data_offset), t.data)
+        self._check_strings()
         # ds4 treats a file without general.architecture as deepseek4.
         self.architecture = self.get("general.architecture", "str", default="deepseek4")
+
+    def _check_strings(self) -> None:
+        """Every string in the metadata is UTF-8, checked once at open: a bad byte is one line naming
+        its key, not a traceback from whatever reads the key first (after a compile, say)."""
+        for field in self._reader.fields.values():
+            if field.types[-1:] != [GGUFValueType.STRING]:
+                continue
+            for i in field.data:
+                try:
+                    bytes(field.parts[i]).decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise Ds4Error(f"{self.name}: metadata key {field.name} holds a string that is not "
+                                   f"valid UTF-8 (byte {e.start})") from None
 
     def release_pages(self) -> None:
         """Drop the file's pages from this process's resident memory once the weights have been
@@ -199,6 +215,8 @@ class GGUFFile:
             raise Ds4Error(f"{self.name}: metadata key {field.name} has type {_describe(field)}, "
                            f"expected {expected}")
         value = field.contents()
+        if kind in ("bool", "bools"):
+            return self._bools(field, value)
         if kind == "int":
             return int(value)
         if kind == "float":
@@ -208,6 +226,14 @@ class GGUFFile:
         if kind == "floats":
             return [float(v) for v in value]
         return value
+
+    def _bools(self, field: ReaderField, value):
+        values = value if isinstance(value, list) else [value]
+        if any(int(v) not in (0, 1) for v in values):
+            bad = next(int(v) for v in values if int(v) not in (0, 1))
+            raise Ds4Error(f"{self.name}: metadata key {field.name} holds {bad}, expected booleans (or 0/1)")
+        out = [bool(v) for v in values]
+        return out if isinstance(value, list) else out[0]
 
     # ------------------------------------------------------------------ tensors
     def tensor(self, name: str) -> TensorInfo:

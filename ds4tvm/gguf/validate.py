@@ -3,8 +3,10 @@ in ggml order, accepted GGML types) and checks a file against the list in both d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from ..errors import Ds4Error
@@ -34,30 +36,76 @@ def _types(types) -> str:
     return "/".join(sorted(t.name for t in types))
 
 
-def check_tensor(f: GGUFFile, spec: TensorSpec) -> None:
+def _trim(shape) -> tuple[int, ...]:
+    shape = tuple(shape)
+    while len(shape) > 1 and shape[-1] == 1:
+        shape = shape[:-1]
+    return shape
+
+
+def same_layout(stored, expected) -> str | None:
+    """How a stored ggml shape holds the expected one with the same elements in the same order, or
+    None. ggml pads every shape to four axes with 1s, so trailing size-1 axes mean nothing; a flat
+    vector may be stored grouped ([n_embd, n_hc] for [n_hc*n_embd]). Element count alone is never
+    enough: a transposed matrix has the same count and a different order."""
+    stored, expected = tuple(stored), tuple(expected)
+    if stored == expected:
+        return ""
+    if _trim(stored) == _trim(expected):
+        return "trailing size-1 axes"
+    flat = _trim(stored)
+    if len(_trim(expected)) == 1 and len(flat) == 2 and flat[0] * flat[1] == expected[0]:
+        return "a vector stored as a matrix of its rows"
+    return None
+
+
+def _as_shape(t, shape: tuple[int, ...]):
+    """t seen with the expected ggml shape (a view of the same bytes: same_layout said so)."""
+    if t.data.dtype == np.uint8 and t.ggml_type != QT.I8:
+        block, size = GGML_QUANT_SIZES[t.ggml_type]
+        data = t.data.reshape(*reversed(shape[1:]), shape[0] // block * size)
+    else:
+        data = t.data.reshape(tuple(reversed(shape)))
+    return replace(t, shape=tuple(shape), data=data)
+
+
+def check_tensor(f: GGUFFile, spec: TensorSpec) -> str | None:
+    """Checks one tensor against its spec; a tensor stored in another valid layout is made to look
+    like the expected one (f.tensors is updated) and the layout is returned, for `ds4 inspect`."""
     t = f.tensors.get(spec.name)
     if t is None:
         if spec.optional:
-            return
+            return None
         raise Ds4Error(f"{f.name}: missing tensor {spec.name} (expected {_types(spec.types)} "
                        f"{list(spec.shape)})")
-    if t.shape != tuple(spec.shape):
+    layout = same_layout(t.shape, spec.shape)
+    if layout is None:
         raise Ds4Error(f"{f.name}: tensor {spec.name} has shape {list(t.shape)}, expected "
                        f"{list(spec.shape)} (ggml order)")
     if t.ggml_type not in spec.types:
         raise Ds4Error(f"{f.name}: tensor {spec.name} has unsupported type {t.type_name}, expected "
                        f"one of {_types(spec.types)}")
+    if layout:
+        if spec.shape[0] % GGML_QUANT_SIZES[t.ggml_type][0]:
+            raise Ds4Error(f"{f.name}: tensor {spec.name} has shape {list(t.shape)}: as {list(spec.shape)} its "
+                           f"rows are not whole {t.type_name} blocks")
+        f.tensors[spec.name] = t = _as_shape(t, spec.shape)
     if spec.index_bound is not None and t.data.size:
         lo, hi = int(t.data.min()), int(t.data.max())
         if lo < 0 or hi >= spec.index_bound:
             # kernels index weights with these values: one out of range would read past a tensor
             raise Ds4Error(f"{f.name}: tensor {spec.name} holds {lo if lo < 0 else hi}, expected values in "
                            f"0..{spec.index_bound - 1}")
+    return layout or None
 
 
 def check_tensors(f: GGUFFile, specs: list[TensorSpec]) -> list[str]:
-    """Checks every spec against the file; returns the names of tensors the family does not use."""
+    """Checks every spec against the file; returns the names of tensors the family does not use.
+    Tensors held in another valid layout are noted in f.layout_notes."""
     for spec in specs:
-        check_tensor(f, spec)
+        stored = f.tensors[spec.name].shape if spec.name in f.tensors else None
+        layout = check_tensor(f, spec)
+        if layout:
+            f.layout_notes[spec.name] = f"stored as {list(stored)} for {list(spec.shape)} ({layout})"
     known = {s.name for s in specs}
     return sorted(n for n in f.tensors if n not in known)

@@ -1,11 +1,14 @@
 """Sequence checkpoints on disk (Engine.save_state / load_state) and the store the server keeps
 them in.
 
-A file is MAGIC, the header's length (8 bytes, little-endian), a JSON header and the state rows:
-the header names the format, the ds4tvm version, the artifact (sha256 of its manifest), a tag (the
-drafter whose states were fed), the committed length and tokens, each tensor's name, dtype and
-shape, and the sha256 of everything after it. Anything that does not match (another artifact or
-version, a truncated or damaged file) is a CheckpointError, raised before a state tensor is touched.
+A file is MAGIC, the header's length (8 bytes, little-endian), a JSON header, the state rows and
+the sha256 of everything before it (32 bytes): the header names the format, the ds4tvm version, the
+artifact (sha256 of its manifest), a tag (the drafter whose states were fed), the committed length
+and tokens, the writer's meta, and each tensor's name, dtype and shape. The hash covers the header
+too, so a changed token in the committed history is as damaged as a changed state row. Anything
+that does not match (another artifact or version, a truncated, damaged or malformed file) is a
+CheckpointError, raised before a state tensor is touched; files are created readable by their owner
+only (they hold the conversation).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import struct
 import sys
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -26,47 +30,81 @@ from ..errors import Ds4Error
 from .engine import Checkpoint
 
 MAGIC = b"DS4STATE"
-FORMAT = 1
+FORMAT = 2   # 2: the sha256 trailer covers the whole file (1: the state rows only)
 SUFFIX = ".ds4state"
 _HEAD = len(MAGIC) + 8
+_DIGEST = 32
 _MAX_HEADER = 64 << 20
+_STALE_TMP_SECONDS = 3600   # a half-written file older than this is a killed writer's
 
 
 class CheckpointError(Ds4Error):
     pass
 
 
-def _digest(arrays) -> str:
-    h = hashlib.sha256()
-    for a in arrays:
-        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
-    return h.hexdigest()
+def _rows(a) -> memoryview:
+    return memoryview(np.ascontiguousarray(a)).cast("B")
 
 
 def write(path, cp: Checkpoint, engine, tag: str = "") -> Path:
-    """Writes cp (a snapshot of one of engine's sequences) atomically: a reader never sees half a file."""
+    """Writes cp (a snapshot of one of engine's sequences) atomically: a reader never sees half a
+    file. The file is created 0600."""
     path = Path(path)
     header = {"format": FORMAT, "ds4tvm": __version__, "artifact": engine.identity, "tag": tag, "pos": cp.pos,
-              "history": [int(t) for t in cp.history], "fed": sorted(cp.fed), "sha256": _digest(cp.arrays),
-              "meta": cp.meta,
+              "history": [int(t) for t in cp.history], "fed": sorted(cp.fed), "meta": cp.meta,
               "states": [{"name": s.name, "dtype": s.dtype, "shape": list(a.shape)}
                          for s, a in zip(engine.state_specs, cp.arrays)]}
     raw = json.dumps(header).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
     try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(raw)) + raw)
-            for a in cp.arrays:
-                f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            for part in (MAGIC + struct.pack("<Q", len(raw)) + raw, *map(_rows, cp.arrays)):
+                h.update(part)
+                f.write(part)
+            f.write(h.digest())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_form(path: Path, header) -> None:
+    """Every field the readers index with has the type they expect."""
+    def bad(what: str):
+        raise CheckpointError(f"{path}: damaged checkpoint (its header's {what})")
+
+    if not isinstance(header, dict):
+        bad("JSON is not an object")
+    keys = {"format", "ds4tvm", "artifact", "tag", "pos", "history", "fed", "meta", "states"}
+    if not keys <= header.keys():
+        bad(f"fields lack {sorted(keys - header.keys())}")
+    if header["format"] != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {str(header['format'])[:20]} is not {FORMAT}")
+    for key in ("ds4tvm", "artifact", "tag"):
+        if not isinstance(header[key], str):
+            bad(f"{key} is not a string")
+    if not _is_int(header["pos"]) or not isinstance(header["history"], list) \
+            or not all(_is_int(t) for t in header["history"]):
+        bad("pos or history is not integers")
+    if not isinstance(header["fed"], list) or not all(isinstance(g, str) for g in header["fed"]):
+        bad("fed is not a list of names")
+    if not isinstance(header["meta"], dict):
+        bad("meta is not an object")
+    states = header["states"]
+    if not isinstance(states, list) or not all(
+            isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("dtype"), str)
+            and isinstance(d.get("shape"), list) and all(_is_int(n) and n >= 0 for n in d["shape"]) for d in states):
+        bad("states are not a list of {name, dtype, shape}")
+
+
 def read_header(path) -> dict:
-    """The header of a checkpoint file, checked for its form only."""
+    """The header of a checkpoint file, checked for its form (not yet against its hash: `read`)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -75,16 +113,14 @@ def read_header(path) -> dict:
                 raise CheckpointError(f"{path}: not a ds4tvm checkpoint")
             (n,) = struct.unpack("<Q", head[len(MAGIC):])
             raw = f.read(n) if n <= _MAX_HEADER else b""
+        if len(raw) != n:
+            raise CheckpointError(f"{path}: truncated checkpoint (its header is cut short)")
         header = json.loads(raw)
     except OSError as e:
         raise CheckpointError(f"{path}: unreadable checkpoint ({e.strerror or e})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):   # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CheckpointError(f"{path}: damaged checkpoint (its header is not JSON)") from None
-    keys = {"format", "ds4tvm", "artifact", "tag", "pos", "history", "sha256", "states"}
-    if not isinstance(header, dict) or not keys <= header.keys():
-        raise CheckpointError(f"{path}: damaged checkpoint (its header lacks {sorted(keys - set(header or {}))})")
-    if header["format"] != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {header['format']} is not {FORMAT}")
+    _check_form(path, header)
     header["offset"] = _HEAD + n
     return header
 
@@ -92,47 +128,53 @@ def read_header(path) -> dict:
 def check_header(path, header: dict, engine, tag: str) -> None:
     """That the checkpoint was made for this artifact, by this ds4tvm, with this tag."""
     if header["ds4tvm"] != __version__:
-        raise CheckpointError(f"{path}: written by ds4tvm {header['ds4tvm']}, this is {__version__}")
+        raise CheckpointError(f"{path}: written by ds4tvm {header['ds4tvm'][:20]}, this is {__version__}")
     if header["artifact"] != engine.identity:
         raise CheckpointError(f"{path}: a checkpoint of another artifact")
     if header["tag"] != tag:
-        raise CheckpointError(f"{path}: made with {header['tag'] or 'no drafter'}, this run uses {tag or 'none'}")
+        raise CheckpointError(f"{path}: made with {header['tag'][:40] or 'no drafter'}, this run uses {tag or 'none'}")
+
+
+def _check_fit(path: Path, header: dict, engine) -> None:
+    """The positions, tokens, groups and state shapes are ones the artifact's can hold."""
+    specs, states, pos, history = engine.state_specs, header["states"], header["pos"], header["history"]
+    if (len(states) != len(specs) or len(history) != pos or not 0 <= pos <= engine.max_context
+            or not all(0 <= t < engine.n_vocab for t in history)):
+        raise CheckpointError(f"{path}: damaged checkpoint (its positions or states do not fit the artifact)")
+    if not set(header["fed"]) <= {s.group for s in specs}:
+        raise CheckpointError(f"{path}: damaged checkpoint (its state groups are not the artifact's)")
+    for s, d in zip(specs, states):
+        if d["name"] != s.name or d["dtype"] != s.dtype or d["shape"] != [s.rows_for(pos), *s.shape[1:]]:
+            raise CheckpointError(f"{path}: its state {d['name'][:40]!r} is not the artifact's {s.name} "
+                                  f"{s.dtype}{[s.rows_for(pos), *s.shape[1:]]}")
 
 
 def read(path, engine, tag: str = "") -> Checkpoint:
+    """The checkpoint in path, every byte of it checked against its sha256 trailer."""
     path = Path(path)
     header = read_header(path)
     check_header(path, header, engine, tag)
-    specs = engine.state_specs
-    states, pos, history = header["states"], header["pos"], header["history"]
-    if (len(states) != len(specs) or not isinstance(pos, int) or not isinstance(history, list)
-            or len(history) != pos or not 0 <= pos <= engine.max_context
-            or not all(isinstance(t, int) and 0 <= t < engine.n_vocab for t in history)):
-        raise CheckpointError(f"{path}: damaged checkpoint (its positions or states do not fit the artifact)")
-    arrays, offset = [], header["offset"]
+    _check_fit(path, header, engine)
+    arrays, h = [], hashlib.sha256()
     try:
         with open(path, "rb") as f:
-            f.seek(offset)
-            for s, d in zip(specs, states):
-                shape = tuple(d.get("shape", ()))
-                if d.get("name") != s.name or d.get("dtype") != s.dtype or shape != (s.rows_for(pos), *s.shape[1:]):
-                    raise CheckpointError(f"{path}: its state {d.get('name')!r} is not the artifact's {s.name} "
-                                          f"{s.dtype}{[s.rows_for(pos), *s.shape[1:]]}")
-                n = int(np.prod(shape)) * np.dtype(s.dtype).itemsize
+            h.update(f.read(header["offset"]))
+            for s, d in zip(engine.state_specs, header["states"]):
+                n = int(np.prod(d["shape"])) * np.dtype(s.dtype).itemsize
                 raw = f.read(n)
                 if len(raw) != n:
                     raise CheckpointError(f"{path}: truncated checkpoint (state {s.name} is cut short)")
-                arrays.append(np.frombuffer(raw, s.dtype).reshape(shape))
-            if f.read(1):
-                raise CheckpointError(f"{path}: damaged checkpoint (bytes after the last state)")
+                h.update(raw)
+                arrays.append(np.frombuffer(raw, s.dtype).reshape(d["shape"]))
+            trailer = f.read(_DIGEST + 1)
     except OSError as e:
         raise CheckpointError(f"{path}: unreadable checkpoint ({e.strerror or e})") from None
-    if _digest(arrays) != header["sha256"]:
+    if len(trailer) != _DIGEST:
+        what = "bytes after its checksum" if trailer[_DIGEST:] else "its checksum is cut short"
+        raise CheckpointError(f"{path}: damaged checkpoint ({what})")
+    if trailer != h.digest():
         raise CheckpointError(f"{path}: damaged checkpoint (checksum mismatch)")
-    meta, fed = header.get("meta"), header.get("fed")
-    if not isinstance(fed, list) or not set(fed) <= {s.group for s in specs}:
-        raise CheckpointError(f"{path}: damaged checkpoint (its state groups are not the artifact's)")
-    return Checkpoint(pos, [int(t) for t in history], arrays, set(fed), meta if isinstance(meta, dict) else {})
+    return Checkpoint(header["pos"], list(header["history"]), arrays, set(header["fed"]), header["meta"])
 
 
 def parse_size(text: str) -> int:
@@ -155,10 +197,52 @@ def warn(message: str) -> None:
     print(f"ds4: warning: {message}", file=sys.stderr, flush=True)
 
 
+def _remove(path: Path) -> None:
+    """Removes a file where the directory allows it (a read-only store keeps what it holds)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def _stale_tmp(path: Path, now: float) -> bool:
+    """A half-written checkpoint (`.NAME.PID.THREAD.tmp`) whose writer is gone or long stalled."""
+    parts = path.name.split(".")
+    try:
+        pid, age = int(parts[-3]), now - path.stat().st_mtime
+    except (ValueError, IndexError, OSError):
+        return False
+    return pid != os.getpid() and (not _pid_alive(pid) or age > _STALE_TMP_SECONDS)
+
+
+def _files(directory: Path, pattern: str) -> list[tuple[Path, int, float]]:
+    """(path, size, mtime) of the files matching pattern, oldest first; ones removed meanwhile skipped."""
+    out = []
+    for p in directory.glob(pattern):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        out.append((p, st.st_size, st.st_mtime))
+    return sorted(out, key=lambda x: x[2])
+
+
 class CheckpointStore:
     """Checkpoints of one engine's sequences by their tokens, least recently used evicted past
     `size` bytes: in memory, or (with `directory`) as files there, which a restarted process finds.
-    A file that cannot be used is reported with one warning, removed, and never loaded."""
+    A file that cannot be used is reported with one warning, removed (where the directory is
+    writable), and never loaded; a read-only or full directory is used as far as it can be, and the
+    half-written files of killed writers are removed."""
 
     def __init__(self, engine, tag: str = "", size: int = 4 << 30, directory=None):
         self.engine, self.tag, self.size = engine, tag, size
@@ -178,14 +262,15 @@ class CheckpointStore:
 
     def _index(self) -> None:
         """The files of this artifact, oldest use first (their modification time is their last use)."""
-        mine = sorted(self.dir.glob(self._prefix() + "*" + SUFFIX), key=lambda p: p.stat().st_mtime)
-        for path in mine:
+        self._sweep()
+        for path, _, _ in _files(self.dir, self._prefix() + "*" + SUFFIX):
             try:
                 header = read_header(path)
                 check_header(path, header, self.engine, self.tag)
+                _check_fit(path, header, self.engine)
             except CheckpointError as e:
                 warn(f"{e}; ignored and removed")
-                path.unlink(missing_ok=True)
+                _remove(path)
                 continue
             self.entries[path.stem[len(self._prefix()):]] = ([int(t) for t in header["history"]], path)
 
@@ -207,12 +292,15 @@ class CheckpointStore:
             return where
         try:
             cp = read(where, self.engine, self.tag)
-            os.utime(where)
-            return cp
         except CheckpointError as e:
             warn(f"{e}; ignored and recomputed")
             self._drop(where)
             return None
+        try:
+            os.utime(where)   # its last use, for eviction
+        except OSError:
+            pass   # a read-only store: the order of this run's entries still holds
+        return cp
 
     def add(self, cp: Checkpoint) -> None:
         if cp.nbytes > self.size or cp.pos == 0:
@@ -236,7 +324,13 @@ class CheckpointStore:
             if w is where or w == where:
                 del self.entries[key]
         if isinstance(where, Path):
-            where.unlink(missing_ok=True)
+            _remove(where)
+
+    def _sweep(self) -> None:
+        now = time.time()
+        for path, _, _ in _files(self.dir, ".*.tmp"):
+            if _stale_tmp(path, now):
+                _remove(path)
 
     def _evict(self) -> None:
         """Least recently used first, until what is held (for a directory: every checkpoint file in it,
@@ -248,7 +342,11 @@ class CheckpointStore:
                     return
                 del self.entries[held[0][1]]
                 continue
-            files = sorted(self.dir.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
-            if sum(p.stat().st_size for p in files) <= self.size or not files:
+            self._sweep()
+            files = _files(self.dir, "*" + SUFFIX)
+            held = sum(size for _, size, _ in files + _files(self.dir, ".*.tmp"))
+            if held <= self.size or not files:
                 return
-            self._drop(files[0])
+            self._drop(files[0][0])
+            if files[0][0].exists():
+                return   # a read-only directory: nothing can be evicted

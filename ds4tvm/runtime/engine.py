@@ -23,6 +23,7 @@ import numpy as np
 from ..artifact import MANIFEST, MODEL, FunctionSpec, Manifest, width_variant
 from ..devices import device_for
 from ..errors import Cancelled, Ds4Error
+from ..families import check_weight_files
 from ..gguf import open_gguf
 from ..gguf.quant import ALIGN, derived_plane, to_planes
 from . import threads
@@ -64,6 +65,16 @@ class Step:
     outputs: dict = field(default_factory=dict)
 
 
+def _tokenizer_data(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        raise Ds4Error(f"{path}: unreadable tokenizer data ({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(data, dict):
+        raise Ds4Error(f"{path}: malformed tokenizer data (not a JSON object)")
+    return data
+
+
 class Engine:
     def __init__(self, artifact_dir: str | Path, weights: dict[str, str | Path] | None = None):
         """weights: role -> path, for weight files that are not where the artifact was compiled
@@ -76,8 +87,10 @@ class Engine:
         self.dir = Path(artifact_dir)
         self.manifest = m = Manifest.read(self.dir)
         m.check_runtime(self.dir)
+        m.check_files(self.dir)
         paths = m.weight_paths(self.dir, weights)
         self.files = {role: open_gguf(p) for role, p in paths.items()}
+        check_weight_files(self.files, m.n_vocab)
         self.gguf = self.files[MODEL]
         self.drafters = m.drafters
         self.functions = m.function_specs()
@@ -115,7 +128,7 @@ class Engine:
         b = m.bounds
         self.max_context, self.max_verify, self.chunk = b["max_context"], b["max_verify"], b["prefill_chunk"]
         self.n_vocab = m.n_vocab
-        self.tokenizer_data = json.loads((self.dir / m.tokenizer).read_text())
+        self.tokenizer_data = _tokenizer_data(self.dir / m.tokenizer)
         self.pending = 0
         self._pending_tokens: list[int] = []
 
@@ -213,7 +226,9 @@ class Engine:
     def _bind_params(self) -> list:
         planes, out = {}, []
         for _, tensor, field_, role in self.manifest.params:
-            t = self.files[role].tensors[tensor]
+            t = self.files[role].tensors.get(tensor) if role in self.files else None
+            if t is None:
+                raise Ds4Error(f"{self.dir}: its manifest binds {tensor} of the {role} file, which has no such tensor")
             if field_ is None:
                 out.append(self._to_device(np.ascontiguousarray(t.data)))
                 continue
