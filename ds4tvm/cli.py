@@ -80,6 +80,21 @@ def inspect(model: Path = typer.Argument(..., help="GGUF file"),
 
 # ---------------------------------------------------------------------------- tokenizer
 @app.command()
+def verify(model: Path = typer.Argument(..., help="artifact directory or package (.tar or directory)"),
+           quiet: bool = typer.Option(False, "--quiet", help="no progress bar, only the last line")):
+    """Hash every file of an artifact or a package in full (library, tokenizer, weights) and check the
+    weights as the engine does before running; exit 2 naming the first file that differs."""
+    from .runtime.loader import verify_model
+
+    if not model.exists():
+        raise Ds4Error(f"{model}: no such artifact directory or package")
+    lines = verify_model(model, progress=not quiet)
+    for line in lines if not quiet else []:
+        typer.echo(line)
+    typer.echo(f"{model}: every file matches ({len(lines)} checks)")
+
+
+@app.command()
 def tokenize(model: Path = typer.Argument(..., help="GGUF file (a vocabulary-only GGUF is enough)"),
              text: str = typer.Argument(..., help="text to tokenize"),
              add_bos: Optional[bool] = typer.Option(None, "--bos/--no-bos",

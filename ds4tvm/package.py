@@ -130,6 +130,11 @@ def check_meta(meta, source: Path) -> dict:
     for key, kind in (("weights", dict), ("targets", list), ("files", dict), ("content_sha256", str)):
         if not isinstance(meta.get(key), kind):
             raise Ds4Error(f"{source}: {PACKAGE} field {key!r} is missing or not a {kind.__name__}")
+    if not all(isinstance(t, dict) and isinstance(t.get("dir"), str) and isinstance(t.get("name"), str)
+               for t in meta["targets"]) or not all(isinstance(v, str) for v in meta["weights"].values()) \
+            or not all(isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+                       for v in meta["files"].values()):
+        raise Ds4Error(f"{source}: {PACKAGE} has a malformed target, weight or file entry")
     if content_hash(meta) != meta["content_sha256"]:
         raise Ds4Error(f"{source}: {PACKAGE} does not match its content_sha256 (modified or corrupted)")
     for rel in list(meta["weights"].values()) + [t.get("dir", "") + "/" + MANIFEST for t in meta["targets"]]:
@@ -146,7 +151,8 @@ def _stamp_dir() -> Path:
 
 def _verify(root: Path, meta: dict, full: bool = False) -> None:
     """Every listed file exists with its size and sha256; files hashed before (same path, size,
-    mtime and inode) are trusted without reading them again."""
+    mtime, ctime and inode: a file rewritten in place changes its ctime, which no one can set back)
+    are trusted without reading them again."""
     stamps = _stamp_dir()
     for rel, want in meta["files"].items():
         p = root / rel
@@ -155,7 +161,7 @@ def _verify(root: Path, meta: dict, full: bool = False) -> None:
         st = p.stat()
         if st.st_size != want["size"]:
             raise Ds4Error(f"{root}: {rel} has {st.st_size} bytes; package.json says {want['size']}")
-        key = hashlib.sha256(json.dumps([str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ino,
+        key = hashlib.sha256(json.dumps([str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
                                          want["sha256"]]).encode()).hexdigest()
         if not full and (stamps / key).exists():
             continue
@@ -251,12 +257,31 @@ def pick_target(meta: dict, source: Path) -> dict:
     return best
 
 
-def resolve_package(path: Path) -> tuple[Path, dict[str, Path]]:
-    """The artifact directory of the package's target for this machine and its weight files by
-    role, after checking every file against its hash (a .tar is unpacked into the cache once)."""
+def _check_listed(root: Path, meta: dict, source: Path) -> None:
+    """Every file a target's artifact uses (its manifest, library and tokenizer) is listed, so hashed."""
+    for t in meta["targets"]:
+        d = t["dir"]
+        m = Manifest.read(root / d)
+        for name in (MANIFEST, m.library, m.tokenizer):
+            if f"{d}/{name}" not in meta["files"]:
+                raise Ds4Error(f"{source}: {PACKAGE} does not list {d}/{name}, which its target {t.get('name')} "
+                               f"uses; rebuild the package")
+
+
+def verify_package(path: Path, full: bool = False) -> tuple[Path, dict]:
+    """The package's root and meta after checking every file against its hash (a .tar is unpacked
+    into the cache once); full: hash every file again, whatever was verified before."""
     path = Path(path)
     root = _unpack(path) if path.is_file() else path
     meta = read_meta(root, path)
-    _verify(root, meta)
+    _verify(root, meta, full=full)
+    _check_listed(root, meta, path)
+    return root, meta
+
+
+def resolve_package(path: Path) -> tuple[Path, dict[str, Path]]:
+    """The artifact directory of the package's target for this machine and its weight files by
+    role, after checking every file against its hash."""
+    root, meta = verify_package(path)
     target = pick_target(meta, path)
     return root / target["dir"], {role: root / rel for role, rel in meta["weights"].items()}

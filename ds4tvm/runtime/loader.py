@@ -83,12 +83,64 @@ def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding
     if not (out / MANIFEST).is_file():
         from ..compile.driver import compile_gguf
 
-        tmp = out.with_name(out.name + ".tmp")
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")   # its own: two first uses may compile at once
         shutil.rmtree(tmp, ignore_errors=True)
-        compile_gguf(path, target, tmp, bounds, kv_rounding=kv_rounding, progress=progress, support=support,
-                     draft_onnx=heads)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        try:
+            compile_gguf(path, target, tmp, bounds, kv_rounding=kv_rounding, progress=progress, support=support,
+                         draft_onnx=heads)
+            if not (out / MANIFEST).is_file():   # else another process finished first: keep its copy
+                shutil.rmtree(out, ignore_errors=True)
+                tmp.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     elif lean:
         runtime_only_tvm()
     return Engine(out, weights={MODEL: path, **({"support": support} if support else {})})
+
+
+def verify_model(path: Path, progress: bool = True) -> list[str]:
+    """`ds4 verify`: every file of an artifact or a package hashed in full against what its manifest
+    (and package.json) say, and the weight files checked as the engine checks them before its first
+    call. Returns what was checked, one line each; the first difference is a Ds4Error."""
+    from ..artifact import Manifest
+    from ..families import check_weight_files
+    from ..gguf import open_gguf
+    from ..package import is_package, verify_package
+
+    path = Path(path)
+    if is_package(path):
+        root, meta = verify_package(path, full=True)
+        lines = [f"{rel}: sha256 matches package.json" for rel in meta["files"]]
+        arts = [(root / t["dir"], {role: root / rel for role, rel in meta["weights"].items()}) for t in meta["targets"]]
+    else:
+        lines, arts = [], [(path, None)]
+    for art, weights in arts:
+        m = Manifest.read(art)
+        m.check_files(art)
+        lines += [f"{art / name}: sha256 matches the manifest" for name in (m.library, m.tokenizer)]
+        paths = m.weight_paths(art, weights)
+        for role, p in paths.items():
+            if weights is None:   # a package's weights were hashed above
+                _full_hash(p, m.weights[role]["gguf_sha256"], progress)
+                lines.append(f"{p}: sha256 matches the manifest ({role})")
+        check_weight_files({role: open_gguf(p) for role, p in paths.items()}, m.n_vocab)
+        lines.append(f"{art}: weights pass the engine's checks (keys, shapes, index tensors, vocabulary)")
+    return lines
+
+
+def _full_hash(path: Path, want: str, progress: bool) -> None:
+    import hashlib
+
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    h = hashlib.sha256()
+    with Progress(TextColumn(f"hashing {path.name}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True, disable=not progress) as bar:
+        task = bar.add_task("hash", total=path.stat().st_size)
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(16 << 20), b""):
+                h.update(block)
+                bar.advance(task, len(block))
+    if h.hexdigest() != want:
+        raise Ds4Error(f"{path}: does not match the sha256 the artifact was compiled from (changed or damaged)")

@@ -92,6 +92,50 @@ def test_modified_package_is_refused_with_one_line(package, tmp_path, victim):
     assert len(lines) == 1 and (rel in lines[0] or "content_sha256" in lines[0]), lines
 
 
+def test_a_library_rewritten_in_place_is_refused_after_it_was_verified(package, tmp_path):
+    """Verified once, then overwritten in place with its size and mtime restored: its ctime changed
+    (which no one can set back), so it is hashed again and refused before it is loaded."""
+    import os
+
+    copy = tmp_path / "pkg"
+    shutil.copytree(package, copy)
+    assert run_ds4("run", "-m", copy, "-p", "hi", "-n", 1).returncode == 0   # stamps every file as verified
+    meta = json.loads((copy / "package.json").read_text())
+    target = next(t for t in meta["targets"] if t.get("mcpu"))
+    lib = copy / target["dir"] / f"lib-{target['name']}.so"
+    st = lib.stat()
+    with open(lib, "r+b") as f:
+        f.seek(st.st_size // 2)
+        byte = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(lib, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert lib.stat().st_mtime_ns == st.st_mtime_ns and lib.stat().st_ino == st.st_ino
+    r = run_ds4("run", "-m", copy, "-p", "hi", "-n", 1)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and lib.name in r.stderr, r.stderr
+
+
+def test_a_package_must_list_its_library(package, tmp_path):
+    from ds4tvm.package import content_hash
+
+    copy = tmp_path / "pkg"
+    shutil.copytree(package, copy)
+    meta = json.loads((copy / "package.json").read_text())
+    target = meta["targets"][0]
+    rel = f"{target['dir']}/lib-{target['name']}.so"
+    del meta["files"][rel]
+    meta["content_sha256"] = content_hash(meta)
+    (copy / "package.json").write_text(json.dumps(meta))
+    r = run_ds4("run", "-m", copy, "-p", "hi", "-n", 1)
+    assert r.returncode == 2 and f"does not list {rel}" in r.stderr, r.stderr
+
+
+def test_verify_hashes_a_package_in_full(package):
+    r = run_ds4("verify", package, "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "every file matches" in r.stdout
+
+
 def test_package_without_a_target_for_this_machine_names_its_targets(package, tmp_path):
     from ds4tvm.package import content_hash
 

@@ -231,7 +231,10 @@ def test_run_session_continues_without_rereading(art, tmp_path):
     raw = bytearray(session.read_bytes())
     raw[-2] ^= 1
     session.write_bytes(bytes(raw))
-    again, err = run([40, 41, 42], "--session", session)
+    r = run_ds4("run", "-m", art, "--tokens", "40,41,42", "-n", N, "--temp", 0, "--session", session)
+    assert r.returncode == 2 and session.read_bytes() == bytes(raw), r.stderr   # refused, the file untouched
+    assert len(r.stderr.strip().splitlines()) == 1 and "(checksum mismatch)" in r.stderr
+    again, err = run([40, 41, 42], "--session", session, "--session-overwrite")
     alone, _ = run([40, 41, 42])
     assert again["tokens"] == alone["tokens"] and again["n_cached"] == 0
     assert len(err.strip().splitlines()) == 1 and "(checksum mismatch); starting a new conversation" in err
