@@ -109,3 +109,38 @@ def check_tensors(f: GGUFFile, specs: list[TensorSpec]) -> list[str]:
             f.layout_notes[spec.name] = f"stored as {list(stored)} for {list(spec.shape)} ({layout})"
     known = {s.name for s in specs}
     return sorted(n for n in f.tensors if n not in known)
+
+
+_DIM, _HEADS, _HEAD_DIM = (0, 1 << 17), (0, 1 << 12), (0, 1 << 14)
+_EPS, _SCALE = (1e-30, 1.0), (0.0, 1e6)
+# Ranges of the config fields every family reads from metadata, by field name (a family checks the
+# fields it has): far above any published model, far below what would compile rings of gigabytes,
+# loop 10^8 times, or put a NaN into every norm. Positivity and the relations between fields are
+# each family's own checks.
+RANGES = {
+    "n_layers": (1, 1024), "n_nextn": (0, 8), "n_hash_layers": (0, 1024), "n_dense_lead": (0, 1024),
+    "n_embd": _DIM, "n_ff": _DIM, "n_ff_exp": _DIM, "n_ff_shexp": _DIM, "q_lora_rank": _DIM,
+    "kv_lora_rank": _DIM, "o_lora_rank": _DIM, "hc_rank": _DIM, "ple_width": _DIM,
+    "n_head": _HEADS, "n_head_kv": _HEADS, "idx_n_head": _HEADS, "kda_n_head": _HEADS, "gdn_k_heads": _HEADS,
+    "gdn_v_heads": _HEADS, "o_groups": _HEADS, "heads_per_ngram": (1, 64), "ngram": (2, 8),
+    "head_dim": _HEAD_DIM, "key_length": _HEAD_DIM, "value_length": _HEAD_DIM, "idx_head_dim": _HEAD_DIM,
+    "kda_head_dim": _HEAD_DIM, "gdn_head_dim": _HEAD_DIM, "n_rot": _HEAD_DIM,
+    "n_vocab": (1, 1 << 24), "n_expert": (0, 1 << 14), "n_expert_used": (0, 256), "n_expert_shared": (0, 256),
+    "sliding_window": (1, 1 << 30), "idx_top_k": (0, 1 << 24), "idx_pool": (0, 1 << 16),
+    "hc": (1, 64), "hc_sinkhorn_iters": (1, 1000), "conv_kernel": (1, 64), "ple_conv_kernel": (1, 64),
+    "context_length": (1, 1 << 30), "yarn_orig_ctx": (0, 1 << 30),
+    "rms_eps": _EPS, "hc_eps": _EPS, "idx_norm_eps": _EPS, "rope_base": (1e-6, 1e15),
+    "compress_rope_base": (1e-6, 1e15), "yarn_factor": (1e-6, 1e6), "yarn_beta_fast": _SCALE,
+    "yarn_beta_slow": _SCALE, "expert_weights_scale": _SCALE, "swiglu_clamp": _SCALE, "swiglu_exp": _SCALE,
+    "swiglu_shexp": _SCALE, "gate_lower_bound": (-1e6, 1e6),
+}
+
+
+def check_ranges(cfg, key_of, where: str) -> None:
+    """Every field of cfg that RANGES names (each value of a per-layer tuple) within its range; NaN
+    and infinities are outside every range. key_of(field): its metadata key, for the message."""
+    for field, (lo, hi) in RANGES.items():
+        value = getattr(cfg, field, None)
+        for v in value if isinstance(value, tuple) else (value,):
+            if v is not None and not lo <= v <= hi:
+                raise Ds4Error(f"{where}metadata key {key_of(field)} is {v}; expected a value in {lo}..{hi}")

@@ -201,3 +201,24 @@ def test_dspark_default_theta_is_the_support_files_calibrated_one(tmp_path):
     assert default_theta(engine(0.6), exact=False) == 0.6 and default_theta(engine(0.6), exact=True) == 0.8
     assert default_theta(engine(0.9), exact=True) == 0.9
     assert default_theta(engine(None), exact=False) == 0.7 and default_theta(engine(None), exact=True) == 0.8
+
+
+def test_a_window_longer_than_the_context_sizes_rings_by_the_context():
+    """sliding_window 2^24 in a file compiled for 256 positions: the rings are those of a window of
+    256 (which reads every position just the same), not 8 GiB."""
+    from dataclasses import replace
+
+    from ds4tvm.artifact import Bounds
+    from ds4tvm.families import BuildRequest
+    from ds4tvm.families.deepseek4.build import build
+    from ds4tvm.families.deepseek4.random_model import default_type, tiny_config
+    from ds4tvm.families.deepseek4.tensors import tensor_specs
+
+    bounds = Bounds(256, 4, 64)
+
+    def states(window):
+        cfg = replace(tiny_config(), sliding_window=window)
+        types = {s.name: default_type(s) for s in tensor_specs(cfg)}
+        return [(s.name, s.shape) for s in build(BuildRequest(cfg, types, bounds)).states]
+
+    assert states(1 << 24) == states(256)

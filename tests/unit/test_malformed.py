@@ -107,7 +107,26 @@ def build_corpus(d):
     tid = next(t for t in r.tensors if t.name == "blk.0.ffn_gate_tid2eid.weight")
     add("expert id out of range", _patch(good, d / "tid99.gguf", [(tid.data_offset + 8, struct.pack("<i", 99))]),
         "blk.0.ffn_gate_tid2eid.weight holds 99, expected values in 0..3")
+    for name, key, value in (("sinkhorn 10^8", "hyper_connection.sinkhorn_iterations", 10 ** 8),
+                             ("sinkhorn -5", "hyper_connection.sinkhorn_iterations", -5),
+                             ("NaN epsilon", "attention.layer_norm_rms_epsilon", float("nan")),
+                             ("window 2^31-1", "attention.sliding_window", 2 ** 31 - 1)):
+        add(name, write_random_deepseek4(d / f"{name}.gguf", CFG, metadata={f"deepseek4.{key}": value}),
+            f"metadata key deepseek4.{key} is")
+    raw = good.read_bytes()
+    at = raw.index(b"ds4tvm random")
+    add("string not UTF-8", _patch(good, d / "utf8.gguf", [(at + 3, b"\xff")]), "not valid UTF-8")
+    add("array nested 3000 deep", _nested(d / "nested.gguf", 3000), "truncated or corrupt GGUF header")
     return cases
+
+
+def _nested(path, depth):
+    """A GGUF whose one key is an array of an array of ... (ggml's reader would recurse as deep)."""
+    key = b"x.deep"
+    body = struct.pack("<Q", len(key)) + key + struct.pack("<I", 9)   # ARRAY
+    body += (struct.pack("<I", 9) + struct.pack("<Q", 1)) * depth + struct.pack("<I", 4) + struct.pack("<Q", 0)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +149,8 @@ def test_good_file_is_accepted(tmp_path):
     "unknown type id", "missing key", "wrong-typed key", "wrong-typed array", "ratios of wrong length",
     "unsupported ratio", "two kv heads", "unknown architecture", "missing tensor",
     "missing compressor tensor", "wrong shape", "unsupported type", "int tensor as float",
-    "expert id out of range"])
+    "expert id out of range", "sinkhorn 10^8", "sinkhorn -5", "NaN epsilon", "window 2^31-1",
+    "string not UTF-8", "array nested 3000 deep"])
 def test_malformed_file_exits_2_with_one_line(corpus, case):
     path, expect = corpus[case]
     r = run_ds4("inspect", path)
@@ -150,3 +170,22 @@ def test_truncations_in_tensor_data(corpus):
         r = run_ds4("inspect", path)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (n, r.stderr)
         assert "truncated" in r.stderr or "past the end" in r.stderr, (n, r.stderr)
+
+
+@pytest.mark.parametrize("family, key, value", [
+    ("glm5next", "glm5-next.hyper_connection.sinkhorn_iterations", 0),
+    ("glm5next", "glm5-next.attention.layer_norm_rms_epsilon", float("inf")),
+    ("qwen4exp", "qwen4exp.attention.layer_norm_rms_epsilon", float("nan")),
+    ("qwen4exp", "qwen4exp.context_length", 2 ** 31 + 5)])
+def test_every_family_checks_its_key_ranges(tmp_path, family, key, value):
+    import importlib
+
+    from ds4tvm.errors import Ds4Error
+    from ds4tvm.families import load_model
+    from ds4tvm.gguf import open_gguf
+
+    mod = importlib.import_module(f"ds4tvm.families.{family}.random_model")
+    write = getattr(mod, f"write_random_{family}")
+    path = write(tmp_path / "m.gguf", mod.tiny_config(), metadata={key: value})
+    with pytest.raises(Ds4Error, match=f"metadata key {key} is"):
+        load_model(open_gguf(path))

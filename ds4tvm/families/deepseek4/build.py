@@ -3,6 +3,8 @@ holds), its bounds, and the published shapes for --shapes-only."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ...errors import Ds4Error
 from .. import Build, BuildRequest, load_attr, module_build
 
@@ -13,9 +15,20 @@ def check_bounds(cfg, bounds) -> None:
         raise Ds4Error(f"--max-context {bounds.max_context}: expected a positive multiple of 128")
 
 
+def _window_within_context(cfg, max_context: int):
+    """cfg with its sliding window cut to the context: a window longer than the context reads every
+    position, as one of the context's length does, and the rings it sizes would only waste memory."""
+    if hasattr(cfg, "block"):   # a support file's config: its V4 blocks
+        return replace(cfg, block=_window_within_context(cfg.block, max_context))
+    return replace(cfg, sliding_window=min(cfg.sliding_window, max_context))
+
+
 def build(req: BuildRequest) -> Build:
     from .model import DeepSeekV4
 
+    req = replace(req, config=_window_within_context(req.config, req.bounds.max_context),
+                  support_config=None if req.support_config is None
+                  else _window_within_context(req.support_config, req.bounds.max_context))
     if req.support is None:
         module = DeepSeekV4(req.config, req.types, req.bounds, kv_rounding=req.kv_rounding)
     else:   # the support file's family extends the target class with its drafter's functions

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 from ...errors import Ds4Error
 from ...gguf.reader import GGUFFile
+from ...gguf.validate import check_ranges
 
 ARCH = "deepseek4"
 SQRT_SOFTPLUS_GATING = 4  # llama.cpp's expert_gating_func value for sqrt(softplus)
@@ -130,6 +131,7 @@ class Config:
                 v = f.get(f.key(key), "int", default=0)
                 if v not in (0, 1):
                     bad(key, f"is {v}; grouped routing is not part of DeepSeek-V4")
+        check_ranges(self, lambda field: p + self.KEYS.get(field, (field,))[0], where)
         for field in ("n_layers", "n_embd", "n_vocab", "n_head", "head_dim", "q_lora_rank",
                       "o_lora_rank", "o_groups", "n_expert", "n_expert_used", "n_ff_exp", "hc",
                       "sliding_window"):

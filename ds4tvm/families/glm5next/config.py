@@ -19,6 +19,7 @@ import numpy as np
 
 from ...errors import Ds4Error
 from ...gguf.reader import GGUFFile
+from ...gguf.validate import check_ranges
 
 ARCH = "glm5-next"
 KDA, DSA = 0, 1
@@ -97,6 +98,8 @@ class Config:
         def bad(key: str, msg: str):
             raise Ds4Error(f"{where}metadata key {ARCH}.{key} {msg}")
 
+        check_ranges(self, lambda field: f"{ARCH}.{_COMMON[field][0] if field in _COMMON else _KEY_OF.get(field, field)}",
+                     where)
         for name in ("n_layers", "n_embd", "n_vocab", "n_head", "key_length", "value_length", "q_lora_rank",
                      "kv_lora_rank", "kda_n_head", "kda_head_dim", "conv_kernel", "n_expert", "n_expert_used",
                      "n_ff_exp", "idx_n_head", "idx_head_dim", "idx_top_k", "hc"):

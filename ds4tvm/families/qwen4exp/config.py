@@ -14,6 +14,7 @@ import numpy as np
 
 from ...errors import Ds4Error
 from ...gguf.reader import GGUFFile
+from ...gguf.validate import check_ranges
 
 ARCH = "qwen4exp"
 GATE_TYPES = ("sigmoid", "silu")
@@ -90,6 +91,7 @@ class Config:
         def bad(key: str, msg: str):
             raise Ds4Error(f"{where}metadata key {ARCH}.{key} {msg}")
 
+        check_ranges(self, lambda field: f"{ARCH}.{_KEYS.get(field, (field,))[0]}", where)
         for field, key in _POSITIVE.items():
             if getattr(self, field) <= 0:
                 bad(key, f"is {getattr(self, field)}; expected a positive integer")
