@@ -8,6 +8,9 @@ matched whole, and BOS/EOS from `tokenizer.ggml.*`.
 
 from __future__ import annotations
 
+import threading
+from functools import cached_property
+
 from gguf import GGUFValueType
 
 from ..errors import Ds4Error
@@ -83,6 +86,7 @@ class Tokenizer:
         tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                         for i, t in enumerate(token_types) if t == USER_DEFINED])
         self._hf = tok
+        self._lock = threading.Lock()
         self.chat_template: str | None = None
 
     @classmethod
@@ -126,13 +130,22 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """Token ids of `text`. With `parse_special`, the text of control tokens (as written by a
         chat template) becomes those tokens; without it, such text is tokenized as plain bytes."""
-        self._hf.encode_special_tokens = not parse_special
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        with self._lock:   # encode_special_tokens is the tokenizer's state, shared by the server's threads
+            self._hf.encode_special_tokens = not parse_special
+            # encode_batch releases the GIL while it works (encode holds it: a 14 MiB prompt stalled
+            # every other thread of the server for 22 s)
+            ids = self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         if self.add_eos and self.eos_id is not None and add_bos is None:
             ids = [*ids, self.eos_id]
         return ids
+
+    @cached_property
+    def longest_token(self) -> int:
+        """Characters of the longest token (bytes, for byte-level vocabularies): a text of more than
+        n times this many characters cannot be n tokens or fewer."""
+        return max(1, max((len(t) for t in self.tokens), default=1))
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         for i in ids:

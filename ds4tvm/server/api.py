@@ -140,9 +140,19 @@ def _text(content, where: str) -> str:
     return "".join(out)
 
 
+def check_length(service, n_chars: int, param: str) -> None:
+    """A text of more than ctx x (the longest token's characters) cannot fit the context: refused
+    before it is rendered or tokenized (which takes seconds for megabytes)."""
+    limit = service.ctx * service.tok.longest_token
+    if n_chars > limit:
+        raise ApiError(400, f"the prompt has {n_chars:,} characters; the context of {service.ctx} tokens holds at "
+                            f"most {limit:,}", param, "context_length_exceeded")
+
+
 def _prompt(service, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    check_length(service, sum(len(m.get("content") or "") for m in messages), "messages")
     try:
-        ids = chat_prompt_ids(service.tok, messages, tools)
+        ids = chat_prompt_ids(service.tok, messages, tools, max_tokens=service.ctx)
     except Ds4Error as e:
         raise ApiError(400, e.message, "messages") from None
     if not ids:
@@ -207,6 +217,7 @@ def completion_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, 
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]   # a batch of one
     if isinstance(p, str):
+        check_length(service, len(p), "prompt")
         prompt = service.tok.encode(p)
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         bad = [t for t in p if not 0 <= t < service.tok.n_vocab]

@@ -106,3 +106,33 @@ def test_templates_render_two_turns_with_a_tool_call(template):
     for needle in ("What is the weather in Paris?", "get_weather", "Paris", "18", "Thanks! And tomorrow?"):
         assert needle in text, (template, needle)
     assert text.index("What is the weather") < text.index("Thanks! And tomorrow?")
+
+
+def test_encoding_a_long_text_lets_other_threads_run():
+    """The server tokenizes on a worker thread; that only keeps its event loop free if the tokenizer
+    releases the GIL while it works (tokenizers' encode does not, encode_batch does)."""
+    import threading
+    import time
+    from pathlib import Path
+
+    import ds4tvm
+
+    tok = Tokenizer.from_gguf(open_gguf(Path(ds4tvm.__file__).parent / "data/demo/ds4-demo-target.gguf"))
+    text = "def handler(request, *args):\n    return compute(request.value + 17)\n" * 40000
+    gaps, done = [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            t = time.perf_counter()
+            time.sleep(0.005)
+            gaps.append(time.perf_counter() - t)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    t0 = time.perf_counter()
+    ids = tok.encode(text)
+    took = time.perf_counter() - t0
+    done.set()
+    ticker.join()
+    assert len(ids) > 100000 and took > 0.3, took   # long enough for a held GIL to show
+    assert max(gaps) < took / 3, (max(gaps), took)
