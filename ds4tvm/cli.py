@@ -46,8 +46,10 @@ def inspect_report(path: Path) -> dict:
         "file_bytes": f.file_bytes,
         "quant_types": f.type_counts(),
         "unused_tensors": m.unused_tensors,
-        "details": m.family.describe(m.config) if m.family.describe else {},
-        "layouts": dict(f.layout_notes),
+        "details": {**(m.family.describe(m.config) if m.family.describe else {}),
+                    # tensors held in another valid layout than the family's table (gguf/validate.same_layout)
+                    **({"layouts": "; ".join(f"{n} {note}" for n, note in f.layout_notes.items())}
+                       if f.layout_notes else {})},
     }
 
 
@@ -71,8 +73,6 @@ def inspect(model: Path = typer.Argument(..., help="GGUF file"),
     typer.echo(f"  parameters    {r['n_params']:,}")
     typer.echo(f"  file size     {r['file_bytes']:,} bytes")
     typer.echo("  types         " + ", ".join(f"{k} x{v}" for k, v in r["quant_types"].items()))
-    for name, note in r["layouts"].items():
-        typer.echo(f"  layout        {name} {note}")
     if r["unused_tensors"]:
         typer.echo(f"  unused        {len(r['unused_tensors'])} tensors not read by {r['family']}: "
                    + ", ".join(r["unused_tensors"][:8]) + (" ..." if len(r["unused_tensors"]) > 8 else ""))

@@ -7,6 +7,7 @@ new sequence from nothing; rollback drops a rejected block."""
 
 import json
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -113,7 +114,7 @@ def _reference(ids: list[int]) -> np.ndarray:
 def artifact(tmp_path_factory):
     import tvm
 
-    from ds4tvm.artifact import Bounds, FunctionSpec, Manifest, StateSpec, file_identity
+    from ds4tvm.artifact import Bounds, FunctionSpec, Manifest, StateSpec, file_identity, file_sha256
     from ds4tvm.compile.driver import _compile_module
     from ds4tvm.compile.targets import resolve
     from ds4tvm.gguf.writer import write_gguf
@@ -135,7 +136,8 @@ def artifact(tmp_path_factory):
              functions=[FunctionSpec(f, inputs, ("logits",), "model").to_json()
                         for f in ("prefill", "decode", "verify")],
              params=[], states=[s.to_json() for s in states], library=spec.library, n_vocab=V,
-             tvm_version=tvm.__version__).write(d)
+             tvm_version=tvm.__version__,
+             hashes={name: file_sha256(d / name) for name in (spec.library, "tokenizer.json")}).write(d)
     return d
 
 
@@ -144,8 +146,8 @@ def engines(artifact, monkeypatch):
     from ds4tvm.families import REGISTRY, Family
     from ds4tvm.runtime.engine import Engine
 
-    toy = Family(name="toy", architecture="toy", role="target", config_from_gguf=None, tensor_specs=None,
-                 host_inputs={"bigram": "test_state:bigram_rows"})
+    toy = Family(name="toy", architecture="toy", role="target", config_from_gguf=lambda f: SimpleNamespace(n_vocab=V),
+                 tensor_specs=lambda cfg: [], host_inputs={"bigram": "test_state:bigram_rows"})
     monkeypatch.setitem(REGISTRY, "toy", toy)
     return Engine(artifact), Engine(artifact)
 
