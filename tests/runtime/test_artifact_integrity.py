@@ -98,3 +98,25 @@ def test_verify_hashes_the_weights_in_full(tiny_artifact, tmp_path):
     copy, _ = _copy(tiny_artifact, tmp_path, weights={**raw["weights"], MODEL: ident})
     r = run_ds4("verify", copy, "--quiet")
     assert r.returncode == 2 and "flipped.gguf: does not match the sha256" in r.stderr, r.stderr
+
+
+def test_two_first_uses_of_one_gguf_compile_side_by_side(tmp_path):
+    """Both compile into temporary directories of their own (they shared one: the second removed
+    the first's half-written artifact) and both run."""
+    import os
+    import subprocess
+    import sys
+
+    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+
+    model = write_random_deepseek4(tmp_path / "m.gguf", tiny_config(), seed=8)
+    env = {**os.environ, "DS4TVM_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "ds4tvm.cli", "run", "-m", str(model), "--tokens", "5,6,7", "-n", "3", "--temp", "0",
+           "--ctx", "256", "--json"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-1500:] for _, err in outs]
+    assert json.loads(outs[0][0])["tokens"] == json.loads(outs[1][0])["tokens"]
+    cached = [p.name for p in (tmp_path / "cache").rglob("*.tmp")]
+    assert cached == [], cached   # no temporary directory left behind

@@ -161,3 +161,21 @@ def test_session_refuses_a_file_that_is_not_its_conversation(tiny_artifact, tmp_
     r = run_ds4("run", "-m", tiny_artifact, "--tokens", "8", "-n", "2", "--temp", "0", "--session", victim)
     assert r.returncode == 0, r.stderr
     assert read_header(victim)["meta"]["tokens"][:6] == first + [8]   # the conversation continued
+
+
+def test_a_store_starts_beside_malformed_files_and_removes_them(engine, saved, tmp_path, capsys):
+    """A kv directory holding files with odd headers (the old reader raised TypeError on them, so
+    the server did not start): each is one warning and removed; the good one is used."""
+    kv = tmp_path / "kv"
+    store = CheckpointStore(engine, directory=kv)
+    store.add(engine.snapshot())
+    good = next(kv.iterdir())
+    raw = good.read_bytes()
+    header, _ = _split(raw)
+    odd = {"history": "x", "states": [{"name": 3}], "pos": None, "meta": [], "fed": {"a": 1}, "format": True}
+    for i, (key, value) in enumerate(odd.items()):
+        (kv / good.name.replace(good.name[-20:], f"{i:011d}.ds4state")).write_bytes(
+            _with_header(raw, {**header, key: value}))
+    again = CheckpointStore(engine, directory=kv)
+    assert list(kv.iterdir()) == [good] and len(again.entries) == 1
+    assert capsys.readouterr().err.count("ds4: warning:") == len(odd)
