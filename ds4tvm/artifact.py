@@ -34,6 +34,17 @@ class Bounds:
     prefill_chunk: int = 256
 
 
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON object from a file of an artifact or package; anything else is one line naming it."""
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError, RecursionError) as e:   # ValueError: bad JSON, bad UTF-8
+        raise Ds4Error(f"{path}: unreadable {what} ({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(data, dict):
+        raise Ds4Error(f"{path}: malformed {what} (not a JSON object)")
+    return data
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -208,12 +219,7 @@ class Manifest:
         path = Path(art_dir) / MANIFEST
         if not path.is_file():
             raise Ds4Error(f"{art_dir}: not a ds4tvm artifact (no {MANIFEST})")
-        try:
-            raw = json.loads(path.read_bytes())
-        except (OSError, ValueError, RecursionError) as e:
-            raise Ds4Error(f"{path}: unreadable manifest ({type(e).__name__}: {str(e)[:120]})") from None
-        if not isinstance(raw, dict):
-            raise Ds4Error(f"{path}: malformed manifest (not a JSON object)")
+        raw = read_json_object(path, "manifest")
         if raw.get("schema_version") != SCHEMA_VERSION:
             raise Ds4Error(f"{path}: manifest schema {raw.get('schema_version')} is not {SCHEMA_VERSION}; "
                            f"recompile with this ds4tvm")

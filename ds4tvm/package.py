@@ -25,7 +25,7 @@ import tarfile
 from pathlib import Path
 
 from . import __version__
-from .artifact import MANIFEST, Manifest, file_sha256, weight_file
+from .artifact import MANIFEST, Manifest, file_sha256, read_json_object, weight_file
 from .errors import Ds4Error
 
 PACKAGE = "package.json"
@@ -114,11 +114,7 @@ def build_package(artifacts: list[Path], out: Path, progress: bool = False) -> P
 
 
 def read_meta(root: Path, source: Path) -> dict:
-    try:
-        meta = json.loads((root / PACKAGE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise Ds4Error(f"{source}: unreadable {PACKAGE} ({e})") from None
-    return check_meta(meta, source)
+    return check_meta(read_json_object(root / PACKAGE, PACKAGE), source)
 
 
 def check_meta(meta, source: Path) -> dict:

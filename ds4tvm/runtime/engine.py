@@ -13,14 +13,13 @@ length and tokens); the engine works on one at a time (`attach`), so a server ca
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..artifact import MANIFEST, MODEL, FunctionSpec, Manifest, width_variant
+from ..artifact import MANIFEST, MODEL, FunctionSpec, Manifest, read_json_object, width_variant
 from ..devices import device_for
 from ..errors import Cancelled, Ds4Error
 from ..families import check_weight_files
@@ -63,16 +62,6 @@ class Step:
     fn: str
     logits: np.ndarray
     outputs: dict = field(default_factory=dict)
-
-
-def _tokenizer_data(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError) as e:
-        raise Ds4Error(f"{path}: unreadable tokenizer data ({type(e).__name__}: {str(e)[:120]})") from None
-    if not isinstance(data, dict):
-        raise Ds4Error(f"{path}: malformed tokenizer data (not a JSON object)")
-    return data
 
 
 class Engine:
@@ -128,7 +117,7 @@ class Engine:
         b = m.bounds
         self.max_context, self.max_verify, self.chunk = b["max_context"], b["max_verify"], b["prefill_chunk"]
         self.n_vocab = m.n_vocab
-        self.tokenizer_data = _tokenizer_data(self.dir / m.tokenizer)
+        self.tokenizer_data = read_json_object(self.dir / m.tokenizer, "tokenizer data")
         self.pending = 0
         self._pending_tokens: list[int] = []
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import run_ds4
-from ds4tvm.runtime.checkpoint import CheckpointError, CheckpointStore, read, read_header, write
+from ds4tvm.runtime.checkpoint import CheckpointError, CheckpointStore, read, read_header
 
 pytestmark = pytest.mark.compile
 

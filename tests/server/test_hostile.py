@@ -138,7 +138,7 @@ VALUES = [None, True, False, 0, -1, 1, 2 ** 63, 1e308, -0.0, 0.5, "", "x", "demo
 def _mutate(body, rng):
     body = json.loads(json.dumps(body))
     for _ in range(int(rng.integers(1, 4))):
-        target, keys = body, []
+        target = body
         while isinstance(target, (dict, list)) and target and rng.random() < 0.6:
             k = list(target)[int(rng.integers(len(target)))] if isinstance(target, dict) \
                 else int(rng.integers(len(target)))
