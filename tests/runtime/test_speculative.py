@@ -189,17 +189,28 @@ def test_cost_gate_pauses_proposals_while_they_are_slower_than_plain_steps():
     assert closed_for(off) == 0
 
 
-def test_loop_leaves_a_slow_drafter_out_at_temperature_zero_only():
+def test_loop_leaves_a_slow_drafter_out_at_temperature_zero_only(monkeypatch):
     """A drafter that agrees but takes 20 ms per proposal is slower per token than this table
     engine's plain steps: at T=0 the gate stops asking it (output unchanged); at T=1 it never acts,
-    so seeded sampling does not depend on the machine's timing."""
-    import time
-
+    so seeded sampling does not depend on the machine's timing. The loop's clock is a fake one
+    (each reading 1 ms later, each proposal 20 ms more), so the costs the gate learns are the same on
+    any machine, however busy."""
+    from ds4tvm.runtime import speculative
     from ds4tvm.runtime.speculative import CostGate
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            self.now += 0.001
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(speculative.time, "perf_counter", clock)
 
     class Slow(ScriptedDrafter):
         def guess(self, engine, remaining):
-            time.sleep(0.02)
+            clock.now += 0.02
             return super().guess(engine, remaining)
 
     eng = TableEngine(vocab=6, seed=3, max_context=128)

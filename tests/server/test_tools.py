@@ -3,7 +3,7 @@ its greedy continuation of any prompt is a tool call in DeepSeek-V4's DSML or GL
 random tiny model would write; everything between HTTP and the engine is the production code."""
 
 import json
-import time
+import threading
 
 import pytest
 from conftest import fixtures_dir
@@ -133,32 +133,43 @@ def test_tool_call_arguments_are_decoded_greedily_at_high_temperature(server):
     assert ok >= 2
 
 
-class SlowPrefill(ScriptEngine):
+class HeldPrefill(ScriptEngine):
+    """A prefill that lasts until the test lets it go: as long as a long prompt's, on any machine."""
+    release = threading.Event()
+
     def prefill(self, ids, on_chunk=None):
-        time.sleep(1.0)
+        assert self.release.wait(60)
         return super().prefill(ids, on_chunk)
 
 
 def test_keep_alives_while_the_prompt_is_prefilled():
+    """Keep-alives (every 0.2 s here) flow while the prompt is prefilled; the prefill is held until
+    three have arrived, then the answer follows."""
     import http.client
 
     meta = dict(synthetic_vocab(512))
     meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"][0]
     tok = Tokenizer.from_metadata(meta)
-    server = InProcessServer(Service(SlowPrefill(tok.encode("Hi there", add_bos=False), tok.n_vocab, tok.eos_id),
+    server = InProcessServer(Service(HeldPrefill(tok.encode("Hi there", add_bos=False), tok.n_vocab, tok.eos_id),
                                      tok), "scripted", keepalive=0.2)
     try:
         for path, body, ping in (("/v1/chat/completions", {"model": "scripted", "messages": ASK, "stream": True,
                                                            "temperature": 0}, ": keep-alive"),
                                  ("/v1/messages", {"model": "scripted", "messages": ASK, "stream": True,
                                                    "max_tokens": 20, "temperature": 0}, "event: ping")):
+            HeldPrefill.release.clear()
             conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
             conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-            lines = conn.getresponse().read().decode().splitlines()
+            r, lines = conn.getresponse(), []
+            while (line := r.readline()):
+                lines.append(line.decode().rstrip("\n"))
+                if lines.count(ping) == 3:
+                    HeldPrefill.release.set()
             conn.close()
             first_text = next(i for i, x in enumerate(lines) if '"H' in x)  # the first piece of "Hi there"
             assert lines[:first_text].count(ping) >= 3, lines[:first_text]
     finally:
+        HeldPrefill.release.set()
         server.stop()
 
 
