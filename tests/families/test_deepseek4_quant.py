@@ -1,8 +1,9 @@
 """Quantized DeepSeek-V4 GGUFs: the compiled model reads the planes directly, and its logits
 match transformers run on the same weights dequantized by gguf-py.
 
-Tolerance 1e-4 as for f32: the kernels' dequantized values are bit-exact (tests/unit/
-test_kernels.py), so what remains is the float32 summation order, the same as in the f32 oracle."""
+Tolerance 1e-4 (absolute) as for f32: the kernels' dequantized values are bit-exact (tests/unit/
+test_kernels.py), so what remains is the float32 summation order, the same as in the f32 oracle;
+measured 1.8e-5 on the default case (logits up to 4.5)."""
 
 import numpy as np
 import pytest
@@ -60,4 +61,4 @@ def test_quantized_logits_match_transformers_on_dequantized_weights(case, tiny_h
     got = np.load(out)
     err = np.abs(got - ref).max()
     print(f"{case}: max |delta| {err:.3g}, logits up to {np.abs(ref).max():.2f}")
-    assert err <= 1e-4 * max(1.0, np.abs(ref).max())
+    assert err <= 1e-4

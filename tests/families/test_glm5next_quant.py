@@ -3,10 +3,10 @@ IQ2_XXS/IQ2_XXS/Q2_K routed experts, F32 norms and router) compiled for llvm: it
 transformers' Glm5NextForConditionalGeneration holding the same weights dequantized by gguf-py.
 
 Width 256 and expert width 256, so that every K-quant block (256 values along the input) fits.
-Tolerance: the kernels' dequantized values are bit-exact (tests/unit/test_kernels.py), so what is
-left is float32 summation against transformers' float64, as in the F32 oracle
-(test_glm5next_oracle.py), whose bound, 4e-4 at logits up to 4.3, is scaled here by the largest
-logit: 1e-4 of max(1, max |logit|)."""
+Tolerance 2e-4 (absolute): the kernels' dequantized values are bit-exact (tests/unit/
+test_kernels.py), so what is left is float32 summation against transformers' float64, as in the F32
+oracle (test_glm5next_oracle.py: bound 2e-4, measured 1.75e-4 there, where the KDA recurrence
+carries the rounding); measured here 7.4e-5 at logits up to 4.2 (2026-12-05)."""
 
 import numpy as np
 import pytest
@@ -73,4 +73,4 @@ def test_q2_recipe_logits_match_transformers_on_dequantized_weights(tmp_path):
     got = ds4_logits(art, ids, "prefill", tmp_path)
     err = np.abs(got - ref).max()
     print(f"q2 recipe: max |delta| {err:.3g}, logits up to {np.abs(ref).max():.2f}")
-    assert err <= 1e-4 * max(1.0, np.abs(ref).max())
+    assert err <= 2e-4

@@ -2,8 +2,9 @@
 compiles, with ONNX draft heads beside them, and a tiny GLM-5.3 with its MTP layer; the CUDA library holds SASS for exactly the named architectures (NVIDIA's cuobjdump
 reads the fatbin), the ROCm one an AMD code object for the named gfx (the ELF machine flags, as
 LLVM's ELF.h numbers them), the Metal one MSL source; every artifact's manifest reloads, and
-`ds4 run` refuses it here with one line. One target of each kind runs by default; all of them
-with `python -m pytest -m targets`."""
+`ds4 run` refuses it here with one line. The default run compiles for CUDA (sm_90) only; ROCm,
+Metal and the other CUDA architectures run with `-m slow`, all of them with `python -m pytest -m
+targets`."""
 
 import json
 import re
