@@ -185,3 +185,34 @@ def test_a_continued_sequence_drafts_as_a_cold_one(pair, agreeing):
             np.testing.assert_array_equal(a, b, err_msg=f"{how}: {spec.name}")
         assert got == want, how
         assert how == "kept" or stats.counters == cold.counters
+
+
+def test_exact_sampling_with_the_real_drafter_keeps_the_law_of_plain_sampling(pair, agreeing):
+    """T = 1 with top-k 3: the law of the three tokens after the prompt under --mtp-exact-sampling
+    with the real DSpark drafter (its Markov head proposes the target's greedy path, which top-k 3
+    sampling leaves often enough for drafts to be both accepted and rejected), against plain
+    sampling: a chi-square test of homogeneity over the outcomes (rare ones pooled)."""
+    from scipy.stats import chi2_contingency
+
+    from ds4tvm.runtime.drafters.dspark import DSparkDrafter, Scheduler
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+
+    params, prompt = SamplingParams(1.0, top_k=3, min_p=0.0), pair[4]
+    counts, proposed, accepted = {}, 0, 0
+    for run in range(1600):
+        spec = run % 2 == 0
+        drafter = DSparkDrafter(agreeing, theta=0.0, scheduler=Scheduler(enabled=False, tail_min_tokens=0)) \
+            if spec else None
+        agreeing.reset()
+        out, stats = generate(agreeing, prompt, 3, params, np.random.default_rng(run), drafter=drafter, exact=spec)
+        counts.setdefault(tuple(out), [0, 0])[spec] += 1
+        if spec:
+            proposed += stats.counters["proposed"]
+            accepted += stats.counters["accepted_draft"]
+    assert 0 < accepted < proposed, (accepted, proposed)   # drafts both taken and refused
+    table = np.array(list(counts.values())).T
+    rare = table.sum(0) < 20
+    table = np.column_stack([table[:, ~rare], table[:, rare].sum(1)]) if rare.any() else table
+    assert table.shape[1] >= 4 and table.sum() == 1600
+    assert chi2_contingency(table).pvalue > 0.01, table
