@@ -24,6 +24,9 @@ read, never trained.
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 from gguf import quants
@@ -31,12 +34,52 @@ from gguf import quants
 WINDOW = 128
 
 
+class _File:
+    """A GGUF read with gguf-py alone (the reference reads the file format, not ds4tvm's parser):
+    `tensors` by name, each with `data`, `ggml_type` and its ggml `shape`; `key(name)`: a
+    metadata value."""
+
+    def __init__(self, path):
+        from gguf import GGUFReader
+
+        self.reader = GGUFReader(path)
+        self.tensors = {t.name: SimpleNamespace(data=t.data, ggml_type=t.tensor_type,
+                                                shape=tuple(int(d) for d in t.shape)) for t in self.reader.tensors}
+
+    def key(self, name: str):
+        return self.reader.fields[name].contents()
+
+
+def read_config(target_path, support_path) -> SimpleNamespace:
+    """What the reference needs, read from the two files with gguf-py (dspark-crosscheck.md §2;
+    the block's shapes from the support file's tensors, its hyper-parameters from the target's
+    keys): the same fields as ds4tvm's paired config, which training passes instead."""
+    t, s = _File(target_path), _File(support_path)
+    k = lambda name: t.key(f"deepseek4.{name}")  # noqa: E731
+    H = s.tensors["mtp.0.attn_sinks.weight"].shape[0]
+    D = s.tensors["mtp.0.attn_kv.weight"].shape[1]
+    group_in, group_out = s.tensors["mtp.0.attn_output_a.weight"].shape
+    groups = H // (group_in // D)
+    block = SimpleNamespace(hc=k("hyper_connection.count"), rms_eps=k("attention.layer_norm_rms_epsilon"),
+                            hc_eps=k("hyper_connection.epsilon"), hc_sinkhorn_iters=k("hyper_connection.sinkhorn_iterations"),
+                            n_rot=k("rope.dimension_count"), n_head=H, head_dim=D, o_groups=groups,
+                            o_lora_rank=group_out // groups, swiglu_clamp=tuple(k("swiglu_clamp_exp")),
+                            n_expert_used=k("expert_used_count"), expert_weights_scale=k("expert_weights_scale"))
+    stages = len({name.split(".")[1] for name in s.tensors if name.startswith("mtp.")})
+    return SimpleNamespace(n_stages=stages, block_size=s.key("deepseek4.dspark.block_size"),
+                           noise_token_id=s.key("deepseek4.dspark.noise_token_id"),
+                           target_layer_ids=tuple(s.key("deepseek4.dspark.target_layer_ids")),
+                           n_embd=k("embedding_length"), block=block)
+
+
 class Weights:
     """Dequantized tensors of a GGUF as float64 torch tensors in numpy order ([out, in]), read on
-    first use; with `trainable`, as Parameters in `cache` (shared by every prefix view)."""
+    first use; with `trainable`, as Parameters in `cache` (shared by every prefix view). gguf_file:
+    a path (read with gguf-py) or an object with `tensors` by name (ds4tvm's GGUFFile)."""
 
     def __init__(self, gguf_file, prefix: str = "", trainable: bool = False, cache: dict | None = None,
                  dtype=torch.float64):
+        gguf_file = _File(gguf_file) if isinstance(gguf_file, (str, Path)) else gguf_file
         self.f, self.prefix, self.trainable, self.dtype = gguf_file, prefix, trainable, dtype
         self.cache = {} if cache is None else cache
 
@@ -158,8 +201,9 @@ class Stage:
 
 class DSparkReference:
     def __init__(self, target_gguf, support_gguf, cfg, dtype=torch.float64):
-        """cfg: the support file's Config (families.dspark.config), paired with the target; dtype:
-        float64 for the tests, float32 for training."""
+        """target_gguf, support_gguf: paths (read with gguf-py) or ds4tvm's GGUFFiles; cfg: the
+        support file's Config paired with the target (families.dspark.config), or read_config's;
+        dtype: float64 for the tests, float32 for training."""
         self.cfg, b, self.dtype = cfg, cfg.block, dtype
         self.t, self.w = Weights(target_gguf, dtype=dtype), Weights(support_gguf, trainable=True, dtype=dtype)
         self.stages = [Stage(self.w.view(f"mtp.{s}."), b) for s in range(cfg.n_stages)]
