@@ -81,7 +81,7 @@ def test_disagreeing_drafter_rolls_back_to_target_only(pair, disagreeing):
     from ds4tvm.runtime.sampler import SamplingParams
     from ds4tvm.runtime.speculative import generate
 
-    prompt, plain, want = pair[4], pair[5], pair[6]
+    prompt, want = pair[4], pair[6]
     disagreeing.reset()
     got, stats = generate(disagreeing, prompt, 80, SamplingParams(0.0), np.random.default_rng(0),
                           drafter=DSparkDrafter(disagreeing, scheduler=Scheduler(enabled=False)))
