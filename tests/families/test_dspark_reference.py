@@ -2,7 +2,10 @@
 dspark-crosscheck.md §2 (ds4tvm/training/dspark_reference.py) on a random support file: the ring
 rows from a prefill longer than the window and from a direct decode step, then a proposal's block
 logits, the Markov head's rows and bias, and the confidences, within 1e-4 (float32 against float64;
-the weights are the same dequantized values on both sides, FP8 rounding off)."""
+the weights are the same dequantized values on both sides, FP8 rounding off). The reference reads
+the files with gguf-py and takes the target's captured rows from transformers' DeepseekV4 (which
+the artifact's own capture must equal), and its block pieces are checked against transformers'
+DeepseekV4 layers on the same weights."""
 
 import numpy as np
 import pytest
@@ -11,6 +14,9 @@ from conftest import compile_here
 
 pytestmark = pytest.mark.compile
 TOL = 1e-4
+# transformers' HyperConnection runs its Sinkhorn projection in float32 whatever the model's dtype:
+# the float64 reference meets it at float32 rounding (measured 4.2e-7 on activations of ~1)
+HF_HC_TOL = 5e-6
 
 
 def _quantized(spec):
@@ -44,44 +50,63 @@ def pair(tmp_path_factory, request):
     return model, support, d / "art"
 
 
+def _transformers_captures(model, ids, layers) -> np.ndarray:
+    """The captured rows [n, L, D] as transformers' DeepseekV4 computes them on the same weights
+    (gguf-py's dequantizer): the mean over the HC streams of each capture layer's output."""
+    import torch
+    from hf_models import hf_model_from_gguf
+
+    hf, seen = hf_model_from_gguf(model), {}
+    hooks = [hf.model.layers[l].register_forward_hook(lambda mod, args, out, l=l: seen.__setitem__(l, out))
+             for l in layers]
+    with torch.no_grad():
+        hf(torch.tensor([ids]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    return np.stack([seen[l][0].mean(dim=1).numpy() for l in layers], axis=1)
+
+
 def test_tvm_drafter_matches_the_pytorch_reference(pair):
-    from ds4tvm.families.deepseek4.config import Config as V4Config
-    from ds4tvm.families.dspark.config import Config, paired_with
-    from ds4tvm.gguf import open_gguf
+    """The reference reads both files with gguf-py (read_config) and is fed the target's captured
+    rows as transformers computes them; the artifact's own captured rows are checked against
+    those too, so neither side takes a graph output or ds4tvm's parser."""
     from ds4tvm.runtime.drafters.dspark import DSparkDrafter
     from ds4tvm.runtime.engine import Engine
-    from ds4tvm.training.dspark_reference import DSparkReference
+    from ds4tvm.training.dspark_reference import DSparkReference, read_config
 
     model, support, art = pair
-    target_cfg = V4Config.from_gguf(open_gguf(model))
-    cfg = paired_with(Config.from_gguf(open_gguf(support)), target_cfg)
-    ref = DSparkReference(open_gguf(model), open_gguf(support), cfg)
+    cfg = read_config(model, support)
+    ref = DSparkReference(model, support, cfg)
     e = Engine(art)
     drafter = DSparkDrafter(e, theta=0.0)
-    prompt = np.random.default_rng(4).integers(0, target_cfg.n_vocab, 150).tolist()   # past the 128-row ring
+    prompt = np.random.default_rng(4).integers(0, e.n_vocab, 150).tolist()   # past the 128-row ring
     step = e.prefill(prompt)
+    nxt = int(np.argmax(step.logits))
+    hf_rows = _transformers_captures(model, prompt + [nxt], cfg.target_layer_ids)
+    assert np.abs(step.outputs["captured"] - hf_rows[:150]).max() <= TOL   # the target's capture
     drafter.begin(e, step, frozenset())
-    ref.observe(step.outputs["captured"], 0)
-    step = e.decode(int(np.argmax(step.logits)))            # a plain decode step: the direct ring path
+    ref.observe(hf_rows[:150], 0)
+    step = e.decode(nxt)                                      # a plain decode step: the direct ring path
+    assert np.abs(step.outputs["captured"] - hf_rows[150:]).max() <= TOL
     drafter.observe(e, step, [e.history[-1]])
     drafter.finish(e)                                        # the deferred direct-path row is written
-    ref.observe(step.outputs["captured"], e.pos - 1, direct=True)
+    ref.observe(hf_rows[150:], e.pos - 1, direct=True)
 
     anchor, P, B = e.history[-1], e.pos - 1, cfg.block_size
     got_r = e.call("dspark_block", captured=drafter.anchor_row[None], tokens=[anchor] + [cfg.noise_token_id] * (B - 1),
                    start=P)["r"]
     got = e.call("dspark_logits", r=got_r)["logits"]
-    want_r = ref.block(drafter.anchor_row, anchor, P).detach()
+    want_r = ref.block(hf_rows[150], anchor, P).detach()
     want = ref.logits(want_r).detach().numpy()
     assert np.abs(got - want).max() <= TOL * max(1.0, np.abs(want).max())
     assert np.abs(got_r - want_r.numpy()).max() <= TOL
-    for prev in (anchor, 0, target_cfg.n_vocab - 1, int(np.argmax(want[0]))):
+    for prev in (anchor, 0, e.n_vocab - 1, int(np.argmax(want[0]))):
         markov = e.call("dspark_markov", prev=[prev])
         m, bias = (x.detach() for x in ref.markov(prev))
         assert np.abs(markov["m"][0] - m.numpy()).max() <= TOL
         assert np.abs(markov["bias"][0] - bias.numpy()).max() <= TOL * max(1.0, bias.abs().max().item())
     # the fused proposal: the Markov chain over the block's argmaxes and each row's confidence
-    drafts, confidences = ref.propose(drafter.anchor_row, anchor, P, theta=0.0)
+    drafts, confidences = ref.propose(hf_rows[150], anchor, P, theta=0.0)
     out = e.call("dspark_propose", captured=drafter.anchor_row[None],
                  tokens=[anchor] + [cfg.noise_token_id] * (B - 1), start=P)
     assert out["drafts"].tolist() == drafts
@@ -91,7 +116,7 @@ def test_tvm_drafter_matches_the_pytorch_reference(pair):
     # the θ cut: between the two middle confidences, away from either
     sig = sorted(1 / (1 + np.exp(-np.array(confidences))))
     drafter.theta = (sig[B // 2 - 1] + sig[B // 2]) / 2
-    cut, _ = ref.propose(drafter.anchor_row, anchor, P, theta=drafter.theta)
+    cut, _ = ref.propose(hf_rows[150], anchor, P, theta=drafter.theta)
     assert len(cut) < B and drafter._propose(e, anchor, B)[0] == cut
 
 
@@ -163,3 +188,41 @@ def test_batched_blocks_equal_one_proposal_at_a_time(tmp_path):
                 ref.observe(captured[p:p + 1], p, direct=bool(direct[p]))
             want = ref.block(captured[P], int(tokens[P]), P)
             assert torch.abs(got[a] - want).max() <= 1e-12, P
+
+
+def test_reference_block_pieces_equal_transformers_layers(pair):
+    """The reference's V4 block pieces against transformers' DeepseekV4 modules holding the same
+    weights (float64 both): HC-pre with attn_norm and HC-post on a target layer routed by score, the
+    whole MoE sublayer (HC-pre, ffn_norm, sqrt-softplus router with its selection bias, routed and
+    shared clamped SwiGLU experts, HC-post), and the HC head with the final norm, given the support
+    file's last-stage head. The attention differs from the trunk's by design (the block attends over
+    the ring and every block row, without a causal mask): it is checked end to end above."""
+    import torch
+    from hf_models import hf_model_from_gguf
+
+    from ds4tvm.training.dspark_reference import DSparkReference, Stage, Weights, hc_post, read_config
+
+    model, support, _ = pair
+    cfg = read_config(model, support)
+    hf = hf_model_from_gguf(model).double()
+    hf.set_experts_implementation("eager")   # the grouped-GEMM path takes float32 only
+    layer = 1   # layer 0 routes by token hash (tid2eid), which DSpark's stages do not have
+    stage, hl = Stage(Weights(model).view(f"blk.{layer}."), cfg.block), hf.model.layers[layer]
+    X = torch.randn(7, cfg.block.hc, cfg.n_embd, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    out = torch.randn(7, cfg.n_embd, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        post, comb, collapsed = hl.attn_hc(X[None])
+        n_ref, post_ref, comb_ref = stage.attn_input(X)
+        torch.testing.assert_close(n_ref, hl.input_layernorm(collapsed)[0], rtol=0, atol=HF_HC_TOL)
+        hf_mixed = post[0].unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb[0].transpose(-1, -2), X)
+        torch.testing.assert_close(hc_post(out, X, post_ref, comb_ref), hf_mixed, rtol=0, atol=HF_HC_TOL)
+        post, comb, collapsed = hl.ffn_hc(X[None])
+        mlp = hl.mlp(hl.post_attention_layernorm(collapsed), input_ids=torch.zeros(1, 7, dtype=torch.long))
+        want = post[0].unsqueeze(-1) * mlp[0].unsqueeze(-2) + torch.matmul(comb[0].transpose(-1, -2), X)
+        torch.testing.assert_close(stage.moe(X), want, rtol=0, atol=HF_HC_TOL)
+        ref = DSparkReference(model, support, cfg)
+        last = f"mtp.{cfg.n_stages - 1}."
+        for mine, theirs in (("hc_head_fn.weight", hf.model.hc_head.hc_fn), ("hc_head_base.weight", hf.model.hc_head.hc_base),
+                             ("hc_head_scale.weight", hf.model.hc_head.hc_scale), ("norm.weight", hf.model.norm.weight)):
+            theirs.copy_(ref.w(last + mine).reshape(theirs.shape))
+        torch.testing.assert_close(ref.head(X), hf.model.norm(hf.model.hc_head(X[None]))[0], rtol=0, atol=HF_HC_TOL)
