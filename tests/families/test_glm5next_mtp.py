@@ -1,7 +1,9 @@
 """GLM-5.3's MTP (nextn) layer and its drafter (ds4-spec §4). No oracle runs GLM's MTP layer: the
 compiled step is checked against the numpy reference written from the spec
-(ds4tvm/training/glm_reference.nextn_logits), and the drafter in the speculative loop against
-target-only decoding, with test doubles that always and never agree with the target."""
+(ds4tvm/training/glm_reference.nextn_logits, itself checked against transformers' GLM layers in
+test_glm_reference.py) fed the trunk's hidden states from transformers, and the drafter in the
+speculative loop against target-only decoding, with test doubles that always and never agree with
+the target."""
 
 import re
 
@@ -53,10 +55,43 @@ def _reference_logits(model, history: list[int], hidden: np.ndarray) -> np.ndarr
     return nextn_logits(w, top, cfg, history, before)[-1]
 
 
+def _transformers_hidden(model, ids) -> np.ndarray:
+    """The vector the output head reads at every position (the trunk's streams collapsed and
+    normed), as transformers' Glm5Next computes it on the same weights: the MTP layer's input."""
+    import torch
+    from gguf import quants
+    from hf_models import TINY_GLM5_VISION, glm5_parameter
+    from test_glm5next_quant import _hf_text_config
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    from ds4tvm.gguf import open_gguf
+
+    _, gguf, cfg = model
+    hf = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=_hf_text_config(cfg),
+                                                         vision_config=TINY_GLM5_VISION)).eval().double()
+    params = {n: t.detach().numpy() for n, t in hf.state_dict(keep_vars=True).items()}
+    for name, t in open_gguf(gguf).tensors.items():
+        if not name.startswith(f"blk.{cfg.n_layers}."):   # transformers' model has no MTP layer
+            view = glm5_parameter(params, name, cfg)
+            view[...] = quants.dequantize(np.asarray(t.data), t.ggml_type).reshape(view.shape)
+    hf.set_experts_implementation("eager")
+    seen = []
+    hook = hf.lm_head.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    with torch.no_grad():
+        hf(torch.tensor([ids]))
+    hook.remove()
+    return seen[0][0].numpy()
+
+
 def test_nextn_step_matches_the_numpy_reference(model):
     """After the prompt (rows written by observe), and again after 24 speculative tokens (rows
     written while drafting and observing), the step's logits equal the reference's over the
-    whole history, with hidden states from a separate target-only prefill of it."""
+    whole history. After the prompt the reference reads the trunk's hidden states as transformers
+    computes them (the artifact's own, from a separate target-only prefill, checked against those:
+    2e-4, GLM's trunk bound, test_glm5next_oracle.py; measured 6.9e-5); after 24 more tokens it
+    reads the artifact's, because on this random model transformers' trunk departs from ours at
+    rows 46, 47 and 57 (up to 0.18) with router and indexer margins of 1.6e-3 and more: a
+    difference not yet explained (issue 41's note), not float noise."""
     from ds4tvm.runtime.drafters.glm_mtp import GLMMTPDrafter
     from ds4tvm.runtime.sampler import SamplingParams
     from ds4tvm.runtime.speculative import generate
@@ -73,7 +108,11 @@ def test_nextn_step_matches_the_numpy_reference(model):
         step = plain.prefill(e.history)
         t = int(np.argmax(step.logits))
         got = e.call("mtp_step", hidden_prev=drafter.hidden[None], tokens=[t], start=e.pos)["logits"][0]
-        want = _reference_logits(model, e.history + [t], step.outputs["hidden"].astype(np.float64))
+        hidden = step.outputs["hidden"].astype(np.float64)
+        if not n_new:   # see the docstring for the longer history
+            hidden = _transformers_hidden(model, e.history)
+            assert np.abs(step.outputs["hidden"] - hidden).max() <= 2e-4
+        want = _reference_logits(model, e.history + [t], hidden)
         assert np.abs(want).max() > 0.5
         assert np.abs(got - want).max() <= 1e-4, (n_new, np.abs(got - want).max())
 
