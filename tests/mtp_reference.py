@@ -6,6 +6,8 @@ FP8 rounding of the cached rows is left out: compare with an artifact compiled w
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
@@ -16,9 +18,25 @@ def _t(x) -> torch.Tensor:
     return torch.as_tensor(np.asarray(x, np.float64))
 
 
+def read_config(target_path) -> SimpleNamespace:
+    """The target's hyper-parameters the block shares (ratio 0), read with gguf-py (ds4-spec §1.1 keys)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(target_path).fields
+    k = lambda name: fields[f"deepseek4.{name}"].contents()  # noqa: E731
+    return SimpleNamespace(
+        hc=k("hyper_connection.count"), rms_eps=k("attention.layer_norm_rms_epsilon"), hc_eps=k("hyper_connection.epsilon"),
+        hc_sinkhorn_iters=k("hyper_connection.sinkhorn_iterations"), n_rot=k("rope.dimension_count"),
+        n_head=k("attention.head_count"), head_dim=k("attention.key_length"), o_groups=k("attention.output_group_count"),
+        o_lora_rank=k("attention.output_lora_rank"), swiglu_clamp=tuple(k("swiglu_clamp_exp")),
+        n_expert_used=k("expert_used_count"), expert_weights_scale=k("expert_weights_scale"),
+        sliding_window=k("attention.sliding_window"), rope_base=k("rope.freq_base"))
+
+
 class MTPReference:
     def __init__(self, target_gguf, support_gguf, cfg):
-        """cfg: the target's Config (the block shares its hyper-parameters, ratio 0)."""
+        """target_gguf, support_gguf: paths (read with gguf-py) or ds4tvm's GGUFFiles; cfg: the
+        target's hyper-parameters (read_config; the block shares them, ratio 0)."""
         self.c, self.t, self.w = cfg, Weights(target_gguf), Weights(support_gguf, "mtp.0.")
         self.block = Stage(self.w, cfg, cfg.rope_base)
         self.rows: dict[int, torch.Tensor] = {}

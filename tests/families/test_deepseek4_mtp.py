@@ -54,9 +54,8 @@ def test_draft_logits_match_the_numpy_reference(target, random_mtp):
     block pieces test_dspark_reference.py checks against transformers' DeepseekV4 layers). In the
     default run: the agreeing file's block is near an identity, so only a random one shows a wrong
     block."""
-    from mtp_reference import MTPReference
+    from mtp_reference import MTPReference, read_config
 
-    from ds4tvm.gguf import open_gguf
     from ds4tvm.runtime.drafters.mtp import MTPDrafter
     from ds4tvm.runtime.engine import Engine
 
@@ -67,7 +66,7 @@ def test_draft_logits_match_the_numpy_reference(target, random_mtp):
     step = e.prefill(prompt)
     drafter = MTPDrafter(e, n_draft=3, margin=0.0)
     drafter.begin(e, step, frozenset())
-    ref = MTPReference(open_gguf(model), open_gguf(support), cfg)
+    ref = MTPReference(model, support, read_config(model))   # gguf-py's reader, not ds4tvm's parser
     hc = step.outputs["hc_state"].astype(np.float64)
     for p, tok in enumerate(prompt):
         ref.observe(hc[p - 1] if p else np.zeros_like(hc[0]), tok, p)
