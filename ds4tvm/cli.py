@@ -23,6 +23,21 @@ compile_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                           help="Compile a GGUF model into a TVM artifact.")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+        from .runtime.loader import tvm_version
+
+        typer.echo(f"ds4tvm {__version__} (apache-tvm {tvm_version()})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="print the version and exit")):
+    """ds4tvm: run DS4-family models compiled with Apache TVM."""
+
+
 def _echo_json(obj) -> None:
     typer.echo(json.dumps(obj, indent=2, ensure_ascii=False))
 
@@ -213,6 +228,15 @@ def _bounds(family, max_context: int | None = None, max_verify: int | None = Non
     return replace(default, **{k: v for k, v in given.items() if v is not None})
 
 
+# Flags of run, bench and logits, with llama.cpp's spellings beside ours.
+CtxOpt = typer.Option(None, "-c", "--ctx", "--ctx-size", help="context when compiling a GGUF on first use (default "
+                                                              "4096); with an artifact, at most its own")
+TargetOpt = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use (ds4-compile --target "
+                                                 "list); refused for an artifact or package, which keep theirs")
+ThreadsOpt = typer.Option(None, "-t", "--threads", help="CPU threads (default: every core; one for a model under "
+                                                        "64 MB)")
+
+
 # The speculation flags, defined once for run, serve and bench (ds4's spellings and meanings).
 MtpOpt = Annotated[Optional[str], typer.Option(
     "--mtp", "--mtp-model", help="support GGUF of the drafter (DSpark or legacy MTP); a bare --mtp: the draft "
@@ -256,26 +280,28 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
         prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="prompt text (rendered with the chat template)"),
         tokens: Optional[str] = typer.Option(None, "--tokens", help="prompt as token ids, e.g. 1,2,3"),
         raw: bool = typer.Option(False, "--raw", help="tokenize the prompt as is, without the chat template"),
-        n_predict: int = typer.Option(64, "-n", "--n-predict", help="tokens to generate"),
-        temp: float = typer.Option(1.0, "--temp", help="temperature; 0 is greedy"),
+        prompt_file: Optional[Path] = typer.Option(None, "-f", "--file", help="read the prompt from this file "
+                                                   "(- : standard input)"),
+        n_predict: int = typer.Option(64, "-n", "--n-predict", help="tokens to generate (-1: until the end of "
+                                                                      "the text or the context)"),
+        temp: float = typer.Option(1.0, "--temp", "--temperature", help="temperature; 0 is greedy"),
         top_p: float = typer.Option(1.0, "--top-p"),
         top_k: int = typer.Option(0, "--top-k", help="0: off"),
         min_p: float = typer.Option(0.05, "--min-p"),
-        seed: int = typer.Option(0, "--seed"),
+        seed: int = typer.Option(0, "-s", "--seed"),
         mtp: MtpOpt = None, mtp_draft: MtpDraftOpt = 1, mtp_margin: MtpMarginOpt = None,
         mtp_timing: MtpTimingOpt = False, dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None,
         dspark_strict: DSparkStrictOpt = False, draft_onnx: DraftOnnxOpt = None,
         quality: QualityOpt = False, exact_sampling: ExactOpt = False,
         verify_depth: bool = typer.Option(False, "--dspark-verify-depth", help="print the accepted-length "
                                                                                 "histogram"),
-        ctx: int = typer.Option(4096, "--ctx", help="context when compiling a GGUF on first use"),
-        target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use"),
+        ctx: Optional[int] = CtxOpt, target: str = TargetOpt,
         as_json: bool = typer.Option(False, "--json", help="print tokens, text and speeds as JSON"),
         session: Optional[Path] = typer.Option(None, "--session", help="continue the conversation saved in this "
                                                "file (if any) without re-reading it, and save it back"),
         session_overwrite: bool = typer.Option(False, "--session-overwrite", help="start a new conversation in "
                                                "--session FILE when it holds no usable one (else: an error)"),
-        threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core; one for a model under 64 MB)")):
+        threads: Optional[int] = ThreadsOpt):
     """Generate text from a prompt, optionally with speculative decoding (DSpark, MTP)."""
     _threads(threads)
     import numpy as np
@@ -284,10 +310,11 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
     from .runtime.speculative import CostGate, generate
 
     params = SamplingParams(temp, top_p, top_k, min_p).check()
+    prompt = _prompt_text(prompt, prompt_file)
     if (prompt is None) == (tokens is None):
-        raise Ds4Error("give exactly one of -p/--prompt and --tokens")
-    if n_predict < 0:
-        raise Ds4Error(f"-n {n_predict}: expected a count >= 0")
+        raise Ds4Error("give exactly one of -p/--prompt, -f/--file and --tokens")
+    if n_predict < -1:
+        raise Ds4Error(f"-n {n_predict}: expected a count >= 0, or -1 (until the end of the text or the context)")
     options = _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
                             quality, exact_sampling, draft_onnx)
     model = _model_or_embedded(model, progress=not as_json)
@@ -295,6 +322,8 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
     conversation = _Session(session, engine, drafter, session_overwrite) if session is not None else None
     ids, tok = _prompt_ids(engine, model, prompt, tokens, raw, conversation)
     cached = conversation.resume(ids) if conversation is not None else 0
+    if n_predict == -1:
+        n_predict = max(0, engine.max_context - len(ids))
     from .runtime.textstream import TextStream
 
     stream = TextStream(tok, tok.stop_ids)
@@ -344,9 +373,10 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
                                                "on first use); default: the embedded demo model"),
           host: str = typer.Option("127.0.0.1", "--host", help="address to bind (loopback unless told otherwise)"),
           port: int = typer.Option(8000, "--port"),
-          ctx: int = typer.Option(4096, "--ctx", help="context per request (and when compiling a GGUF on first use)"),
+          ctx: Optional[int] = typer.Option(None, "-c", "--ctx", "--ctx-size", help="context per request (default: the "
+                                            "artifact's; 4096 when compiling a GGUF on first use)"),
           alias: Optional[str] = typer.Option(None, "--alias", help="model id clients use (default: the file name)"),
-          temp: float = typer.Option(1.0, "--temp", help="default temperature; 0 is greedy"),
+          temp: float = typer.Option(1.0, "--temp", "--temperature", help="default temperature; 0 is greedy"),
           top_p: float = typer.Option(1.0, "--top-p"),
           top_k: int = typer.Option(0, "--top-k", help="0: off"),
           min_p: float = typer.Option(0.05, "--min-p"),
@@ -363,8 +393,7 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
                                                                              "(in memory, or in --kv-cache-dir)"),
           api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DS4_API_KEY",
                                                 help="require this key (Authorization: Bearer KEY or x-api-key)"),
-          target: str = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use"),
-          threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core; one for a model under 64 MB)")):
+          target: str = TargetOpt, threads: Optional[int] = ThreadsOpt):
     """OpenAI- and Anthropic-compatible HTTP server (chat/completions, completions, messages)."""
     _threads(threads)
     from .runtime.sampler import SamplingParams
@@ -373,7 +402,7 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
     SamplingParams(temp, top_p, top_k, min_p).check()
     if not 0 < port < 65536:
         raise Ds4Error(f"--port {port}: expected 1..65535")
-    if ctx < 2:
+    if ctx is not None and ctx < 2:
         raise Ds4Error(f"--ctx {ctx}: expected at least 2 tokens")
     if keepalive <= 0:
         raise Ds4Error(f"--keepalive {keepalive}: expected seconds > 0")
@@ -443,11 +472,38 @@ def _speculative_engine(model: Path, options, target: str, ctx: int, progress: b
     from .runtime.loader import open_engine
 
     family = _gguf_family(model)
+    _check_target(model, family, target)
     if family is not None:   # a GGUF, compiled on first use
         check_support_given(family, options, model)
     engine = open_engine(model, target=target, bounds=_bounds(family, ctx), progress=progress,
                          support=options.support, lean=True, heads=options.heads)
+    if ctx is not None and ctx > engine.max_context:
+        raise Ds4Error(f"--ctx {ctx}: {model} is compiled for a context of {engine.max_context} "
+                       f"(ds4-compile --max-context)")
     return engine, choose_drafter(engine, options, model)
+
+
+def _check_target(model: Path, family, target: str) -> None:
+    """--target names a target, and acts: it is what a GGUF is compiled for on first use (an
+    artifact or a package keeps its own), for a device this machine has, checked before compiling."""
+    if target == "cpu":
+        return
+    from .compile.targets import resolve
+
+    spec = resolve(target)   # an unknown name: one line listing the valid ones
+    if family is None:
+        raise Ds4Error(f"--target {target}: {model} is compiled already (its target is in its manifest); --target "
+                       f"applies when -m is a GGUF compiled on first use")
+    if spec.device == "cpu":
+        return
+    from .devices import probe_device
+
+    found = probe_device(spec.device)
+    if found is None:
+        raise Ds4Error(f"--target {target}: this machine has no {spec.device.upper()} device; compile for it with "
+                       f"ds4-compile and run the artifact where the device is")
+    if spec.arches and found[1] is not None and found[1] not in spec.arches:
+        raise Ds4Error(f"--target {target}: this machine's GPU is {found[1]}")
 
 
 @contextlib.contextmanager
@@ -523,6 +579,18 @@ class _Session:
             raise Ds4Error(f"--session {self.path}: cannot write it ({e.strerror or e})") from None
 
 
+def _prompt_text(prompt: str | None, prompt_file: Path | None) -> str | None:
+    """-p TEXT, or -f FILE (- : standard input), as llama.cpp reads a prompt."""
+    if prompt_file is None:
+        return prompt
+    if prompt is not None:
+        raise Ds4Error("give one of -p/--prompt and -f/--file")
+    try:
+        return sys.stdin.read() if str(prompt_file) == "-" else prompt_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise Ds4Error(f"-f {prompt_file}: cannot read it as UTF-8 text ({getattr(e, 'strerror', None) or e})") from None
+
+
 def _check_session_meta(path: Path, meta: dict, n_vocab: int) -> None:
     """What `_Session.save` wrote: the tokens (ids of the vocabulary) and the chat messages."""
     from .runtime.checkpoint import CheckpointError
@@ -562,8 +630,7 @@ def logits(model: Path = typer.Option(..., "-m", "--model", help="artifact direc
            tokens: str = typer.Option(..., "--tokens", help="token ids, e.g. 1,2,3"),
            mode: str = typer.Option("prefill", "--mode", help="prefill | decode | verify"),
            out: Path = typer.Option(..., "--out", help="output .npy: float32 [tokens, vocab]"),
-           ctx: int = typer.Option(4096, "--ctx", help="context when compiling a GGUF on first use"),
-           target: str = typer.Option("cpu", "--target")):
+           ctx: Optional[int] = CtxOpt, target: str = TargetOpt):
     """Logits of every input token, from one prefill, token-by-token decode, or verify calls."""
     import numpy as np
 
@@ -574,8 +641,9 @@ def logits(model: Path = typer.Option(..., "-m", "--model", help="artifact direc
     ids = parse_ids(tokens, "--tokens")
     if not ids:
         raise Ds4Error("--tokens: no token ids given")
-    engine = open_engine(model, target=target, bounds=_bounds(_gguf_family(model), ctx), progress=False,
-                         lean=True)
+    family = _gguf_family(model)
+    _check_target(model, family, target)
+    engine = open_engine(model, target=target, bounds=_bounds(family, ctx), progress=False, lean=True)
     if len(ids) > engine.max_context:
         raise Ds4Error(f"{len(ids)} tokens exceed the compiled context of {engine.max_context}")
     if mode == "prefill":
@@ -601,11 +669,10 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
           gen: int = typer.Option(64, "--gen"),
           verify_k: int = typer.Option(6, "--verify-k", help="measure verify(k) for k = 1..K"),
           repeats: int = typer.Option(3, "--repeats"),
-          ctx: int = typer.Option(4096, "--ctx", help="context when compiling a GGUF on first use"),
-          target: str = typer.Option("cpu", "--target"),
+          ctx: Optional[int] = CtxOpt, target: str = TargetOpt,
           as_json: bool = typer.Option(False, "--json"),
           plot_file: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of verify cost vs k"),
-          threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: every core; one for a model under 64 MB)")):
+          threads: Optional[int] = ThreadsOpt):
     """Prefill / decode speed, verify cost per k, and speculative speed with acceptance (with a
     drafter's flags: --dspark, --mtp-draft N, --draft-onnx)."""
     _threads(threads)
@@ -680,7 +747,9 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                   report: Optional[Path] = typer.Option(None, "--report", metavar="FILE.json",
                                                         help="write, for each compiled function, the kernels a "
                                                              "call runs and the rule that scheduled each"),
-                  quiet: bool = typer.Option(False, "--quiet", help="no progress bar")):
+                  quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+                  force: bool = typer.Option(False, "--force", help="let -o replace a directory that holds another "
+                                                                    "model's artifact or other files")):
     """Compile MODEL (and the drafter of its --mtp support file) for TARGET into an artifact directory or a
     package."""
     import shutil
@@ -731,6 +800,7 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
         return
     if package is None:
         out = out or Path(f"{model.stem}-{resolve(targets[0]).name}.ds4tvm")
+        _check_out_dir(out, model, force)
         compile_gguf(model, targets[0], out, bounds, kv_rounding=not no_kv_rounding, progress=not quiet,
                      support=mtp, tune_trials=tune, records=records, draft_onnx=draft_onnx,
                      int8_activations=int8_activations, report=report)
@@ -751,6 +821,27 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
     finally:
         shutil.rmtree(work, ignore_errors=True)
     typer.echo(f"wrote {package}")
+
+
+def _check_out_dir(out: Path, model: Path, force: bool) -> None:
+    """-o DIR: new, empty, or an artifact of this same GGUF (compiled again in place); another
+    model's artifact or a folder of other files is refused unless --force."""
+    from .artifact import MANIFEST, MODEL, same_file
+
+    if force or not out.exists():
+        return
+    if not out.is_dir():
+        raise Ds4Error(f"-o {out}: exists and is not a directory")
+    if not any(out.iterdir()):
+        return
+    try:
+        ident = json.loads((out / MANIFEST).read_text())["weights"][MODEL]
+        if Path(ident["gguf_path"]).resolve() == model.resolve() and same_file(model, ident):
+            return
+        what = f"the artifact of another model file ({ident['gguf_path']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        what = "files that are not an artifact of this model"
+    raise Ds4Error(f"-o {out}: holds {what}; choose another directory, or pass --force to replace it")
 
 
 def _run(typer_app) -> None:
@@ -774,7 +865,7 @@ def _bare_flags(argv: list[str]) -> list[str]:
 
 def main() -> None:
     # `ds4 -m MODEL -p PROMPT` (no subcommand) is `ds4 run`, as in the reference engine's command lines.
-    if len(sys.argv) > 1 and sys.argv[1].startswith("-") and sys.argv[1] not in ("--help", "-h"):
+    if len(sys.argv) > 1 and sys.argv[1].startswith("-") and sys.argv[1] not in ("--help", "-h", "--version"):
         sys.argv.insert(1, "run")
     sys.argv[1:] = _bare_flags(sys.argv[1:])
     _run(app)

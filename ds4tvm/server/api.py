@@ -177,8 +177,27 @@ def openai_tools(body: dict) -> list[dict] | None:
     return tools
 
 
+def refuse_unsupported(body: dict, tool_choices: tuple = ("auto", "none")) -> None:
+    """Fields a client may send that this server does not act on yet are a 400 naming the field,
+    never accepted and ignored (a client asking for JSON or a forced tool call must not get
+    unconstrained text as if it were that)."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported by this server "
+                            "(no structured outputs yet)", "response_format")
+    for key in ("logprobs", "top_logprobs", "echo", "suffix", "best_of"):
+        if body.get(key) not in (None, False) and not (key == "best_of" and body[key] == 1):
+            raise ApiError(400, f"'{key}' is not supported by this server", key)
+    choice = body.get("tool_choice")
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    if choice is not None and kind not in tool_choices:
+        raise ApiError(400, f"'tool_choice' {json.dumps(choice)[:80]} is not supported by this server (only "
+                            f"{' and '.join(tool_choices)}: the model chooses whether to call a tool)", "tool_choice")
+
+
 def chat_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
     check_model(body, served)
+    refuse_unsupported(body)
     messages = field(body, "messages", "array", required=True)
     if not messages:
         raise ApiError(400, "'messages' must not be empty", "messages")
@@ -213,6 +232,7 @@ def chat_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
 
 def completion_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
     check_model(body, served)
+    refuse_unsupported(body)
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]   # a batch of one
@@ -355,6 +375,7 @@ def anthropic_tools(body: dict) -> list[dict] | None:
 
 def messages_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
     check_model(body, served)
+    refuse_unsupported(body, ("auto", "none"))
     max_tokens = field(body, "max_tokens", "integer", required=True)
     messages = anthropic_messages(body)
     tools = anthropic_tools(body)

@@ -194,3 +194,29 @@ def test_hostile_templates_end_with_a_clean_error(template, reason, monkeypatch)
         chat.ChatTemplate(template).render([{"role": "user", "content": "hi"}])
     assert reason in e.value.message and "\n" not in e.value.message, e.value.message
     assert time.perf_counter() - t0 < 30
+
+
+@pytest.mark.parametrize("path, extra, field", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 3}, "logprobs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tool_choice"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/messages", {"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "any"}}, None),
+])
+def test_fields_this_server_does_not_act_on_are_refused(server, path, extra, field):
+    """Accepted and ignored, a JSON-mode or forced-tool request would get free text as if it were
+    the answer asked for: a 400 naming the field instead."""
+    base = {"model": "demo", "max_tokens": 2}
+    base.update({"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
+    status, err = _post(server, path, json.dumps({**base, **extra}).encode())
+    assert status == 400, (status, err)
+    message = err["error"]["message"]
+    assert "not supported" in message and (field is None or err["error"]["param"] == field), err
+    status, _ = _post(server, path, json.dumps({**base, "logprobs": False} if path != "/v1/messages" else base).encode())
+    assert status == 200

@@ -57,7 +57,12 @@ def wanted(family, options: SpecOptions) -> list:
     """The family's drafters (DraftSpec) and the generic ones that the flags ask for."""
     if family.check_speculation is not None:
         family.check_speculation(options)
-    return [d for d in (*family.drafters, *_generic()) if d.enabled(options)]
+    asked = [d for d in (*family.drafters, *_generic()) if d.enabled(options)]
+    if options.mtp is not None and not asked:   # --mtp alone would be accepted and do nothing
+        flag = f"--mtp {options.mtp}" if options.mtp else "--mtp"
+        how = "; ".join(f"{d.label}: {d.flags}" for d in family.drafters) or "none"
+        raise Ds4Error(f"{flag}: enables no drafter of {family.name} by itself; its drafters: {how}")
+    return asked
 
 
 def check_support_given(family, options: SpecOptions, model: Path) -> None:

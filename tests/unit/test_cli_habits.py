@@ -1,0 +1,84 @@
+"""What a user coming from llama.cpp types: its spellings work (`-c/--ctx-size`, `-t`, `-s`,
+`--temperature`, `-f FILE` and `-f -`, `-n -1`, `--version`), and options that would be accepted and
+ignored are refused with one line and exit 2 (`--target` on an artifact or an unknown target, a GPU
+target on a machine without that GPU before any compile, `--ctx` beyond the compiled context, a bare
+`--mtp` that enables no drafter, `ds4-compile -o` onto another model's artifact)."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_ds4, run_ds4_compile
+
+pytestmark = pytest.mark.compile
+
+
+def _one_line_error(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("ds4: error: "), r.stderr
+    for needle in needles:
+        assert needle in r.stderr, r.stderr
+
+
+def _tokens(r) -> list[int]:
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["tokens"]
+
+
+def test_version():
+    r = run_ds4("--version")
+    assert r.returncode == 0 and r.stdout.startswith("ds4tvm ") and "apache-tvm" in r.stdout
+
+
+def test_llama_cpp_spellings_mean_what_ours_do(tiny_artifact, tmp_path):
+    base = ("run", "-m", tiny_artifact, "--raw", "-n", 6, "--json")
+    ours = _tokens(run_ds4(*base, "-p", "hello there", "--temp", 0.8, "--seed", 3, "--ctx", 256, "--threads", 1))
+    theirs = _tokens(run_ds4(*base, "-p", "hello there", "--temperature", 0.8, "-s", 3, "-c", 256, "-t", 1))
+    assert ours == theirs
+    (tmp_path / "prompt.txt").write_text("hello there")
+    assert _tokens(run_ds4(*base, "-f", tmp_path / "prompt.txt", "--temp", 0.8, "-s", 3)) == ours
+    piped = subprocess.run([sys.executable, "-m", "ds4tvm.cli", *map(str, base), "-f", "-", "--temp", "0.8", "-s", "3"],
+                           input="hello there", capture_output=True, text=True, timeout=120)
+    assert _tokens(piped) == ours
+    _one_line_error(run_ds4(*base, "-p", "x", "-f", tmp_path / "prompt.txt"), "one of -p/--prompt and -f/--file")
+    _one_line_error(run_ds4(*base, "-f", tmp_path / "missing.txt"), "missing.txt")
+
+
+def test_n_minus_one_generates_to_the_end_of_the_context(tiny_artifact):
+    r = run_ds4("run", "-m", tiny_artifact, "--tokens", "5,6,7", "-n", -1, "--temp", 0, "--json", timeout=300)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and 0 < len(out["tokens"]) <= 512 - 3, r.stderr
+    assert len(out["tokens"]) == 512 - 3 or out["finish_reason"] == "stop", (len(out["tokens"]), out.get("finish_reason"))
+
+
+def test_options_that_would_be_ignored_are_refused(tiny_artifact, tmp_path):
+    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+
+    base = ("run", "-m", tiny_artifact, "--tokens", "5,6", "-n", 2, "--temp", 0)
+    _one_line_error(run_ds4(*base, "--target", "foo"), "--target 'foo' is not a target")
+    _one_line_error(run_ds4(*base, "--target", "llvm"), "is compiled already")
+    _one_line_error(run_ds4(*base, "--ctx", 100000), "--ctx 100000", "context of 512")
+    _one_line_error(run_ds4(*base, "--mtp"), "--mtp: enables no drafter of deepseek4", "--dspark")
+    gguf = write_random_deepseek4(tmp_path / "m.gguf", tiny_config(), seed=1)
+    r = run_ds4("run", "-m", gguf, "--tokens", "5", "-n", 1, "--target", "cuda:sm_90", timeout=60)
+    _one_line_error(r, "this machine has no CUDA device")   # before a compile of tens of seconds
+
+
+def test_compile_output_onto_another_models_artifact_is_refused(tiny_artifact, tmp_path):
+    from ds4tvm.families.deepseek4.random_model import tiny_config, write_random_deepseek4
+
+    gguf = write_random_deepseek4(tmp_path / "other.gguf", tiny_config(), seed=2)
+    taken = tmp_path / "taken"
+    shutil.copytree(tiny_artifact, taken)
+    before = sorted(p.name for p in taken.iterdir())
+    r = run_ds4_compile(gguf, "--target", "llvm", "-o", taken, "--quiet")
+    _one_line_error(r, "the artifact of another model file", "--force")
+    assert sorted(p.name for p in taken.iterdir()) == before
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    _one_line_error(run_ds4_compile(gguf, "--target", "llvm", "-o", mine, "--quiet"), "not an artifact of this model")
+    assert (mine / "notes.txt").read_text() == "mine"
