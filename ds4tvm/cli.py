@@ -393,6 +393,10 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
                                                                              "(in memory, or in --kv-cache-dir)"),
           api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DS4_API_KEY",
                                                 help="require this key (Authorization: Bearer KEY or x-api-key)"),
+          cors_origins: list[str] = typer.Option([], "--cors-origin", help="an origin whose web pages may call the "
+                                                  "server (repeat for several; * for any)"),
+          log_format: str = typer.Option("text", "--log-format", help="one line per request on stderr: text, json "
+                                                                        "or none"),
           target: str = TargetOpt, threads: Optional[int] = ThreadsOpt):
     """OpenAI- and Anthropic-compatible HTTP server (chat/completions, completions, messages)."""
     _threads(threads)
@@ -408,6 +412,8 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
         raise Ds4Error(f"--keepalive {keepalive}: expected seconds > 0")
     if slots < 1:
         raise Ds4Error(f"--slots {slots}: expected at least 1")
+    if log_format not in ("text", "json", "none"):
+        raise Ds4Error(f"--log-format {log_format!r}: expected text, json or none")
     from .runtime.checkpoint import CheckpointStore, parse_size
 
     cache_bytes = parse_size(kv_cache_size)
@@ -444,9 +450,11 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
         raise Ds4Error(f"--kv-cache-dir {kv_cache_dir}: cannot use it ({e.strerror or e})") from None
     service = Service(engine, tok, drafter, exact=exact_sampling, ctx=ctx,
                       tool_syntax=load_attr(syntax) if syntax else None, slots=slots, store=store)
-    served = alias or (model.name if model.is_dir() else model.stem)
+    served = alias or engine.gguf.get("general.name", "str", default=None) or \
+        (model.name if model.is_dir() else model.stem)
     application = create_app(service, served, Defaults(temp, top_p, top_k, min_p), keepalive=keepalive,
-                             api_key=api_key)
+                             api_key=api_key, log_format=None if log_format == "none" else log_format,
+                             cors_origins=tuple(cors_origins))
     if api_key is None and not _loopback(host):
         print(f"ds4 serve: warning: listening on {host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr, flush=True)

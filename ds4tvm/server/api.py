@@ -106,10 +106,9 @@ def stop_strings(body: dict, key: str = "stop") -> tuple[str, ...]:
 
 
 def check_model(body: dict, served: str) -> None:
-    name = field(body, "model", "string", required=True)
-    if name != served:
-        raise ApiError(404, f"The model '{name}' does not exist; this server serves '{served}'", "model",
-                       "model_not_found")
+    """Any model name: this server serves one model, as llama-server does (clients and proxies send
+    names of their own; the answers carry the served one)."""
+    field(body, "model", "string", required=True)
 
 
 def budget(service, prompt: list[int], max_tokens: int | None, key: str, prompt_key: str = "messages") -> int:
@@ -371,6 +370,27 @@ def anthropic_tools(body: dict) -> list[dict] | None:
         out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                                       "parameters": t.get("input_schema", {})}})
     return out
+
+
+def count_tokens(body: dict, service, served: str, d: Defaults) -> dict:
+    """Anthropic's /v1/messages/count_tokens: the prompt's tokens as a request would render them."""
+    check_model(body, served)
+    return {"input_tokens": len(_prompt(service, anthropic_messages(body), anthropic_tools(body)))}
+
+
+def tokenize(body: dict, service, served: str, d: Defaults) -> dict:
+    """llama-server's /tokenize: {"content": text[, "add_special": bool]} -> {"tokens": ids}."""
+    text = field(body, "content", "string", required=True)
+    check_length(service, len(text), "content")
+    return {"tokens": service.tok.encode(text, add_bos=bool(field(body, "add_special", "boolean", False)))}
+
+
+def detokenize(body: dict, service, served: str, d: Defaults) -> dict:
+    """llama-server's /detokenize: {"tokens": ids} -> {"content": text}."""
+    ids = field(body, "tokens", "array", required=True)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < service.tok.n_vocab for t in ids):
+        raise ApiError(400, f"'tokens' must be token ids of the vocabulary of {service.tok.n_vocab}", "tokens")
+    return {"content": service.tok.decode(ids)}
 
 
 def messages_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:

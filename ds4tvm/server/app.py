@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sys
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -99,10 +100,43 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
+def request_logger(log_format: str | None):
+    """log(request, status, result=None, message=None): one line per answered request on stderr,
+    as text or JSON (log_format "text" | "json"; None: silent)."""
+    def log(request: Request, status: int, r=None, message: str | None = None) -> None:
+        if log_format is None:
+            return
+        entry = {"method": request.method, "route": request.url.path, "status": status}
+        if r is not None:
+            rate = r.completion_tokens / r.seconds if r.seconds > 0 else 0.0
+            entry.update(prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+                         completion_tokens=r.completion_tokens, seconds=round(r.seconds, 3),
+                         tokens_per_second=round(rate, 1), finish_reason=r.finish_reason,
+                         **({"accept_rate": r.spec["accept_rate"]} if r.spec and "accept_rate" in r.spec else {}))
+        if message is not None:
+            entry["error"] = message
+        if log_format == "json":
+            line = json.dumps(entry, ensure_ascii=True)
+        elif r is not None:
+            line = (f"{request.method} {request.url.path} {status}: prompt {r.prompt_tokens} (cached "
+                    f"{r.cached_tokens}), generated {r.completion_tokens} in {r.seconds:.2f} s "
+                    f"({entry['tokens_per_second']} tok/s), finish {r.finish_reason}"
+                    + (f", accepted {entry['accept_rate']:.2f}" if "accept_rate" in entry else ""))
+        else:
+            line = f"{request.method} {request.url.path} {status}" + (f": {message}" if message else "")
+        print(f"ds4 serve: {line}", file=sys.stderr, flush=True)
+
+    return log
+
+
 def create_app(service, served: str, defaults: Defaults | None = None, keepalive: float = 5.0,
-               api_key: str | None = None) -> Starlette:
-    """api_key: when set, every /v1 route needs it (key_checker); /health stays open."""
+               api_key: str | None = None, log_format: str | None = None,
+               cors_origins: tuple[str, ...] = ()) -> Starlette:
+    """api_key: when set, every /v1 route needs it (key_checker); /health stays open. log_format:
+    one line per request ("text" | "json"; None: none). cors_origins: origins a browser page may
+    call from ("*": any)."""
     return_large_buffers()
+    log = request_logger(log_format)
     defaults = defaults or Defaults()
     check_key = key_checker(api_key)
 
@@ -157,6 +191,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
                     continue
                 kind, payload = ev
                 if kind == "done":
+                    log(request, 200, payload)
                     return payload
                 if kind == "error":
                     status, message = payload
@@ -165,7 +200,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
             job.cancelled.set()
             events.close()
 
-    def stream(job, events: _Events, head: list[str], on_text, on_done, on_error, ping: str):
+    def stream(request, job, events: _Events, head: list[str], on_text, on_done, on_error, ping: str):
         async def body():
             try:
                 for h in head:
@@ -181,6 +216,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
                     elif kind == "done":
                         for part in on_done(payload):
                             yield part
+                        log(request, 200, payload)
                         return
                     else:
                         status, message = payload
@@ -214,7 +250,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
                 yield _sse(dict(api.chat_chunk(rid, created, served, {}), choices=[], usage=api.openai_usage(r)))
             yield "data: [DONE]\n\n"
 
-        return stream(job, events, [chunk({"role": "assistant", "content": ""})],
+        return stream(request, job, events, [chunk({"role": "assistant", "content": ""})],
                       lambda text: chunk({"content": text}), done,
                       lambda e: _sse(e.openai()) + "data: [DONE]\n\n", ": keep-alive\n\n")
 
@@ -233,7 +269,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
                                 usage=api.openai_usage(r)))
             yield "data: [DONE]\n\n"
 
-        return stream(job, events, [], lambda text: _sse(api.completion_chunk(rid, created, served, text)), done,
+        return stream(request, job, events, [], lambda text: _sse(api.completion_chunk(rid, created, served, text)), done,
                       lambda e: _sse(e.openai()) + "data: [DONE]\n\n", ": keep-alive\n\n")
 
     # ------------------------------------------------------------------ Anthropic
@@ -277,7 +313,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
             "id": mid, "type": "message", "role": "assistant", "model": served, "content": [],
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": len(job.prompt), "output_tokens": 0}}}, "message_start")
-        return stream(job, events, [start_event], text, done, lambda e: _sse(e.anthropic(), "error"),
+        return stream(request, job, events, [start_event], text, done, lambda e: _sse(e.anthropic(), "error"),
                       _sse({"type": "ping"}, "ping"))
 
     # ------------------------------------------------------------------ the rest
@@ -288,7 +324,24 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
     async def health(request: Request):
         return JSONResponse({"status": "ok", "queued": service.jobs.qsize(), "busy": service.busy.locked()})
 
+    async def props(request: Request):
+        e = service.engine
+        return JSONResponse({"model": served, "family": e.manifest.family, "n_ctx": service.ctx,
+                             "target": e.manifest.target_name, "drafter": type(service.drafter).__name__
+                             if service.drafter is not None else None,
+                             "default_sampling": {"temperature": defaults.temperature, "top_p": defaults.top_p,
+                                                  "top_k": defaults.top_k, "min_p": defaults.min_p}})
+
+    def answered(make):
+        """A route answered at once (no generation): JSON from make(body, service, served, defaults)."""
+        async def route(request: Request):
+            out = await prepare(request, make)
+            log(request, 200)
+            return JSONResponse(out)
+        return route
+
     def error_body(request: Request, e: ApiError) -> JSONResponse:
+        log(request, e.status, message=e.message[:200])
         anthropic = request.url.path.startswith("/v1/messages")
         return JSONResponse(e.anthropic() if anthropic else e.openai(), status_code=e.status)
 
@@ -310,6 +363,18 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/messages", guarded(messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", guarded(answered(api.count_tokens)), methods=["POST"]),
+        Route("/tokenize", guarded(answered(api.tokenize)), methods=["POST"]),
+        Route("/detokenize", guarded(answered(api.detokenize)), methods=["POST"]),
+        Route("/props", guarded(props), methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
-                                                       _ClientGone: on_client_gone, Exception: on_crash})
+    middleware = []
+    if cors_origins:
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                                     allow_headers=["*"]))
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
+                                         _ClientGone: on_client_gone, Exception: on_crash})

@@ -1,0 +1,86 @@
+"""What `ds4 serve` says about itself and the small routes clients and UIs use, on the real server:
+any model name is served (one model), one log line per request (JSON here), /tokenize and
+/detokenize as llama-server has them, /props, Anthropic's count_tokens agreeing with a real
+request's usage, and CORS for a configured origin."""
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from serving import ServerProcess
+
+pytestmark = pytest.mark.compile
+ORIGIN = "http://ui.example"
+
+
+@pytest.fixture(scope="module")
+def server(demo_pair):
+    s = ServerProcess("-m", demo_pair[2], "--alias", "demo", "--log-format", "json", "--cors-origin", ORIGIN)
+    yield s
+    s.stop()
+
+
+def _call(server, path, body=None, method=None, headers=None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(server.url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            status, headers, raw = r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        status, headers, raw = e.code, dict(e.headers), e.read()
+    try:
+        return status, {k.lower(): v for k, v in headers.items()}, json.loads(raw or b"null")
+    except ValueError:   # a CORS preflight answers "OK"
+        return status, {k.lower(): v for k, v in headers.items()}, raw.decode()
+
+
+def test_any_model_name_is_served_and_each_request_is_logged(server):
+    status, _, out = _call(server, "/v1/chat/completions", {"model": "gpt-4o", "max_tokens": 3, "temperature": 0,
+                                                            "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and out["model"] == "demo", out
+    status, _, err = _call(server, "/v1/chat/completions", {"model": "x", "messages": []})
+    assert status == 400
+    time.sleep(0.5)
+    lines = [json.loads(x[len("ds4 serve: "):]) for x in server.output().splitlines()
+             if x.startswith("ds4 serve: {")]
+    done = [x for x in lines if x["route"] == "/v1/chat/completions" and x["status"] == 200]
+    assert done and done[-1]["completion_tokens"] == out["usage"]["completion_tokens"]
+    assert {"prompt_tokens", "cached_tokens", "seconds", "tokens_per_second", "finish_reason"} <= set(done[-1])
+    assert any(x["status"] == 400 and "error" in x for x in lines)
+
+
+def test_tokenize_detokenize_and_props(server, demo_pair):
+    from ds4tvm.runtime.engine import Engine
+    from ds4tvm.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(Engine(demo_pair[2]).tokenizer_data)
+    text = "Hello, world! def f(x): return x"
+    status, _, out = _call(server, "/tokenize", {"content": text})
+    assert status == 200 and out["tokens"] == tok.encode(text, add_bos=False)
+    status, _, back = _call(server, "/detokenize", {"tokens": out["tokens"]})
+    assert status == 200 and back["content"] == text
+    assert _call(server, "/detokenize", {"tokens": [10 ** 9]})[0] == 400
+    status, _, props = _call(server, "/props")
+    assert status == 200 and props["model"] == "demo" and props["n_ctx"] == 512 and props["family"] == "deepseek4"
+
+
+def test_count_tokens_agrees_with_a_request(server):
+    body = {"model": "demo", "system": "be brief", "messages": [{"role": "user", "content": "count me, please"}]}
+    status, _, counted = _call(server, "/v1/messages/count_tokens", body)
+    assert status == 200, counted
+    status, _, answer = _call(server, "/v1/messages", {**body, "max_tokens": 1})
+    usage = answer["usage"]
+    assert counted["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"] > 3
+
+
+def test_cors_for_the_configured_origin_only(server):
+    pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    status, headers, _ = _call(server, "/v1/chat/completions", method="OPTIONS", headers=pre)
+    assert status == 200 and headers.get("access-control-allow-origin") == ORIGIN, headers
+    status, headers, _ = _call(server, "/v1/models", headers={"Origin": ORIGIN})
+    assert status == 200 and headers.get("access-control-allow-origin") == ORIGIN
+    status, headers, _ = _call(server, "/v1/models", headers={"Origin": "http://elsewhere.example"})
+    assert "access-control-allow-origin" not in headers
