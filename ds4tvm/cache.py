@@ -19,3 +19,28 @@ def cache_root() -> Path:
 def kernel_cache() -> Path:
     """Hand-written kernels as parsed TIR (nn/cpu_kernels.py)."""
     return _base() / "kernels"
+
+
+def entries() -> list[dict]:
+    """What `ds4 list` shows: each compiled artifact (first use of a GGUF) and unpacked package in
+    the cache, newest first: kind, key (its folder name), what it was made from, target, bytes on
+    disk, last modification time."""
+    import json
+
+    out = []
+    for kind, root in (("artifact", cache_root()), ("package", _base() / "packages")):
+        for d in sorted(root.glob("*")) if root.is_dir() else []:
+            if not d.is_dir() or d.name.endswith(".tmp"):
+                continue
+            try:
+                meta = json.loads((d / ("manifest.json" if kind == "artifact" else "package.json")).read_text())
+            except (OSError, ValueError):
+                meta = {}
+            source = (meta.get("weights", {}).get("model", {}).get("gguf_path") if kind == "artifact"
+                      else meta.get("name"))
+            target = meta.get("target_name") if kind == "artifact" else \
+                ",".join(t.get("name", "?") for t in meta.get("targets", []))
+            size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+            out.append({"kind": kind, "key": d.name, "source": source, "family": meta.get("family"),
+                        "target": target, "bytes": size, "modified": d.stat().st_mtime, "path": str(d)})
+    return sorted(out, key=lambda e: -e["modified"])

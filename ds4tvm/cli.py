@@ -109,6 +109,45 @@ def verify(model: Path = typer.Argument(..., help="artifact directory or package
     typer.echo(f"{model}: every file matches ({len(lines)} checks)")
 
 
+@app.command("list")
+def list_cache(as_json: bool = typer.Option(False, "--json", help="print JSON")):
+    """The artifacts compiled on first use and the packages unpacked in the ds4tvm cache."""
+    import time
+
+    from .cache import entries
+
+    found = entries()
+    if as_json:
+        _echo_json(found)
+        return
+    for e in found:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["modified"]))
+        typer.echo(f"{e['key']}  {e['kind']:<8} {e['family'] or '?':<9} {e['target'] or '?':<16} "
+                   f"{e['bytes'] / 2**20:8.1f} MiB  {when}  {e['source'] or '?'}")
+    if not found:
+        typer.echo("the cache holds no compiled artifact or unpacked package")
+
+
+@app.command("rm")
+def remove_cached(keys: list[str] = typer.Argument(None, help="keys that `ds4 list` shows"),
+                  remove_all: bool = typer.Option(False, "--all", help="every artifact and package in the cache")):
+    """Remove compiled artifacts or unpacked packages from the ds4tvm cache (they are made again on
+    next use); nothing outside the cache is touched."""
+    import shutil
+
+    from .cache import entries
+
+    found = {e["key"]: e for e in entries()}
+    if remove_all == bool(keys):
+        raise Ds4Error("give the keys to remove (ds4 list shows them) or --all, not both or neither")
+    missing = [k for k in keys or [] if k not in found]
+    if missing:
+        raise Ds4Error(f"{missing[0]}: no artifact or package with this key in the cache (see ds4 list)")
+    for key in (found if remove_all else keys):
+        shutil.rmtree(found[key]["path"])
+        typer.echo(f"removed {found[key]['kind']} {key} ({found[key]['bytes'] / 2**20:.1f} MiB)")
+
+
 @app.command()
 def tokenize(model: Path = typer.Argument(..., help="GGUF file (a vocabulary-only GGUF is enough)"),
              text: str = typer.Argument(..., help="text to tokenize"),

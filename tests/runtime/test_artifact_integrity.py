@@ -102,7 +102,7 @@ def test_verify_hashes_the_weights_in_full(tiny_artifact, tmp_path):
 
 def test_two_first_uses_of_one_gguf_compile_side_by_side(tmp_path):
     """Both compile into temporary directories of their own (they shared one: the second removed
-    the first's half-written artifact) and both run."""
+    the first's half-written artifact) and both run; `ds4 list` then shows it, `ds4 rm` removes it."""
     import os
     import subprocess
     import sys
@@ -120,3 +120,10 @@ def test_two_first_uses_of_one_gguf_compile_side_by_side(tmp_path):
     assert json.loads(outs[0][0])["tokens"] == json.loads(outs[1][0])["tokens"]
     cached = [p.name for p in (tmp_path / "cache").rglob("*.tmp")]
     assert cached == [], cached   # no temporary directory left behind
+    # ds4 list shows the one artifact made; ds4 rm removes it and nothing else
+    listed = json.loads(run_ds4("list", "--json", env=env).stdout)
+    assert [(e["kind"], e["source"], e["family"]) for e in listed] == [("artifact", str(model), "deepseek4")]
+    r = run_ds4("rm", "nope", env=env)
+    assert r.returncode == 2 and "no artifact or package with this key" in r.stderr
+    r = run_ds4("rm", listed[0]["key"], env=env)
+    assert r.returncode == 0 and json.loads(run_ds4("list", "--json", env=env).stdout) == [] and model.exists()
