@@ -49,15 +49,24 @@ def inspect_report(path: Path) -> dict:
 
     f = open_gguf(path)
     m = load_model(f)
+    cfg, n_params = m.config, f.n_params()
+    template = "in the file" if f.has("tokenizer.chat_template") else \
+        ("the family's (the file carries none)" if m.family.chat_template else "none")
     return {
         "architecture": f.architecture,
         "family": m.family.name,
+        "title": m.family.title or m.family.name,
         "role": m.family.role,
-        "n_layers": m.config.n_layers,
-        "n_embd": m.config.n_embd,
-        "n_vocab": m.config.n_vocab,
+        "n_layers": cfg.n_layers,
+        "n_embd": cfg.n_embd,
+        "n_vocab": cfg.n_vocab,
+        "context_length": getattr(cfg, "context_length", None),
+        "experts": (f"{cfg.n_expert_used} of {cfg.n_expert} routed per token"
+                    if getattr(cfg, "n_expert", 0) and hasattr(cfg, "n_expert_used") else None),
         "n_tensors": len(f.tensors),
-        "n_params": f.n_params(),
+        "n_params": n_params,
+        "bits_per_weight": round(8 * f.file_bytes / n_params, 2) if n_params else None,
+        "chat_template": template if m.family.role == "target" else None,
         "file_bytes": f.file_bytes,
         "quant_types": f.type_counts(),
         "unused_tensors": m.unused_tensors,
@@ -68,25 +77,64 @@ def inspect_report(path: Path) -> dict:
     }
 
 
+def artifact_report(path: Path) -> dict:
+    """An artifact directory as its manifest describes it, with what running it holds in memory: the
+    weight files (mapped) and one sequence's state tensors (each server slot holds another)."""
+    import numpy as np
+
+    from .artifact import Manifest
+    from .families import family_named
+
+    m = Manifest.read(path)
+    fam = family_named(m.family)
+    states = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in m.state_specs())
+    weights = {role: {"path": w["gguf_path"], "bytes": w["gguf_size"]} for role, w in m.weights.items()}
+    lib = Path(path) / m.library
+    return {"artifact": str(path), "family": m.family, "title": fam.title or m.family, "target": m.target_name,
+            "device": m.device, "bounds": m.bounds, "drafters": sorted(m.drafters), "weights": weights,
+            "library_bytes": lib.stat().st_size if lib.is_file() else None,
+            "functions": sorted(m.function_specs()), "state_bytes_per_sequence": states,
+            "memory_bytes": sum(w["bytes"] for w in weights.values()) + states}
+
+
 @app.command()
-def inspect(model: Path = typer.Argument(..., help="GGUF file"),
+def inspect(model: Path = typer.Argument(..., help="GGUF file, or an artifact directory"),
             as_json: bool = typer.Option(False, "--json", help="print JSON")):
-    """Family, shape, size and tensor types of a GGUF model, validated against its family."""
+    """Family, shape, size and tensor types of a GGUF model, validated against its family; for an
+    artifact directory, its target, bounds, drafters, weight files and memory."""
+    if model.is_dir():
+        r = artifact_report(model)
+        if as_json:
+            _echo_json(r)
+            return
+        typer.echo(f"{model}\n  model         {r['title']} ({r['family']})\n  target        {r['target']} ({r['device']})")
+        b = r["bounds"]
+        typer.echo(f"  context       {b['max_context']} (verify up to {b['max_verify']}, prefill chunk {b['prefill_chunk']})")
+        typer.echo(f"  drafters      {', '.join(r['drafters']) or 'none'}")
+        for role, w in r["weights"].items():
+            typer.echo(f"  weights       {role}: {w['path']} ({w['bytes'] / 2**30:.2f} GiB)")
+        typer.echo(f"  memory        {r['memory_bytes'] / 2**30:.2f} GiB: the weights and one sequence's state "
+                   f"({r['state_bytes_per_sequence'] / 2**20:.1f} MiB; each server slot holds one more)")
+        return
     r = inspect_report(model)
     if as_json:
         _echo_json(r)
         return
     typer.echo(f"{model}")
-    typer.echo(f"  family        {r['family']} ({r['architecture']}, {r['role']})")
+    typer.echo(f"  model         {r['title']} ({r['family']}, {r['architecture']}, {r['role']})")
     typer.echo(f"  layers        {r['n_layers']}")
     typer.echo(f"  width         {r['n_embd']}")
+    for label, value in (("context", r["context_length"]), ("experts", r["experts"]),
+                         ("chat template", r["chat_template"])):
+        if value is not None:
+            typer.echo(f"  {label:<13} {value}")
     for label, text in r["details"].items():
         typer.echo(f"  {label:<13} {text}")
     vocab = r["n_vocab"] or "the target model's (a support file)"
     typer.echo(f"  vocab         {vocab}")
     typer.echo(f"  tensors       {r['n_tensors']}")
-    typer.echo(f"  parameters    {r['n_params']:,}")
-    typer.echo(f"  file size     {r['file_bytes']:,} bytes")
+    typer.echo(f"  parameters    {r['n_params']:,} ({r['bits_per_weight']} bits per weight)")
+    typer.echo(f"  file size     {r['file_bytes']:,} bytes (the weights' memory when run: mapped, not copied)")
     typer.echo("  types         " + ", ".join(f"{k} x{v}" for k, v in r["quant_types"].items()))
     if r["unused_tensors"]:
         typer.echo(f"  unused        {len(r['unused_tensors'])} tensors not read by {r['family']}: "

@@ -110,6 +110,7 @@ class Family:
     # The family's own check of the speculation flags (runtime/drafters.SpecOptions), before a drafter
     # is chosen: flags that mean nothing for its drafters are a Ds4Error, not silently ignored
     check_speculation: Callable[[Any], None] | None = None
+    title: str = ""                                 # the model's published name, for users (`ds4 inspect`)
 
     def drafter_for_support(self, support: "Family") -> DraftSpec | None:
         return next((d for d in self.drafters if d.support == support.name), None)

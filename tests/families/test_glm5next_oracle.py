@@ -36,7 +36,7 @@ def _compiled(d, layout: str):
     r = run_ds4("inspect", gguf)
     assert r.returncode == 0, r.stderr
     assert f"{layout} GGUF layout" in r.stdout and "KKDKKD (K = KDA, D = DSA; 1 dense" in r.stdout
-    assert "glm5next (glm5-next, target)" in r.stdout and "mtp layer     none" in r.stdout
+    assert "GLM-5.3-Flash (glm5next, glm5-next, target)" in r.stdout and "mtp layer     none" in r.stdout
     art = d / f"art-{layout}"
     compile_here(gguf, "--target", "llvm", "-o", art, "--max-context", "512", "--max-verify", "4", "--quiet")
     return art

@@ -50,7 +50,7 @@ def case(request, tmp_path_factory):
     convert_hf(d / "hf", gguf, dense_type="f32", progress=False)
     r = run_ds4("inspect", gguf)
     assert r.returncode == 0, r.stderr
-    assert "qwen4exp (qwen4exp, target)" in r.stdout and "GGGAGGGA (G = Gated DeltaNet" in r.stdout
+    assert "Qwen3.8 Flash Next (qwen4exp, qwen4exp, target)" in r.stdout and "GGGAGGGA (G = Gated DeltaNet" in r.stdout
     assert "layer 1: 8 heads x 8, 620 table rows" in r.stdout
     art = d / "art"
     compile_here(gguf, "--target", "llvm", "-o", art, "--max-context", "512", "--max-verify", "4", "--quiet")

@@ -82,3 +82,19 @@ def test_compile_output_onto_another_models_artifact_is_refused(tiny_artifact, t
     (mine / "notes.txt").write_text("mine")
     _one_line_error(run_ds4_compile(gguf, "--target", "llvm", "-o", mine, "--quiet"), "not an artifact of this model")
     assert (mine / "notes.txt").read_text() == "mine"
+
+
+def test_inspect_an_artifact_directory(tiny_artifact):
+    import numpy as np
+
+    from ds4tvm.artifact import Manifest
+
+    r = run_ds4("inspect", tiny_artifact, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    m = Manifest.read(tiny_artifact)
+    states = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in m.state_specs())
+    assert info["title"] == "DeepSeek-V4-Flash" and info["bounds"]["max_context"] == 512
+    assert info["memory_bytes"] == info["state_bytes_per_sequence"] + m.model["gguf_size"] and states > 0
+    text = run_ds4("inspect", tiny_artifact).stdout
+    assert "DeepSeek-V4-Flash" in text and "context       512" in text

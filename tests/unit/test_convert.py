@@ -65,8 +65,10 @@ def test_inspect_converted_model(tiny_hf_dir, tmp_path):
     r = run_ds4("inspect", out, "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
-    assert set(info) == {"architecture", "family", "role", "n_layers", "n_embd", "n_vocab", "n_tensors",
-                         "n_params", "file_bytes", "quant_types", "unused_tensors", "details"}
+    assert set(info) == {"architecture", "family", "title", "role", "n_layers", "n_embd", "n_vocab", "context_length",
+                         "experts", "n_tensors", "n_params", "bits_per_weight", "chat_template", "file_bytes",
+                         "quant_types", "unused_tensors", "details"}
+    assert info["title"] == "DeepSeek-V4-Flash" and info["chat_template"] is not None
     assert info["details"] == {}   # deepseek4 says nothing beyond its size
     # 6 top-level tensors; per layer 24 block tensors (tid2eid in the hash layer, the selection
     # bias elsewhere), 4 compressor tensors in the 3 compressed layers, 6 indexer tensors in the 2

@@ -10,7 +10,7 @@ from .tensors import tensor_specs
 _HERE = "ds4tvm.families.deepseek4"
 
 FAMILY = Family(
-    name="deepseek4", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf,
+    name="deepseek4", title="DeepSeek-V4-Flash", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf,
     tensor_specs=tensor_specs,
     build=f"{_HERE}.build:build", check_bounds=check_bounds,   # default_bounds: Bounds() (max-verify 16)
     drafters=(

@@ -10,7 +10,7 @@ from .tensors import tensor_specs
 _HERE = "ds4tvm.families.glm5next"
 
 FAMILY = Family(
-    name="glm5next", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs,
+    name="glm5next", title="GLM-5.3-Flash", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs,
     build=f"{_HERE}.build:build", check_bounds=check_bounds, default_bounds=DEFAULT_BOUNDS,
     describe=Config.describe, hf_model_types=("glm5_next",), convert=f"{_HERE}.convert:convert_hf",
     published=f"{_HERE}.build:published", tool_syntax=f"{_HERE}.tools:GLMToolSyntax",

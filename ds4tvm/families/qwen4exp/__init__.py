@@ -10,7 +10,7 @@ from .tensors import tensor_specs
 _HERE = "ds4tvm.families.qwen4exp"
 
 FAMILY = Family(
-    name="qwen4exp", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs,
+    name="qwen4exp", title="Qwen3.8 Flash Next", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs,
     build=f"{_HERE}.build:build", check_bounds=check_bounds, default_bounds=DEFAULT_BOUNDS,
     describe=Config.describe, hf_model_types=("qwen4_exp", "qwen4_exp_text"), convert=f"{_HERE}.convert:convert_hf",
     published=f"{_HERE}.build:published",
