@@ -103,6 +103,8 @@ def inspect(model: Path = typer.Argument(..., help="GGUF file, or an artifact di
     """Family, shape, size and tensor types of a GGUF model, validated against its family; for an
     artifact directory, its target, bounds, drafters, weight files and memory."""
     if model.is_dir():
+        if not (model / "manifest.json").is_file():
+            raise Ds4Error(f"{model}: a directory, neither a GGUF file nor an artifact (no manifest.json)")
         r = artifact_report(model)
         if as_json:
             _echo_json(r)

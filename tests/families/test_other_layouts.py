@@ -68,6 +68,15 @@ def _prefill_logits(art):
     return Engine(art).prefill(PROMPT).logits
 
 
+def _assert_same_logits(flat, other, tmp_path):
+    """The flat file compiled, and the same artifact reading the other file: bit-identical logits."""
+    compile_here(flat, "--target", "llvm", "-o", tmp_path / "art", "--max-context", "64", "--max-verify", "4",
+                 "--prefill-chunk", "16", "--quiet")
+    want = _prefill_logits(tmp_path / "art")
+    got = _prefill_logits(_swap_manifest_weights(tmp_path / "art", other, tmp_path / "art-other"))
+    np.testing.assert_array_equal(got, want)
+
+
 def _write_glm(path, **kw):
     from ds4tvm.families.glm5next.config import LLAMA
     from ds4tvm.families.glm5next.random_model import tiny_config, write_random_glm5next
@@ -96,15 +105,10 @@ def test_glm_trailing_axes_and_integer_booleans(tmp_path):
     assert all(f"{name} stored as [4, 1, 64] for [4, 1, 64, 1] (trailing size-1 axes)" in layouts
                for name in convs), layouts
 
-    compile_here(flat, "--target", "llvm", "-o", tmp_path / "art", "--max-context", "64", "--max-verify", "4", "--prefill-chunk", "16",
-                 "--quiet")
-    want = _prefill_logits(tmp_path / "art")
-    got = _prefill_logits(_swap_manifest_weights(tmp_path / "art", other, tmp_path / "art-other"))
-    np.testing.assert_array_equal(got, want)
+    _assert_same_logits(flat, other, tmp_path)
 
 
 def test_integer_booleans_other_than_0_1_are_refused(tmp_path):
-    _, cfg = _write_glm(tmp_path / "unused.gguf")
     key = "glm5-next.attention.indexer.types"
     bad, _ = _write_glm(tmp_path / "bad.gguf", metadata={key: ([1, 1, 2, 1, 1, 0], GGUFValueType.INT32)})
     with pytest.raises(Ds4Error, match=f"{key} holds 2, expected booleans"):
@@ -125,11 +129,7 @@ def test_qwen_grouped_norm_gammas(tmp_path):
     assert set(f.layout_notes) == set(names)
     assert "a vector stored as a matrix of its rows" in f.layout_notes[names[0]]
 
-    compile_here(flat, "--target", "llvm", "-o", tmp_path / "art", "--max-context", "64", "--max-verify", "4", "--prefill-chunk", "16",
-                 "--quiet")
-    want = _prefill_logits(tmp_path / "art")
-    got = _prefill_logits(_swap_manifest_weights(tmp_path / "art", other, tmp_path / "art-other"))
-    np.testing.assert_array_equal(got, want)
+    _assert_same_logits(flat, other, tmp_path)
 
 
 def test_a_transposed_matrix_is_refused(tmp_path):
