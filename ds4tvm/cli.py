@@ -369,6 +369,8 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
         prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="prompt text (rendered with the chat template)"),
         tokens: Optional[str] = typer.Option(None, "--tokens", help="prompt as token ids, e.g. 1,2,3"),
         raw: bool = typer.Option(False, "--raw", help="tokenize the prompt as is, without the chat template"),
+        interactive: bool = typer.Option(False, "-i", "--interactive", help="chat: one user turn per line of "
+                                         "standard input (an empty line or end of input ends it); -p: the first"),
         prompt_file: Optional[Path] = typer.Option(None, "-f", "--file", help="read the prompt from this file "
                                                    "(- : standard input)"),
         n_predict: int = typer.Option(64, "-n", "--n-predict", help="tokens to generate (-1: until the end of "
@@ -400,6 +402,15 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
 
     params = SamplingParams(temp, top_p, top_k, min_p).check()
     prompt = _prompt_text(prompt, prompt_file)
+    if interactive:
+        if tokens is not None or raw or session is not None or as_json:
+            raise Ds4Error("-i/--interactive: a chat on standard input; --tokens, --raw, --session and --json "
+                           "do not apply")
+        options = _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
+                                quality, exact_sampling, draft_onnx)
+        model = _model_or_embedded(model, progress=True)
+        engine, drafter = _speculative_engine(model, options, target, ctx, progress=True)
+        return _chat(engine, drafter, model, params, seed, n_predict, exact_sampling, prompt)
     if (prompt is None) == (tokens is None):
         raise Ds4Error("give exactly one of -p/--prompt, -f/--file and --tokens")
     if n_predict < -1:
@@ -674,6 +685,56 @@ class _Session:
             self.engine.save_state(self.path, self.tag, meta)
         except OSError as e:
             raise Ds4Error(f"--session {self.path}: cannot write it ({e.strerror or e})") from None
+
+
+def _chat(engine, drafter, model: Path, params, seed: int, n_predict: int, exact: bool, first: str | None) -> None:
+    """`ds4 run -i`: a conversation on standard input, one user turn per line. Each turn is rendered
+    with the chat template after the ones before and continues the state they left (only the new
+    tokens are prefilled); a turn that does not fit the compiled context ends the chat."""
+    import numpy as np
+
+    from .runtime.chat import chat_prompt_ids
+    from .runtime.prefix import resume
+    from .runtime.speculative import CostGate, generate
+    from .runtime.textstream import TextStream
+    from .runtime.tokenizer import Tokenizer
+
+    from .runtime.checkpoint import CheckpointStore
+    from .runtime.drafters import drafter_tag
+
+    tok = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model))
+    if not tok.chat_template:
+        raise Ds4Error(f"{model}: has no chat template; -i needs one")
+    rng, messages, text, prompting = np.random.default_rng(seed), [], first, sys.stdin.isatty()
+    # the state after each prompt and each answer, in memory: the template may render an answer into
+    # other tokens than were generated, and recurrent states rewind only a few positions
+    store = CheckpointStore(engine, drafter_tag(drafter))
+    while True:
+        if text is None:
+            print("> ", end="", file=sys.stderr, flush=True) if prompting else None
+            text = sys.stdin.readline().rstrip("\n")
+            if not text.strip():
+                return
+        messages.append({"role": "user", "content": text})
+        ids, text = chat_prompt_ids(tok, messages), None
+        room = engine.max_context - len(ids)
+        if room < 1:
+            raise Ds4Error(f"the conversation ({len(ids)} tokens) fills the compiled context of {engine.max_context}")
+        cached, stream = resume(engine, ids, store), TextStream(tok, tok.stop_ids)
+
+        def on_token(t):
+            sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
+
+        out, _ = generate(engine, ids, room if n_predict < 0 else min(n_predict, room), params, rng, drafter=drafter,
+                          exact=exact, stop_ids=tok.stop_ids, on_token=on_token, gate=CostGate.for_engine(engine),
+                          on_prompt=lambda: store.add(engine.snapshot()))
+        store.add(engine.snapshot())
+        sys.stdout.write(stream.finish() + "\n")
+        sys.stdout.flush()
+        print(f"ds4: turn {len(messages) // 2 + 1}: prompt {len(ids)} tokens ({cached} continued), generated "
+              f"{len(out)}", file=sys.stderr)
+        messages.append({"role": "assistant", "content": stream.content()})
 
 
 def _prompt_text(prompt: str | None, prompt_file: Path | None) -> str | None:

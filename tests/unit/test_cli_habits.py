@@ -98,3 +98,21 @@ def test_inspect_an_artifact_directory(tiny_artifact):
     assert info["memory_bytes"] == info["state_bytes_per_sequence"] + m.model["gguf_size"] and states > 0
     text = run_ds4("inspect", tiny_artifact).stdout
     assert "DeepSeek-V4-Flash" in text and "context       512" in text
+
+
+def test_interactive_chat_continues_each_turn_and_answers_as_sessions_do(tiny_artifact, tmp_path):
+    """`ds4 run -i` at temperature 0: each turn continues the state the last left (only new tokens
+    prefilled) and answers as `ds4 run --session` does turn by turn."""
+    cmd = [sys.executable, "-m", "ds4tvm.cli", "run", "-m", str(tiny_artifact), "-i", "--temp", "0", "-n", "6"]
+    r = subprocess.run(cmd, input="hello there\nand again\n\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    turns = [line for line in r.stderr.splitlines() if line.startswith("ds4: turn")]
+    assert len(turns) == 2 and "(0 continued)" in turns[0] and "(0 continued)" not in turns[1], turns
+    answers = r.stdout.split("\n")[:2]
+    session = tmp_path / "s.ds4state"
+    said = []
+    for text in ("hello there", "and again"):
+        one = run_ds4("run", "-m", tiny_artifact, "-p", text, "--temp", 0, "-n", 6, "--session", session, "--json")
+        assert one.returncode == 0, one.stderr
+        said.append(json.loads(one.stdout)["text"])
+    assert answers == said, (answers, said)
