@@ -321,7 +321,8 @@ def _bounds(family, max_context: int | None = None, max_verify: int | None = Non
 CtxOpt = typer.Option(None, "-c", "--ctx", "--ctx-size", help="context when compiling a GGUF on first use (default "
                                                               "4096); with an artifact, at most its own")
 TargetOpt = typer.Option("cpu", "--target", help="target when compiling a GGUF on first use (ds4-compile --target "
-                                                 "list); refused for an artifact or package, which keep theirs")
+                                                 "list; auto: this machine's GPU, else its CPU); refused for an "
+                                                 "artifact or package, which keep theirs")
 ThreadsOpt = typer.Option(None, "-t", "--threads", help="CPU threads (default: every core; one for a model under "
                                                         "64 MB)")
 
@@ -580,7 +581,7 @@ def _speculative_engine(model: Path, options, target: str, ctx: int, progress: b
     from .runtime.loader import open_engine
 
     family = _gguf_family(model)
-    _check_target(model, family, target)
+    target = _check_target(model, family, target)
     if family is not None:   # a GGUF, compiled on first use
         check_support_given(family, options, model)
     engine = open_engine(model, target=target, bounds=_bounds(family, ctx), progress=progress,
@@ -591,19 +592,23 @@ def _speculative_engine(model: Path, options, target: str, ctx: int, progress: b
     return engine, choose_drafter(engine, options, model)
 
 
-def _check_target(model: Path, family, target: str) -> None:
-    """--target names a target, and acts: it is what a GGUF is compiled for on first use (an
-    artifact or a package keeps its own), for a device this machine has, checked before compiling."""
-    if target == "cpu":
-        return
-    from .compile.targets import resolve
+def _check_target(model: Path, family, target: str) -> str:
+    """The target to compile a GGUF for on first use (`auto`: this machine's device): --target names
+    a target, and acts (an artifact or a package keeps its own), for a device this machine has,
+    checked before compiling."""
+    if target in ("cpu", "auto") and family is None:
+        return target
+    from .compile.targets import detect, resolve
 
+    target = detect(target)
+    if target == "cpu":
+        return target
     spec = resolve(target)   # an unknown name: one line listing the valid ones
     if family is None:
         raise Ds4Error(f"--target {target}: {model} is compiled already (its target is in its manifest); --target "
                        f"applies when -m is a GGUF compiled on first use")
     if spec.device == "cpu":
-        return
+        return target
     from .devices import probe_device
 
     found = probe_device(spec.device)
@@ -612,6 +617,7 @@ def _check_target(model: Path, family, target: str) -> None:
                        f"ds4-compile and run the artifact where the device is")
     if spec.arches and found[1] is not None and found[1] not in spec.arches:
         raise Ds4Error(f"--target {target}: this machine's GPU is {found[1]}")
+    return target
 
 
 @contextlib.contextmanager
@@ -800,7 +806,7 @@ def logits(model: Path = typer.Option(..., "-m", "--model", help="artifact direc
     if not ids:
         raise Ds4Error("--tokens: no token ids given")
     family = _gguf_family(model)
-    _check_target(model, family, target)
+    target = _check_target(model, family, target)
     engine = open_engine(model, target=target, bounds=_bounds(family, ctx), progress=False, lean=True)
     if len(ids) > engine.max_context:
         raise Ds4Error(f"{len(ids)} tokens exceed the compiled context of {engine.max_context}")
@@ -918,6 +924,10 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
     if "list" in targets:
         typer.echo(listing())
         return
+    if any(t in ("auto", "cuda", "rocm") for t in targets):
+        from .compile.targets import detect
+
+        targets = [detect(t) for t in targets]   # the device of this machine
     if shapes_only:
         if model is not None or package is not None or len(targets) != 1:
             raise Ds4Error("--shapes-only takes no MODEL and no --package, and one --target")

@@ -79,6 +79,26 @@ def resolve(value: str) -> Target:
     raise Ds4Error(f"--target {value!r} is not a target; expected one of: {_valid()}")
 
 
+def detect(value: str) -> str:
+    """`auto`, or a bare `cuda` / `rocm`: the target of the device this machine has (auto: a CUDA
+    GPU's architecture, else this CPU); any other value as given. A ROCm GPU's gfx name cannot be
+    read through TVM's runtime: name it (rocm:gfxNNNN)."""
+    if value not in ("auto", "cuda", "rocm"):
+        return value
+    from ..devices import probe_device
+
+    found = probe_device("cuda") if value in ("auto", "cuda") else None
+    if found is not None and found[1] in CUDA_ARCHES:
+        return f"cuda:{found[1]}"
+    if found is not None:
+        raise Ds4Error(f"--target {value}: this GPU is {found[1]}, which ds4tvm does not compile for; expected one "
+                       f"of {', '.join(CUDA_ARCHES)}")
+    if value == "auto":
+        return "cpu"
+    what = "name its architecture (rocm:gfxNNNN)" if value == "rocm" else "this machine has no CUDA device"
+    raise Ds4Error(f"--target {value}: {what}")
+
+
 def listing() -> str:
     width = max(len(v) for v, _, _ in LISTED)
     lines = [f"{v:<{width}}  {what}; needs {needs}" for v, what, needs in LISTED]

@@ -63,8 +63,20 @@ def test_options_that_would_be_ignored_are_refused(tiny_artifact, tmp_path):
     _one_line_error(run_ds4(*base, "--ctx", 100000), "--ctx 100000", "context of 512")
     _one_line_error(run_ds4(*base, "--mtp"), "--mtp: enables no drafter of deepseek4", "--dspark")
     gguf = write_random_deepseek4(tmp_path / "m.gguf", tiny_config(), seed=1)
-    r = run_ds4("run", "-m", gguf, "--tokens", "5", "-n", 1, "--target", "cuda:sm_90", timeout=60)
-    _one_line_error(r, "this machine has no CUDA device")   # before a compile of tens of seconds
+    for target in ("cuda:sm_90", "cuda"):   # a bare `cuda`: this machine's CUDA GPU
+        r = run_ds4("run", "-m", gguf, "--tokens", "5", "-n", 1, "--target", target, timeout=60)
+        _one_line_error(r, "this machine has no CUDA device")   # before a compile of tens of seconds
+    _one_line_error(run_ds4("run", "-m", gguf, "--tokens", "5", "-n", 1, "--target", "rocm", timeout=60),
+                    "name its architecture (rocm:gfxNNNN)")
+
+
+def test_target_auto_is_this_machines_device():
+    from ds4tvm.compile.targets import detect
+    from ds4tvm.devices import probe_device
+
+    cuda = probe_device("cuda")
+    assert detect("auto") == (f"cuda:{cuda[1]}" if cuda is not None else "cpu")
+    assert detect("cuda:sm_80") == "cuda:sm_80" and detect("llvm") == "llvm"
 
 
 def test_compile_output_onto_another_models_artifact_is_refused(tiny_artifact, tmp_path):
