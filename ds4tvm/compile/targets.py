@@ -95,8 +95,8 @@ def detect(value: str) -> str:
                        f"of {', '.join(CUDA_ARCHES)}")
     if value == "auto":
         return "cpu"
-    what = "name its architecture (rocm:gfxNNNN)" if value == "rocm" else "this machine has no CUDA device"
-    raise Ds4Error(f"--target {value}: {what}")
+    what = "a ROCm GPU's architecture is not detected" if value == "rocm" else "this machine has no CUDA device"
+    raise Ds4Error(f"--target {value}: {what}; name the target: {_valid()}")
 
 
 def listing() -> str:

@@ -67,7 +67,7 @@ def test_options_that_would_be_ignored_are_refused(tiny_artifact, tmp_path):
         r = run_ds4("run", "-m", gguf, "--tokens", "5", "-n", 1, "--target", target, timeout=60)
         _one_line_error(r, "this machine has no CUDA device")   # before a compile of tens of seconds
     _one_line_error(run_ds4("run", "-m", gguf, "--tokens", "5", "-n", 1, "--target", "rocm", timeout=60),
-                    "name its architecture (rocm:gfxNNNN)")
+                    "a ROCm GPU's architecture is not detected", "rocm:gfxNNN")
 
 
 def test_target_auto_is_this_machines_device():
