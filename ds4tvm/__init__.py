@@ -3,4 +3,4 @@
 Importing this package must stay cheap: TVM is imported lazily, inside the commands that need it.
 """
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
