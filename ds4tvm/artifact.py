@@ -45,11 +45,14 @@ def read_json_object(path: Path, what: str) -> dict:
     return data
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, on_block=None) -> str:
+    """on_block(n): called after each block of n bytes is hashed (a progress bar's advance)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(16 << 20), b""):
             h.update(block)
+            if on_block is not None:
+                on_block(len(block))
     return h.hexdigest()
 
 

@@ -403,16 +403,10 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
 
     params = SamplingParams(temp, top_p, top_k, min_p).check()
     prompt = _prompt_text(prompt, prompt_file)
-    if interactive:
-        if tokens is not None or raw or session is not None or as_json:
-            raise Ds4Error("-i/--interactive: a chat on standard input; --tokens, --raw, --session and --json "
-                           "do not apply")
-        options = _spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
-                                quality, exact_sampling, draft_onnx)
-        model = _model_or_embedded(model, progress=True)
-        engine, drafter = _speculative_engine(model, options, target, ctx, progress=True)
-        return _chat(engine, drafter, model, params, seed, n_predict, exact_sampling, prompt)
-    if (prompt is None) == (tokens is None):
+    if interactive and (tokens is not None or raw or session is not None or as_json):
+        raise Ds4Error("-i/--interactive: a chat on standard input; --tokens, --raw, --session and --json "
+                       "do not apply")
+    if not interactive and (prompt is None) == (tokens is None):
         raise Ds4Error("give exactly one of -p/--prompt, -f/--file and --tokens")
     if n_predict < -1:
         raise Ds4Error(f"-n {n_predict}: expected a count >= 0, or -1 (until the end of the text or the context)")
@@ -420,6 +414,8 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
                             quality, exact_sampling, draft_onnx)
     model = _model_or_embedded(model, progress=not as_json)
     engine, drafter = _speculative_engine(model, options, target, ctx, progress=not as_json)
+    if interactive:
+        return _chat(engine, drafter, model, params, seed, n_predict, exact_sampling, prompt)
     conversation = _Session(session, engine, drafter, session_overwrite) if session is not None else None
     ids, tok = _prompt_ids(engine, model, prompt, tokens, raw, conversation)
     cached = conversation.resume(ids) if conversation is not None else 0
@@ -700,13 +696,12 @@ def _chat(engine, drafter, model: Path, params, seed: int, n_predict: int, exact
     import numpy as np
 
     from .runtime.chat import chat_prompt_ids
+    from .runtime.checkpoint import CheckpointStore
+    from .runtime.drafters import drafter_tag
     from .runtime.prefix import resume
     from .runtime.speculative import CostGate, generate
     from .runtime.textstream import TextStream
     from .runtime.tokenizer import Tokenizer
-
-    from .runtime.checkpoint import CheckpointStore
-    from .runtime.drafters import drafter_tag
 
     tok = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model))
     if not tok.chat_template:
@@ -717,7 +712,8 @@ def _chat(engine, drafter, model: Path, params, seed: int, n_predict: int, exact
     store = CheckpointStore(engine, drafter_tag(drafter))
     while True:
         if text is None:
-            print("> ", end="", file=sys.stderr, flush=True) if prompting else None
+            if prompting:
+                print("> ", end="", file=sys.stderr, flush=True)
             text = sys.stdin.readline().rstrip("\n")
             if not text.strip():
                 return

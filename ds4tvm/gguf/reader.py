@@ -229,9 +229,9 @@ class GGUFFile:
 
     def _bools(self, field: ReaderField, value):
         values = value if isinstance(value, list) else [value]
-        if any(int(v) not in (0, 1) for v in values):
-            bad = next(int(v) for v in values if int(v) not in (0, 1))
-            raise Ds4Error(f"{self.name}: metadata key {field.name} holds {bad}, expected booleans (or 0/1)")
+        bad = [int(v) for v in values if int(v) not in (0, 1)]
+        if bad:
+            raise Ds4Error(f"{self.name}: metadata key {field.name} holds {bad[0]}, expected booleans (or 0/1)")
         out = [bool(v) for v in values]
         return out if isinstance(value, list) else out[0]
 

@@ -126,13 +126,15 @@ def read_header(path) -> dict:
 
 
 def check_header(path, header: dict, engine, tag: str) -> None:
-    """That the checkpoint was made for this artifact, by this ds4tvm, with this tag."""
+    """That the checkpoint was made for this artifact, by this ds4tvm, with this tag, and that its
+    positions, tokens and states fit the artifact."""
     if header["ds4tvm"] != __version__:
         raise CheckpointError(f"{path}: written by ds4tvm {header['ds4tvm'][:20]}, this is {__version__}")
     if header["artifact"] != engine.identity:
         raise CheckpointError(f"{path}: a checkpoint of another artifact")
     if header["tag"] != tag:
         raise CheckpointError(f"{path}: made with {header['tag'][:40] or 'no drafter'}, this run uses {tag or 'none'}")
+    _check_fit(path, header, engine)
 
 
 def _check_fit(path: Path, header: dict, engine) -> None:
@@ -154,7 +156,6 @@ def read(path, engine, tag: str = "") -> Checkpoint:
     path = Path(path)
     header = read_header(path)
     check_header(path, header, engine, tag)
-    _check_fit(path, header, engine)
     arrays, h = [], hashlib.sha256()
     try:
         with open(path, "rb") as f:
@@ -267,7 +268,6 @@ class CheckpointStore:
             try:
                 header = read_header(path)
                 check_header(path, header, self.engine, self.tag)
-                _check_fit(path, header, self.engine)
             except CheckpointError as e:
                 warn(f"{e}; ignored and removed")
                 _remove(path)
@@ -335,6 +335,8 @@ class CheckpointStore:
     def _evict(self) -> None:
         """Least recently used first, until what is held (for a directory: every checkpoint file in it,
         of any artifact) fits the size."""
+        if self.dir is not None:
+            self._sweep()
         while True:
             if self.dir is None:
                 held = [(cp.nbytes, key) for key, (_, cp) in self.entries.items()]
@@ -342,7 +344,6 @@ class CheckpointStore:
                     return
                 del self.entries[held[0][1]]
                 continue
-            self._sweep()
             files = _files(self.dir, "*" + SUFFIX)
             held = sum(size for _, size, _ in files + _files(self.dir, ".*.tmp"))
             if held <= self.size or not files:

@@ -116,11 +116,11 @@ def verify_model(path: Path, progress: bool = True) -> list[str]:
         lines, arts = [], [(path, None)]
     for art, weights in arts:
         m = Manifest.read(art)
-        m.check_files(art)
-        lines += [f"{art / name}: sha256 matches the manifest" for name in (m.library, m.tokenizer)]
         paths = m.weight_paths(art, weights)
-        for role, p in paths.items():
-            if weights is None:   # a package's weights were hashed above
+        if weights is None:   # an artifact alone (a package's every file was hashed above)
+            m.check_files(art)
+            lines += [f"{art / name}: sha256 matches the manifest" for name in (m.library, m.tokenizer)]
+            for role, p in paths.items():
                 _full_hash(p, m.weights[role]["gguf_sha256"], progress)
                 lines.append(f"{p}: sha256 matches the manifest ({role})")
         check_weight_files({role: open_gguf(p) for role, p in paths.items()}, m.n_vocab)
@@ -129,18 +129,12 @@ def verify_model(path: Path, progress: bool = True) -> list[str]:
 
 
 def _full_hash(path: Path, want: str, progress: bool) -> None:
-    import hashlib
-
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-    h = hashlib.sha256()
     with Progress(TextColumn(f"hashing {path.name}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                   console=Console(stderr=True), transient=True, disable=not progress) as bar:
         task = bar.add_task("hash", total=path.stat().st_size)
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(16 << 20), b""):
-                h.update(block)
-                bar.advance(task, len(block))
-    if h.hexdigest() != want:
+        got = file_sha256(path, lambda n: bar.advance(task, n))
+    if got != want:
         raise Ds4Error(f"{path}: does not match the sha256 the artifact was compiled from (changed or damaged)")
