@@ -91,45 +91,52 @@ def hf_tensor(state, name, n_ff):
 
 
 
-def hf_config_for(cfg, **extra):
-    """transformers config equal to a ds4tvm deepseek4 Config (for GGUFs written without HF)."""
+def hf_config_from_gguf(reader, **extra):
+    """The transformers config of a deepseek4 GGUF (for GGUFs written without HF), from its keys as
+    gguf-py reads them: the file format, not ds4tvm's parser."""
     from transformers import DeepseekV4Config
 
+    def key(name, default=None):
+        field = reader.fields.get(f"deepseek4.{name}")
+        return default if field is None else field.contents()
+
     kinds = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+    n, head_dim, n_hash = key("block_count"), key("attention.key_length"), key("hash_layer_count")
+    vocab = key("vocab_size") or next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
     return DeepseekV4Config(
-        vocab_size=cfg.n_vocab, hidden_size=cfg.n_embd, moe_intermediate_size=cfg.n_ff_exp,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_head, head_dim=cfg.head_dim,
-        q_lora_rank=cfg.q_lora_rank, partial_rotary_factor=cfg.n_rot / cfg.head_dim,
-        n_routed_experts=cfg.n_expert, num_experts_per_tok=cfg.n_expert_used, n_shared_experts=cfg.n_expert_shared,
-        o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, index_n_heads=cfg.idx_n_head,
-        index_head_dim=cfg.idx_head_dim, index_topk=cfg.idx_top_k, sliding_window=cfg.sliding_window,
-        layer_types=[kinds[r] for r in cfg.compress_ratios],
-        mlp_layer_types=["hash_moe"] * cfg.n_hash_layers + ["moe"] * (cfg.n_layers - cfg.n_hash_layers),
-        rope_theta=cfg.rope_base, compress_rope_theta=cfg.compress_rope_base,
-        rope_parameters={"rope_type": "yarn", "factor": cfg.yarn_factor,
-                         "original_max_position_embeddings": cfg.yarn_orig_ctx,
-                         "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow},
-        routed_scaling_factor=cfg.expert_weights_scale, rms_norm_eps=cfg.rms_eps, hc_eps=cfg.hc_eps,
-        swiglu_limit=cfg.swiglu_clamp[0], **extra)
+        vocab_size=vocab, hidden_size=key("embedding_length"), moe_intermediate_size=key("expert_feed_forward_length"),
+        num_hidden_layers=n, num_attention_heads=key("attention.head_count"), head_dim=head_dim,
+        q_lora_rank=key("attention.q_lora_rank"), partial_rotary_factor=key("rope.dimension_count") / head_dim,
+        n_routed_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+        n_shared_experts=key("expert_shared_count"), o_groups=key("attention.output_group_count"),
+        o_lora_rank=key("attention.output_lora_rank"), index_n_heads=key("attention.indexer.head_count"),
+        index_head_dim=key("attention.indexer.key_length"), index_topk=key("attention.indexer.top_k"),
+        sliding_window=key("attention.sliding_window"),
+        layer_types=[kinds[r] for r in key("attention.compress_ratios")],
+        mlp_layer_types=["hash_moe"] * n_hash + ["moe"] * (n - n_hash),
+        rope_theta=key("rope.freq_base"), compress_rope_theta=key("attention.compress_rope_freq_base"),
+        rope_parameters={"rope_type": "yarn", "factor": key("rope.scaling.factor"),
+                         "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                         "beta_fast": key("rope.scaling.yarn_beta_fast"), "beta_slow": key("rope.scaling.yarn_beta_slow")},
+        routed_scaling_factor=key("expert_weights_scale"), rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+        hc_eps=key("hyper_connection.epsilon"), swiglu_limit=key("swiglu_clamp_exp")[0], **extra)
 
 
 def hf_model_from_gguf(path):
-    """A transformers DeepseekV4ForCausalLM holding the GGUF's weights, dequantized with gguf-py."""
+    """A transformers DeepseekV4ForCausalLM holding the GGUF's weights, its config and weights read
+    (and dequantized) with gguf-py."""
     import numpy as np
     import torch
-    from gguf import quants
+    from gguf import GGUFReader, quants
     from transformers import DeepseekV4ForCausalLM
 
-    from ds4tvm.families.deepseek4.config import Config
-    from ds4tvm.gguf import open_gguf
-
-    f = open_gguf(path)
-    cfg = Config.from_gguf(f)
-    model = DeepseekV4ForCausalLM(hf_config_for(cfg)).eval()
+    reader = GGUFReader(path)
+    config = hf_config_from_gguf(reader)
+    model = DeepseekV4ForCausalLM(config).eval()
     values = {}
-    for name, t in f.tensors.items():
+    for t in reader.tensors:
         data = np.asarray(t.data)
-        values[name] = data if t.ggml_type.name in ("I32",) else quants.dequantize(data, t.ggml_type)
+        values[t.name] = data if t.tensor_type.name in ("I32",) else quants.dequantize(data, t.tensor_type)
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     with torch.no_grad():
         for name, v in values.items():
@@ -138,7 +145,7 @@ def hf_model_from_gguf(path):
                 continue
             key = (HF_PARAMS["blk.{L}." + rest].format(L=layer) if layer is not None else HF_PARAMS[name])
             state[key].copy_(torch.from_numpy(np.array(v)).to(state[key].dtype))
-        for il in range(cfg.n_layers):
+        for il in range(config.num_hidden_layers):
             gate = values[f"blk.{il}.ffn_gate_exps.weight"]
             up = values[f"blk.{il}.ffn_up_exps.weight"]
             state[f"model.layers.{il}.mlp.experts.gate_up_proj"].copy_(torch.from_numpy(np.concatenate([gate, up], 1)))
@@ -368,3 +375,25 @@ def topk_margins(model, ids) -> tuple[float, float]:
     with recorded_topk_gaps() as gaps, torch.no_grad():
         model(torch.tensor(ids[None]), use_cache=False)
     return min(gaps["router"]), min(gaps["indexer"])
+
+
+def hf_sampling_probs(logits, p):
+    """The distribution ds4's sampling parameters p (top-k, top-p, min-p at temperature 1, then the
+    temperature) give logits, by transformers' warpers in float64: an implementation of the filters
+    independent of ds4tvm's."""
+    import torch
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    chain = []
+    if p.top_k:
+        chain.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        chain.append(TopPLogitsWarper(p.top_p))
+    if p.min_p > 0:
+        chain.append(MinPLogitsWarper(p.min_p))
+    chain.append(TemperatureLogitsWarper(p.temperature))
+    scores = torch.tensor(logits, dtype=torch.float64)[None]
+    for warper in chain:
+        scores = warper(None, scores)
+    return torch.softmax(scores, dim=-1)[0].numpy()

@@ -26,6 +26,7 @@ DSA (`dsa_layer`): MLA without RoPE over the kv_lora latent, with the pooled spa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -173,16 +174,66 @@ def moe_ffn(w: dict, cfg, layer: int, x: np.ndarray) -> np.ndarray:
 
 def nextn_logits(w: dict, top: dict, cfg, tokens: list[int], hidden_before: np.ndarray) -> np.ndarray:
     """The MTP (nextn) layer's logits [T, V] for tokens at positions 0..T-1, each with the target's
-    hidden state of the position before it (hidden_before [T, E]; a zero row at position 0), from
-    the spec (§4 and its Errata): eh_proj [enorm(embed); hnorm(hidden)], one pre-norm DSA + MoE
-    block without hyper-connections, shared_head_norm, the target's output head. w: the layer's
-    canonical tensors (numpy order); top: token_embd, output_norm, output."""
+    row of the position before it (hidden_before; a zero row at position 0), from the spec (§4 and
+    its Errata): eh_proj [enorm(embed); hnorm(hidden)], one pre-norm DSA + MoE block without
+    hyper-connections, shared_head_norm, the target's output head. What the row is follows hnorm's
+    width: E, the output head's input [T, E]; hc * E, the trunk's hc streams before they collapse
+    [T, hc * E], each stream RMS-normed on its own. w: the layer's canonical tensors (numpy order);
+    top: token_embd, output_norm, output."""
     w = {k: np.asarray(v, np.float64) for k, v in w.items()}
     emb = np.asarray(top["token_embd.weight"], np.float64)[tokens]
     e = _rms(emb, w["nextn.enorm.weight"], cfg.rms_eps)
-    h = _rms(np.asarray(hidden_before, np.float64), w["nextn.hnorm.weight"], cfg.rms_eps)
+    E, gamma = emb.shape[1], w["nextn.hnorm.weight"]
+    rows = np.asarray(hidden_before, np.float64).reshape(len(tokens), -1, E)             # [T, streams, E]
+    h = _rms(rows, np.ones(E), cfg.rms_eps).reshape(len(tokens), -1) * gamma
     x = np.concatenate([e, h], axis=1) @ w["nextn.eh_proj.weight"].T
     x = x + dsa_layer(w, cfg, _rms(x, w["attn_norm.weight"], cfg.rms_eps))[0]
     x = x + moe_ffn(w, cfg, cfg.n_layers, _rms(x, w["ffn_norm.weight"], cfg.rms_eps))
     norm = w.get("nextn.shared_head_norm.weight", top["output_norm.weight"])
     return _rms(x, norm, cfg.rms_eps) @ np.asarray(top["output.weight"], np.float64).T
+
+
+def read_config(path) -> SimpleNamespace:
+    """A GLM-5.3 GGUF's hyper-parameters in ds4's layout, read with gguf-py alone (the references
+    read the file format, not ds4tvm's parser), under the names the functions above use."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    key = lambda name, default=None: (fields[f"glm5-next.{name}"].contents()   # noqa: E731
+                                      if f"glm5-next.{name}" in fields else default)
+    if key("layer_types") is None:
+        raise ValueError(f"{path}: the reference reads ds4's GLM-5.3 layout (glm5-next.layer_types)")
+    n, limit, lead = key("trunk_block_count"), float(key("swiglu_limit", 0.0)), key("leading_dense_block_count", 0)
+    return SimpleNamespace(
+        n_layers=n, n_embd=key("embedding_length"), n_ff=key("feed_forward_length", 0),
+        n_ff_exp=key("expert_feed_forward_length"), n_expert=key("expert_count"),
+        n_expert_used=key("expert_used_count"), n_dense_lead=lead, is_moe=lambda layer: layer >= lead,
+        expert_weights_norm=bool(key("expert_weights_norm", False)),
+        expert_weights_scale=float(key("expert_weights_scale", 1.0)), rms_eps=key("attention.layer_norm_rms_epsilon"),
+        n_head=key("attention.head_count"), key_length=key("attention.key_length"),
+        value_length=key("attention.value_length"), q_lora_rank=key("attention.q_lora_rank"),
+        kv_lora_rank=key("attention.kv_lora_rank"), idx_pool=key("attention.indexer.pool_size"),
+        idx_n_head=key("attention.indexer.head_count"), idx_head_dim=key("attention.indexer.key_length"),
+        idx_top_k=key("attention.indexer.top_k"), idx_norm_eps=1e-6, idx_select_tail=True,
+        kda_n_head=key("linear_attention.head_count"), kda_head_dim=key("linear_attention.head_dimension"),
+        conv_kernel=key("linear_attention.conv_kernel"), gate_lower_bound=key("linear_attention.gate_lower_bound"),
+        layer_types=tuple(key("layer_types")), swiglu_exp=(limit,) * (n + 1), swiglu_shexp=(limit,) * (n + 1))
+
+
+def read_tensors(path, keep) -> dict:
+    """The tensors whose name `keep` accepts, dequantized by gguf-py, in numpy order."""
+    from gguf import GGUFReader, quants
+
+    return {t.name: quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(int(d) for d in
+                                                                                    reversed(t.shape)))
+            for t in GGUFReader(path).tensors if keep(t.name)}
+
+
+def read_nextn(path) -> tuple[SimpleNamespace, dict, dict]:
+    """(config, the nextn layer's tensors without `blk.L.`, token_embd/output_norm/output) of a
+    GGUF in ds4's layout: what `nextn_logits` takes."""
+    cfg = read_config(path)
+    prefix, top = f"blk.{cfg.n_layers}.", ("token_embd.weight", "output_norm.weight", "output.weight")
+    values = read_tensors(path, lambda name: name.startswith(prefix) or name in top)
+    layer = {name[len(prefix):]: v for name, v in values.items() if name.startswith(prefix)}
+    return cfg, layer, {name: values[name] for name in top}

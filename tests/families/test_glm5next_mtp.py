@@ -1,9 +1,10 @@
-"""GLM-5.3's MTP (nextn) layer and its drafter (ds4-spec §4). No oracle runs GLM's MTP layer: the
-compiled step is checked against the numpy reference written from the spec
-(ds4tvm/training/glm_reference.nextn_logits, itself checked against transformers' GLM layers in
-test_glm_reference.py) fed the trunk's hidden states from transformers, and the drafter in the
-speculative loop against target-only decoding, with test doubles that always and never agree with
-the target."""
+"""GLM-5.3's MTP (nextn) layer and its drafter (ds4-spec §4), in both readings of its input (the
+target's row before the token: the output head's input, or the trunk's hc streams; the file's
+eh_proj width says which). No oracle runs GLM's MTP layer: the compiled step is checked against the
+numpy reference written from the spec (ds4tvm/training/glm_reference.nextn_logits, its attention
+checked against transformers' GLM layers in test_glm_reference.py and its MoE here), which reads the
+file with gguf-py and is fed the trunk's rows from transformers, and the drafter in the speculative
+loop against target-only decoding, with test doubles that always and never agree with the target."""
 
 import re
 
@@ -14,18 +15,21 @@ from conftest import compile_here, exact_sampling_outcomes, run_ds4
 
 pytestmark = pytest.mark.compile
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(0, 512, 41)]   # > 16 positions: the indexer selects
+VOCAB = 512
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A tiny random GLM-5.3 with its nextn layer (families/glm5next/random_model.py), compiled."""
+@pytest.fixture(scope="module", params=["hidden", "streams"])
+def model(request, tmp_path_factory):
+    """A tiny random GLM-5.3 with its nextn layer (families/glm5next/random_model.py) reading
+    `request.param`, compiled: (artifact, GGUF, what the layer reads)."""
     from ds4tvm.families.glm5next.random_model import tiny_config, write_random_glm5next
 
     d = tmp_path_factory.mktemp("glm_mtp")
-    cfg = tiny_config()
+    cfg = tiny_config(mtp_input=request.param)
+    assert cfg.n_vocab == VOCAB
     gguf = write_random_glm5next(d / "glm.gguf", cfg, seed=3, type_of=lambda spec: _f32())
     compile_here(gguf, "--target", "llvm", "-o", d / "art", "--max-context", "256", "--quiet")
-    return d / "art", gguf, cfg
+    return d / "art", gguf, request.param
 
 
 def _f32():
@@ -40,47 +44,50 @@ def _engine(model):
     return Engine(model[0])
 
 
-def _reference_logits(model, history: list[int], hidden: np.ndarray) -> np.ndarray:
+def _reference_logits(model, history: list[int], rows: np.ndarray) -> np.ndarray:
     """The reference's logits of the last token of history, each position paired with the
-    target's hidden state before it."""
-    from ds4tvm.gguf import open_gguf
-    from ds4tvm.training.glm_reference import nextn_logits
+    target's row before it (rows: the target's row of every position but the last)."""
+    from ds4tvm.training.glm_reference import nextn_logits, read_nextn
 
-    _, gguf, cfg = model
-    f = open_gguf(gguf)
-    prefix = f"blk.{cfg.n_layers}."
-    w = {n[len(prefix):]: np.asarray(t.data) for n, t in f.tensors.items() if n.startswith(prefix)}
-    top = {n: np.asarray(f.tensors[n].data) for n in ("token_embd.weight", "output_norm.weight", "output.weight")}
-    before = np.concatenate([np.zeros((1, cfg.n_embd)), hidden[:len(history) - 1]])
-    return nextn_logits(w, top, cfg, history, before)[-1]
+    cfg, layer, top = read_nextn(model[1])
+    before = np.concatenate([np.zeros((1, rows.shape[1])), rows[:len(history) - 1]])
+    return nextn_logits(layer, top, cfg, history, before)
 
 
-def _transformers_hidden(model, ids) -> np.ndarray:
-    """The vector the output head reads at every position (the trunk's streams collapsed and
-    normed), as transformers' Glm5Next computes it on the same weights: the MTP layer's input."""
-    import torch
-    from gguf import quants
+def _transformers(model):
+    """transformers' Glm5Next on the GGUF's trunk weights (dequantized by gguf-py), float64, its
+    config from the file's keys read by gguf-py."""
+    import torch  # noqa: F401
     from hf_models import TINY_GLM5_VISION, glm5_parameter
     from test_glm5next_quant import _hf_text_config
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-    from ds4tvm.gguf import open_gguf
+    from ds4tvm.training.glm_reference import read_config, read_tensors
 
-    _, gguf, cfg = model
+    cfg = read_config(model[1])
     hf = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=_hf_text_config(cfg),
                                                          vision_config=TINY_GLM5_VISION)).eval().double()
     params = {n: t.detach().numpy() for n, t in hf.state_dict(keep_vars=True).items()}
-    for name, t in open_gguf(gguf).tensors.items():
-        if not name.startswith(f"blk.{cfg.n_layers}."):   # transformers' model has no MTP layer
-            view = glm5_parameter(params, name, cfg)
-            view[...] = quants.dequantize(np.asarray(t.data), t.ggml_type).reshape(view.shape)
+    trunk = read_tensors(model[1], lambda name: not name.startswith(f"blk.{cfg.n_layers}."))  # no MTP layer in HF
+    for name, values in trunk.items():
+        view = glm5_parameter(params, name, cfg)
+        view[...] = values.reshape(view.shape)
     hf.set_experts_implementation("eager")
-    seen = []
-    hook = hf.lm_head.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    return hf
+
+
+def _transformers_rows(model, ids) -> np.ndarray:
+    """What the MTP layer reads at every position, as transformers computes it: the output head's
+    input (the trunk's streams collapsed and normed) or the streams before the collapse."""
+    import torch
+
+    hf, seen = _transformers(model), []
+    module = hf.lm_head if model[2] == "hidden" else hf.model.language_model.hc_head
+    hook = module.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
     with torch.no_grad():
         hf(torch.tensor([ids]))
     hook.remove()
-    return seen[0][0].numpy()
+    return seen[0][0].reshape(len(ids), -1).numpy()
 
 
 def test_nextn_step_matches_the_numpy_reference(model):
@@ -110,11 +117,11 @@ def test_nextn_step_matches_the_numpy_reference(model):
         step = plain.prefill(e.history)
         t = int(np.argmax(step.logits))
         got = e.call("mtp_step", hidden_prev=drafter.hidden[None], tokens=[t], start=e.pos)["logits"][0]
-        hidden = step.outputs["hidden"].astype(np.float64)
+        rows = step.outputs[model[2]].astype(np.float64)
         if not n_new:   # see the docstring for the longer history
-            hidden = _transformers_hidden(model, e.history)
-            assert np.abs(step.outputs["hidden"] - hidden).max() <= 2e-4
-        want = _reference_logits(model, e.history + [t], hidden)
+            rows = _transformers_rows(model, e.history)
+            assert np.abs(step.outputs[model[2]] - rows).max() <= 2e-4
+        want = _reference_logits(model, e.history + [t], rows)[-1]
         assert np.abs(want).max() > 0.5
         assert np.abs(got - want).max() <= 1e-4, (n_new, np.abs(got - want).max())
 
@@ -149,7 +156,7 @@ def test_doubles_agreeing_and_not_leave_target_only_state(model, agree):
     greedy, n = SamplingParams(0.0), 40
     spec, plain, other = _engine(model), _engine(model), _engine(model)
     want, _ = generate(plain, PROMPT, n, greedy, np.random.default_rng(0))
-    drafter = _Double(GLMMTPDrafter(spec), want, agree, model[2].n_vocab)
+    drafter = _Double(GLMMTPDrafter(spec), want, agree, VOCAB)
     got, stats = generate(spec, PROMPT, n, greedy, np.random.default_rng(0), drafter=drafter)
     assert got == want
     c = stats.counters
@@ -183,7 +190,10 @@ def test_exact_sampling_keeps_the_law_of_plain_sampling(model):
 
 
 def test_cli_mtp_identity_timing_and_flag_errors(model):
-    art, gguf, _ = model
+    art, gguf, reads = model
+    said = run_ds4("inspect", gguf)
+    assert said.returncode == 0, said.stderr
+    assert {"hidden": "reads the output head's input", "streams": "reads the trunk's hc streams"}[reads] in said.stdout
     base = ("run", "-m", art, "-p", "The quick brown fox", "-n", "30", "--temp", "0")
     plain = run_ds4(*base)
     assert plain.returncode == 0, plain.stderr

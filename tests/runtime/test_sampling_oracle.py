@@ -8,6 +8,8 @@ values (as multisets) and the sorted distributions agree."""
 import numpy as np
 import pytest
 
+from hf_models import hf_sampling_probs as _hf
+
 from ds4tvm.runtime.sampler import SamplingParams, filtered_probs
 
 pytestmark = pytest.mark.oracle
@@ -16,25 +18,6 @@ PARAMS = [SamplingParams(1.0, top_k=5, min_p=0.0), SamplingParams(1.0, top_p=0.9
           SamplingParams(1.0, min_p=0.1), SamplingParams(0.7, top_k=40, top_p=0.95, min_p=0.05),
           SamplingParams(1.3, top_k=3, top_p=0.5, min_p=0.2), SamplingParams(0.5, top_p=0.3, min_p=0.0),
           SamplingParams(2.0, top_k=1), SamplingParams(1.0, top_k=0, top_p=1.0, min_p=0.0)]
-
-
-def _hf(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
-    import torch
-    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
-
-    chain = []
-    if p.top_k:
-        chain.append(TopKLogitsWarper(p.top_k))
-    if p.top_p < 1.0:
-        chain.append(TopPLogitsWarper(p.top_p))
-    if p.min_p > 0:
-        chain.append(MinPLogitsWarper(p.min_p))
-    chain.append(TemperatureLogitsWarper(p.temperature))
-    scores = torch.tensor(logits, dtype=torch.float64)[None]
-    for warper in chain:
-        scores = warper(None, scores)
-    return torch.softmax(scores, dim=-1)[0].numpy()
 
 
 def _logits(rng, n: int) -> np.ndarray:

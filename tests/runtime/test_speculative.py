@@ -78,13 +78,15 @@ def _law(params, runs, drafter_factory, exact, seed0):
 
 
 def _exact_law(params):
-    from ds4tvm.runtime.sampler import filtered_probs
+    """The target's law of the two tokens, its filters applied by transformers' warpers (an
+    implementation independent of ds4tvm's sampler)."""
+    from hf_models import hf_sampling_probs
 
     eng = TableEngine(vocab=6, seed=3)
-    p1 = filtered_probs(eng.prefill([1, 2]).logits, params)
+    p1 = hf_sampling_probs(eng.prefill([1, 2]).logits, params)
     law = {}
     for a in range(6):
-        p2 = filtered_probs(eng.table[2, a], params)
+        p2 = hf_sampling_probs(eng.table[2, a], params)
         for b in range(6):
             if p1[a] * p2[b] > 0:
                 law[(a, b)] = p1[a] * p2[b]

@@ -127,6 +127,9 @@ TENSOR_CASES = [
     (DS4, _drop("blk.6.nextn.shared_head_norm.weight"), "missing tensor blk.6.nextn.shared_head_norm.weight"),
     (DS4, _reshape("blk.2.attn_q_b.weight"), "tensor blk.2.attn_q_b.weight has shape [80, 128], expected [48, 128]"),
     (LLAMA, _retype("blk.0.ssm_norm.weight", QT.F16), "tensor blk.0.ssm_norm.weight has unsupported type F16"),
+    # an MTP input of neither width (2 E, the output head's input; 5 E, the hc streams) is named
+    (DS4, _reshape("blk.6.nextn.eh_proj.weight"), "tensor blk.6.nextn.eh_proj.weight has shape [160, 64], "
+                                                    "expected [128, 64]"),
 ]
 
 
@@ -144,3 +147,19 @@ def test_llama_layout_without_mtp_shared_head_norm_still_loads(tmp_path):
                                  edit_specs=_drop("blk.6.nextn.shared_head_norm.weight"))
     _, cfg, unused = _load(path)
     assert cfg.n_nextn == 1 and unused == []
+
+
+def test_mtp_input_read_from_eh_proj_width(tmp_path):
+    """eh_proj [5 E -> E] makes the nextn layer read the hc streams, with hnorm as wide as they are."""
+    from ds4tvm.families.glm5next.config import HIDDEN, STREAMS
+
+    for reads in (HIDDEN, STREAMS):
+        _, cfg, unused = _load(write_random_glm5next(tmp_path / f"{reads}.gguf", tiny_config(mtp_input=reads)))
+        assert cfg.mtp_input == reads and unused == []
+    from ds4tvm.gguf.writer import TensorOut
+
+    narrow = TensorOut("blk.6.nextn.hnorm.weight", QT.F32, (64,), lambda: np.ones(64, np.float32))
+    path = write_random_glm5next(tmp_path / "bad.gguf", tiny_config(mtp_input=STREAMS),
+                                 edit_specs=lambda ts: [narrow if t.name == narrow.name else t for t in ts])
+    with pytest.raises(Ds4Error, match=r"tensor blk.6.nextn.hnorm.weight has shape \[64\], expected \[256\]"):
+        _load(path)

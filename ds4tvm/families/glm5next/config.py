@@ -13,7 +13,7 @@ the same model:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -25,6 +25,10 @@ ARCH = "glm5-next"
 KDA, DSA = 0, 1
 DS4, LLAMA = "ds4", "llama.cpp"
 LAYOUTS = (DS4, LLAMA)
+# what the MTP layer reads of the target's row before its token, told by the file's eh_proj width:
+# the output head's input (post output_norm, one vector: llama.cpp's t_h_nextn; eh_proj [2E -> E]) or
+# the trunk's hc residual streams before they collapse (ds4-spec §4: HC-shaped; eh_proj [(1 + hc) E -> E])
+HIDDEN, STREAMS = "hidden", "streams"
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class Config:
     idx_select_tail: bool = True    # the unfinished pool is always attended
     idx_full: tuple[bool, ...] = ()  # per trunk layer: its own indexer, or the previous selection
     context_length: int = 1048576
+    mtp_input: str = HIDDEN         # HIDDEN or STREAMS: see above
 
     @property
     def n_all(self) -> int:
@@ -89,6 +94,8 @@ class Config:
         else:
             raise Ds4Error(f"{f.name}: missing metadata key {ARCH}.layer_types (ds4's layout) or "
                            f"{ARCH}.attention.head_count_kv (llama.cpp's) giving the KDA/DSA layer schedule")
+        eh_proj = f.tensors.get(f"blk.{cfg.n_layers}.nextn.eh_proj.weight")
+        cfg = replace(cfg, mtp_input=mtp_input_of(eh_proj.shape[0] if eh_proj else None, cfg.n_embd, cfg.hc))
         cfg.validate(f.name)
         return cfg
 
@@ -134,18 +141,30 @@ class Config:
             bad("hyper_connection.count", f"is {self.hc}; GLM-5.3 has 4 streams")
         if self.n_nextn not in (0, 1):
             bad("nextn_predict_layers", f"is {self.n_nextn}; expected 0 or 1")
+        if self.mtp_input not in _READS:
+            raise Ds4Error(f"{where}MTP input {self.mtp_input!r}: expected one of {', '.join(_READS)}")
 
     def describe(self) -> dict:
         """What `ds4 inspect` prints of this config: layout, layer schedule, MTP layer."""
         kinds = "".join("D" if self.is_dsa(i) else "K" for i in range(self.n_layers))
         return {"layout": f"{self.layout} GGUF layout",
                 "schedule": f"{kinds} (K = KDA, D = DSA; {self.n_dense_lead} dense leading layers)",
-                "mtp layer": f"{self.n_layers} (nextn, DSA + MoE)" if self.n_nextn else "none"}
+                "mtp layer": f"{self.n_layers} (nextn, DSA + MoE; reads {_READS[self.mtp_input]})"
+                if self.n_nextn else "none"}
 
     def to_metadata(self, layout: str | None = None) -> dict:
         """GGUF metadata (full key names) in `layout` (default: the config's own), the inverse of
         `from_gguf`."""
         return (_write_ds4 if (layout or self.layout) == DS4 else _write_llama)(self)
+
+
+_READS = {HIDDEN: "the output head's input, as llama.cpp's t_h_nextn",
+          STREAMS: "the trunk's hc streams before they collapse, as ds4-spec §4"}
+
+
+def mtp_input_of(eh_proj_width: int | None, n_embd: int, hc: int) -> str:
+    """The MTP input an eh_proj of this input width reads (its shape is checked against it later)."""
+    return STREAMS if eh_proj_width == (1 + hc) * n_embd else HIDDEN
 
 
 # keys named in messages for fields whose key is the same in both layouts

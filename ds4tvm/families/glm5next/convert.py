@@ -20,7 +20,7 @@ from ...gguf.quant import quantize
 from ...gguf.safetensors_io import SafetensorsDir
 from ...gguf.vocab import hf_vocab, synthetic_vocab
 from ...gguf.writer import TensorOut, write_gguf
-from .config import ARCH, DS4, DSA, KDA, LAYOUTS, Config
+from .config import ARCH, DS4, DSA, KDA, LAYOUTS, Config, mtp_input_of
 from .tensors import canonical_pairs, in_layout
 
 _ATTN = {"linear_attention": KDA, "indexed_attention": DSA, "full_attention": DSA}
@@ -131,8 +131,10 @@ def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: s
     hf, dense, experts = read_hf_checkpoint(hf_dir, out, dense_type, experts_type)
     st = SafetensorsDir(hf_dir)
     n = (hf.get("text_config") or hf).get("num_hidden_layers", 0)
-    has_mtp = any(k.endswith(f"layers.{n}.eh_proj.weight") for k in st.names())
-    cfg = config_from_hf(hf, str(cfg_path), layout, n_nextn=int(has_mtp))
+    eh_proj = next((k for k in st.names() if k.endswith(f"layers.{n}.eh_proj.weight")), None)
+    cfg = config_from_hf(hf, str(cfg_path), layout, n_nextn=int(eh_proj is not None))
+    if eh_proj is not None:
+        cfg = replace(cfg, mtp_input=mtp_input_of(st.shape(eh_proj)[-1], cfg.n_embd, cfg.hc))
     cfg.validate(str(cfg_path))
     ckpt = Checkpoint(st, replace(cfg, layout=DS4), str(hf_dir))
     tensors = []

@@ -242,9 +242,12 @@ def _pooled_keys(kctx: nn.Tensor, gctx: nn.Tensor, ape: nn.Tensor, P: int) -> nn
 
 class GLM5Next(nn.Module):
     """The target. Every call returns the logits, then `hidden` [rows, D]: the output head's input
-    of every row (prefill's logits are its last row's; the MTP layer reads every row's hidden)."""
+    of every row (prefill's logits are its last row's; the MTP layer reads every row's hidden), and
+    with `outputs` extended by the MTP subclass, `streams` [rows, hc * D]: the trunk's hc residual
+    streams before they collapse."""
 
     TARGET_FUNCTIONS = ("prefill", "prefill_all", "decode", "verify")
+    outputs = ("logits", "hidden")
 
     def __init__(self, cfg: Config, types: dict, bounds: Bounds = Bounds()):
         self.cfg, self.bounds = cfg, bounds
@@ -272,8 +275,9 @@ class GLM5Next(nn.Module):
         if last_only:
             head_in = op.tensor_expr_op(lambda h: te.compute((1, c.n_embd), lambda _, d: h[h.shape[0] - 1, d],
                                                              name="last_row"), "last_row", [hidden])
-        logits = self.output.linear(head_in, name="output_lm_head")
-        return (logits, hidden, tuple(out_states[k] for k in self.state_names))
+        outs = {"logits": self.output.linear(head_in, name="output_lm_head"), "hidden": hidden,
+                "streams": op.reshape(X, (n, c.hc * c.n_embd))}
+        return (*(outs[k] for k in self.outputs), tuple(out_states[k] for k in self.state_names))
 
     def prefill(self, ids: nn.Tensor, start, states):
         """A chunk of the prompt; logits of its last token [1, V]."""
@@ -293,7 +297,7 @@ class GLM5Next(nn.Module):
 
     def function_specs(self) -> list[FunctionSpec]:
         inputs = (("ids", "tokens"), ("start", "position"))
-        return [FunctionSpec(f, inputs, ("logits", "hidden"), states="model", per_width=f == "verify")
+        return [FunctionSpec(f, inputs, self.outputs, states="model", per_width=f == "verify")
                 for f in self.TARGET_FUNCTIONS]
 
     def spec(self) -> dict:

@@ -1,9 +1,13 @@
 """GLM-5.3's MTP (nextn) layer beside its target, one artifact (ds4-spec §4 and its Errata; the layer
 is the last of the main GGUF, `blk.{n_layers}`).
 
-For the token t at position p and the target's hidden state h of position p - 1 (the output head's
-input there, post output_norm: what chose t), with no hyper-connections:
+For the token t at position p and the target's row before it, h (position p - 1), with no
+hyper-connections:
   x  = eh_proj [enorm * RMSNorm(embed(t)); hnorm * RMSNorm(h)];
+where h is what the file's eh_proj width says (config.mtp_input_of): the output head's input there
+(post output_norm, what chose t; llama.cpp's t_h_nextn), or the trunk's hc streams before they
+collapse (ds4-spec §4, HC-shaped), each stream normed on its own, as DeepSeek-V4's and Qwen3.8's MTP
+layers norm theirs, and hnorm's weight [hc * D] over them all;
   x += DSA(attn_norm * RMSNorm(x))   (its own latent rows and pooled indexer, at the target's positions);
   x += FFN(ffn_norm * RMSNorm(x))    (the sigmoid-router MoE with its shared expert);
   draft = argmax of the target's `output` over shared_head_norm * RMSNorm(x) (output_norm when a
@@ -24,6 +28,7 @@ from tvm.relax.frontend.nn import op
 
 from ...artifact import FunctionSpec, StateSpec
 from ...nn.blocks import rms
+from .config import STREAMS
 from .model import GLM5Next, Layer, layer_states
 
 GROUP = "mtp"
@@ -35,9 +40,14 @@ class NextN(nn.Module):
         self.layer = Layer(cfg, cfg.n_layers, types)
 
     def inputs(self, hidden_prev: nn.Tensor, embedded: nn.Tensor) -> nn.Tensor:
-        L, eps = self.layer, self.cfg.rms_eps
-        e = rms(embedded, eps, L.v("nextn.enorm"))
-        h = rms(hidden_prev, eps, L.v("nextn.hnorm"))
+        L, c = self.layer, self.cfg
+        e = rms(embedded, c.rms_eps, L.v("nextn.enorm"))
+        if c.mtp_input == STREAMS:
+            n = hidden_prev.shape[0]
+            streams = rms(op.reshape(hidden_prev, (n, c.hc, c.n_embd)), c.rms_eps)
+            h = op.reshape(streams, (n, c.hc * c.n_embd)) * L.v("nextn.hnorm")
+        else:
+            h = rms(hidden_prev, c.rms_eps, L.v("nextn.hnorm"))
         return L.w["nextn.eh_proj.weight"].linear(op.concat([e, h], dim=1), name="nextn_eh_proj")
 
     def observe(self, x: nn.Tensor, start, states: dict) -> dict:
@@ -61,6 +71,7 @@ class GLM5NextWithMTP(GLM5Next):
     def __init__(self, cfg, types: dict, bounds):
         super().__init__(cfg, types, bounds)
         self.nextn = NextN(cfg, types)
+        self.outputs = GLM5Next.outputs + ((STREAMS,) if cfg.mtp_input == STREAMS else ())
         prefix = f"blk.{cfg.n_layers}."
         self.mtp_state_keys = [s.name[len(prefix):] for s in mtp_states(cfg, bounds)]
 
@@ -92,13 +103,14 @@ class GLM5NextWithMTP(GLM5Next):
                                            FunctionSpec("mtp_step", inputs, ("logits",), states=GROUP)]
 
     def drafter_settings(self) -> dict:
-        return {"glm_mtp": {"layer": self.cfg.n_layers}}
+        return {"glm_mtp": {"layer": self.cfg.n_layers, "reads": self.cfg.mtp_input}}
 
     def spec(self) -> dict:
         spec = super().spec()
         st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in mtp_states(self.cfg, self.bounds)]
         mode = {"param_mode": "plain", "effect_mode": "none"}
+        width = self.cfg.n_embd * (self.cfg.hc if self.cfg.mtp_input == STREAMS else 1)
         for fn, n in (("mtp_observe", "n"), ("mtp_step", 1)):
-            spec[fn] = {"hidden_prev": nn.spec.Tensor([n, self.cfg.n_embd], "float32"),
+            spec[fn] = {"hidden_prev": nn.spec.Tensor([n, width], "float32"),
                         "tokens": nn.spec.Tensor([n], "int32"), "start": int, "states": st, "$": mode}
         return spec

@@ -32,7 +32,8 @@ class GLMMTPDrafter:
             raise Ds4Error(f"{engine.dir}: this artifact has no GLM MTP layer; compile a GGUF that holds its nextn "
                            f"block")
         self.timing, self.exact, self.out = timing, exact, out or sys.stderr
-        self.hidden = None            # the target's hidden state at the last committed position
+        self.reads = engine.drafters["glm_mtp"].get("reads", "hidden")   # the target output it drafts from
+        self.hidden = None            # that output's row at the last committed position
         self.drafted_at = None        # the position whose row the last mtp_step wrote
         self.stats = DraftCounters()
         self._tokenizer_data, self._tok = engine.tokenizer_data, None
@@ -40,7 +41,7 @@ class GLMMTPDrafter:
         self._rejected = None         # a rejected cycle, whose line waits for the token committed there
 
     def begin(self, engine, step, stop_ids):
-        hidden = step.outputs["hidden"]
+        hidden = step.outputs[self.reads]
         start = engine.pos - len(hidden)
         if start == 0:
             self._write_rows(engine, hidden, engine.history, 0, None)
@@ -73,7 +74,7 @@ class GLMMTPDrafter:
             self._print(self._rejected, tokens[0])
             self._rejected = None
         start = engine.pos - len(tokens)
-        hidden = step.outputs["hidden"][:len(tokens)]
+        hidden = step.outputs[self.reads][:len(tokens)]
         if self.drafted_at == start:   # tokens[0]'s row was written when drafting after it
             if len(tokens) > 1:
                 self._write_rows(engine, hidden[1:], tokens[1:], start + 1, hidden[0])
