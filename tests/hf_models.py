@@ -103,7 +103,7 @@ def hf_config_from_gguf(reader, **extra):
     kinds = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
     n, head_dim, n_hash = key("block_count"), key("attention.key_length"), key("hash_layer_count")
     vocab = key("vocab_size") or next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
-    return DeepseekV4Config(
+    return DeepseekV4Config(**{**dict(
         vocab_size=vocab, hidden_size=key("embedding_length"), moe_intermediate_size=key("expert_feed_forward_length"),
         num_hidden_layers=n, num_attention_heads=key("attention.head_count"), head_dim=head_dim,
         q_lora_rank=key("attention.q_lora_rank"), partial_rotary_factor=key("rope.dimension_count") / head_dim,
@@ -119,24 +119,24 @@ def hf_config_from_gguf(reader, **extra):
                          "original_max_position_embeddings": key("rope.scaling.original_context_length"),
                          "beta_fast": key("rope.scaling.yarn_beta_fast"), "beta_slow": key("rope.scaling.yarn_beta_slow")},
         routed_scaling_factor=key("expert_weights_scale"), rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
-        hc_eps=key("hyper_connection.epsilon"), swiglu_limit=key("swiglu_clamp_exp")[0], **extra)
+        hc_eps=key("hyper_connection.epsilon"), swiglu_limit=key("swiglu_clamp_exp")[0]), **extra})
 
 
-def hf_model_from_gguf(path):
-    """A transformers DeepseekV4ForCausalLM holding the GGUF's weights, its config and weights read
-    (and dequantized) with gguf-py."""
+def gguf_values(reader) -> dict:
+    """Every tensor of a GGUF by name, dequantized by gguf-py (integer tables as they are)."""
+    import numpy as np
+    from gguf import quants
+
+    return {t.name: np.asarray(t.data) if t.tensor_type.name in ("I32",) else
+            quants.dequantize(np.asarray(t.data), t.tensor_type) for t in reader.tensors}
+
+
+def hf_load(model, values: dict) -> None:
+    """Copy GGUF tensors (canonical names, numpy order) into a DeepseekV4ForCausalLM: through
+    HF_PARAMS, the routed experts' gate and up joined as transformers holds them."""
     import numpy as np
     import torch
-    from gguf import GGUFReader, quants
-    from transformers import DeepseekV4ForCausalLM
 
-    reader = GGUFReader(path)
-    config = hf_config_from_gguf(reader)
-    model = DeepseekV4ForCausalLM(config).eval()
-    values = {}
-    for t in reader.tensors:
-        data = np.asarray(t.data)
-        values[t.name] = data if t.tensor_type.name in ("I32",) else quants.dequantize(data, t.tensor_type)
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     with torch.no_grad():
         for name, v in values.items():
@@ -145,10 +145,20 @@ def hf_model_from_gguf(path):
                 continue
             key = (HF_PARAMS["blk.{L}." + rest].format(L=layer) if layer is not None else HF_PARAMS[name])
             state[key].copy_(torch.from_numpy(np.array(v)).to(state[key].dtype))
-        for il in range(config.num_hidden_layers):
-            gate = values[f"blk.{il}.ffn_gate_exps.weight"]
-            up = values[f"blk.{il}.ffn_up_exps.weight"]
+        for il in range(model.config.num_hidden_layers):
+            gate, up = values[f"blk.{il}.ffn_gate_exps.weight"], values[f"blk.{il}.ffn_up_exps.weight"]
             state[f"model.layers.{il}.mlp.experts.gate_up_proj"].copy_(torch.from_numpy(np.concatenate([gate, up], 1)))
+
+
+def hf_model_from_gguf(path):
+    """A transformers DeepseekV4ForCausalLM holding the GGUF's weights, its config and weights read
+    (and dequantized) with gguf-py."""
+    from gguf import GGUFReader
+    from transformers import DeepseekV4ForCausalLM
+
+    reader = GGUFReader(path)
+    model = DeepseekV4ForCausalLM(hf_config_from_gguf(reader)).eval()
+    hf_load(model, gguf_values(reader))
     return model
 
 

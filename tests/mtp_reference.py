@@ -1,72 +1,72 @@
-"""A reference of DeepSeek-V4's legacy one-stage MTP draft (ds4-spec §7), written from the spec's
-text (§2 for the V4 block, hyper-connections and output head) and gguf's dequantizer; no code of the
-TVM graph is used. Its V4 block is the one of the DSpark reference (ds4tvm/training/
-dspark_reference.py: the same ratio-0 block without hash routing), with the target's RoPE base.
-FP8 rounding of the cached rows is left out: compare with an artifact compiled with --no-kv-rounding."""
+"""A reference of DeepSeek-V4's legacy one-stage MTP draft (ds4-spec §7) around transformers' own
+DeepSeek-V4 layers: its block is a one-layer DeepseekV4 model (a sliding-window layer, ratio 0,
+routed without hashing, the target's main RoPE) holding the support file's `mtp.0.` tensors, its
+head transformers' HC head and norm, with the target's embedding and output. Only the MTP input is
+written here from the spec. Files are read with gguf-py. FP8 rounding of the cached rows is left
+out: compare with an artifact compiled with --no-kv-rounding."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from ds4tvm.training.dspark_reference import Stage, Weights, hc_post, rms
+from hf_models import gguf_values, hf_config_from_gguf, hf_load
+
+# the support file's tensors outside the block: the MTP input and the head
+_INPUT = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight")
+_HEAD = {"hc_head_fn.weight": "output_hc_fn.weight", "hc_head_base.weight": "output_hc_base.weight",
+         "hc_head_scale.weight": "output_hc_scale.weight", "norm.weight": "output_norm.weight"}
 
 
-def _t(x) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(x, np.float64))
-
-
-def read_config(target_path) -> SimpleNamespace:
-    """The target's hyper-parameters the block shares (ratio 0), read with gguf-py (ds4-spec §1.1 keys)."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(target_path).fields
-    k = lambda name: fields[f"deepseek4.{name}"].contents()  # noqa: E731
-    return SimpleNamespace(
-        hc=k("hyper_connection.count"), rms_eps=k("attention.layer_norm_rms_epsilon"), hc_eps=k("hyper_connection.epsilon"),
-        hc_sinkhorn_iters=k("hyper_connection.sinkhorn_iterations"), n_rot=k("rope.dimension_count"),
-        n_head=k("attention.head_count"), head_dim=k("attention.key_length"), o_groups=k("attention.output_group_count"),
-        o_lora_rank=k("attention.output_lora_rank"), swiglu_clamp=tuple(k("swiglu_clamp_exp")),
-        n_expert_used=k("expert_used_count"), expert_weights_scale=k("expert_weights_scale"),
-        sliding_window=k("attention.sliding_window"), rope_base=k("rope.freq_base"))
+def _rms(x, eps, w):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
 
 class MTPReference:
-    def __init__(self, target_gguf, support_gguf, cfg):
-        """target_gguf, support_gguf: paths (read with gguf-py) or ds4tvm's GGUFFiles; cfg: the
-        target's hyper-parameters (read_config; the block shares them, ratio 0)."""
-        self.c, self.t, self.w = cfg, Weights(target_gguf), Weights(support_gguf, "mtp.0.")
-        self.block = Stage(self.w, cfg, cfg.rope_base)
+    """Rows are kept as the block's inputs X [hc, D] by position; a step runs the block over every
+    row up to its own (the layer's sliding window does the rest) and reads its last one."""
+
+    def __init__(self, target_path, support_path):
+        from gguf import GGUFReader
+        from transformers import DeepseekV4ForCausalLM
+
+        target, support = GGUFReader(target_path), GGUFReader(support_path)
+        config = hf_config_from_gguf(target, num_hidden_layers=1, layer_types=["sliding_attention"],
+                                     mlp_layer_types=["moe"])
+        self.model = DeepseekV4ForCausalLM(config).eval()
+        t, s = gguf_values(target), {k[len("mtp.0."):]: v for k, v in gguf_values(support).items()}
+        block = {f"blk.0.{k}": v for k, v in s.items() if k not in _INPUT and k not in _HEAD}
+        hf_load(self.model, {**block, **{_HEAD[k]: s[k] for k in _HEAD},
+                             "token_embd.weight": t["token_embd.weight"], "output.weight": t["output.weight"]})
+        self.model = self.model.double()
+        self.model.set_experts_implementation("eager")
+        self.w = {k: torch.from_numpy(np.asarray(s[k], np.float64)) for k in _INPUT}
+        self.eps = config.rms_norm_eps
         self.rows: dict[int, torch.Tensor] = {}
 
     def inputs(self, hc_prev, token) -> torch.Tensor:
         """X [hc, D]: e_proj(enorm(embed(token))) added to h_proj(hnorm(each stream of hc_prev))."""
-        c, w = self.c, self.w
-        e = w("e_proj.weight") @ rms(self.t("token_embd.weight")[token], c.rms_eps, w("enorm.weight"))
-        h = rms(_t(hc_prev), c.rms_eps, w("hnorm.weight")) @ w("h_proj.weight").T
+        w, embed = self.w, self.model.model.embed_tokens.weight
+        e = w["e_proj.weight"] @ _rms(embed[token], self.eps, w["enorm.weight"])
+        h = _rms(torch.as_tensor(np.asarray(hc_prev, np.float64)), self.eps, w["hnorm.weight"]) @ w["h_proj.weight"].T
         return e[None] + h
 
-    def _row(self, X, pos) -> torch.Tensor:
-        return self.block.kv(self.block.attn_input(X[None])[0], torch.tensor([pos]))[0]
-
     def observe(self, hc_prev, token, pos):
-        self.rows[pos] = self._row(self.inputs(hc_prev, token), pos)
+        self.rows[pos] = self.inputs(hc_prev, token)
 
     def step(self, hc_prev, token, pos):
-        """(logits [V], X' [hc, D]) of one draft step, as numpy; writes the row of pos."""
-        c, b = self.c, self.block
-        X = self.inputs(hc_prev, token)
-        self.rows[pos] = self._row(X, pos)
-        N, post, comb = b.attn_input(X[None])
-        keys = torch.stack([self.rows[p] for p in range(max(0, pos - c.sliding_window + 1), pos + 1)])
-        out = b.attention(N, keys, torch.ones(len(keys), dtype=torch.bool), torch.tensor([pos]))
-        X = b.moe(hc_post(out, X[None], post, comb))[0]
-        return self._head(X).numpy(), X.numpy()
+        """(logits [V], X' [hc, D]) of one draft step, as numpy; keeps the row of pos."""
+        from transformers.masking_utils import create_sliding_window_causal_mask
 
-    def _head(self, X):
-        c, w = self.c, self.w
-        pre = w("hc_head_fn.weight") @ rms(X.reshape(-1), c.rms_eps)
-        wts = torch.sigmoid(pre * w("hc_head_scale.weight")[0] + w("hc_head_base.weight")) + c.hc_eps
-        return self.t("output.weight") @ rms(wts @ X, c.rms_eps, w("norm.weight"))
+        self.rows[pos] = self.inputs(hc_prev, token)
+        m = self.model.model
+        X = torch.stack([self.rows[p] for p in range(pos + 1)])[None]            # [1, S, hc, D]
+        positions = torch.arange(pos + 1)[None]
+        flat = X[:, :, 0]
+        mask = create_sliding_window_causal_mask(config=m.config, inputs_embeds=flat, attention_mask=None,
+                                                 past_key_values=None, position_ids=positions)
+        with torch.no_grad():
+            out = m.layers[0](X, position_embeddings={"main": m.rotary_emb(flat, positions, layer_type="main")},
+                              position_ids=positions, attention_mask=mask)
+            logits = self.model.lm_head(m.norm(m.hc_head(out[:, -1:])))[0, 0]
+        return logits.numpy(), out[0, -1].numpy()

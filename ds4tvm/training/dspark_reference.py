@@ -134,11 +134,12 @@ def rope(x, positions, n_rot, base=10000.0, inverse=False):
 
 
 class Stage:
-    """One V4 block with ratio 0 and no hash routing: a DSpark stage, or the legacy MTP block
-    (tests/mtp_reference.py), whose RoPE has the target's base."""
+    """One V4 block with ratio 0 and no hash routing: a DSpark stage (RoPE base 1e4, no YaRN)."""
 
-    def __init__(self, w: Weights, b, rope_base: float = 10000.0):
-        self.w, self.b, self.rope_base = w, b, rope_base
+    ROPE_BASE = 10000.0
+
+    def __init__(self, w: Weights, b):
+        self.w, self.b = w, b
 
     def attn_input(self, X):
         b, w = self.b, self.w
@@ -149,7 +150,7 @@ class Stage:
     def kv(self, n_in, positions):
         b, w = self.b, self.w
         return rope(rms(n_in @ w("attn_kv.weight").T, b.rms_eps, w("attn_kv_a_norm.weight")), positions, b.n_rot,
-                    self.rope_base)
+                    self.ROPE_BASE)
 
     def attention(self, N, keys, visible, positions):
         """Token rows N [B, D] over keys [R, Dh] (visible [R] bool); the output projection."""
@@ -161,13 +162,13 @@ class Stage:
         H, Dh, (A, B) = b.n_head, b.head_dim, N.shape[:2]
         q = rms(N @ w("attn_q_a.weight").T, b.rms_eps, w("attn_q_a_norm.weight")) @ w("attn_q_b.weight").T
         flat = positions.reshape(-1)
-        q = rope(rms(q.reshape(A * B, H, Dh), b.rms_eps), flat, b.n_rot, self.rope_base).reshape(A, B, H, Dh)
+        q = rope(rms(q.reshape(A * B, H, Dh), b.rms_eps), flat, b.n_rot, self.ROPE_BASE).reshape(A, B, H, Dh)
         scores = torch.einsum("abhd,ard->abhr", q, keys) / Dh ** 0.5
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         sinks = w("attn_sinks.weight")[None, None, :, None].expand(A, B, H, 1)
         p = torch.softmax(torch.cat([scores, sinks], dim=3), dim=3)[..., :-1]   # sinks: denominator only
         attn = torch.einsum("abhr,ard->abhd", p, keys).reshape(A * B, H, Dh)
-        attn = rope(attn, flat, b.n_rot, self.rope_base, inverse=True)
+        attn = rope(attn, flat, b.n_rot, self.ROPE_BASE, inverse=True)
         g = b.o_groups
         wa = w("attn_output_a.weight").reshape(g, b.o_lora_rank, -1)
         low = torch.einsum("gkc,ngc->ngk", wa, attn.reshape(A * B, g, -1)).reshape(A * B, -1)
