@@ -15,7 +15,7 @@ from conftest import compile_here, ds4_logits, rows_through_rejections, run_ds4
 
 pytestmark = [pytest.mark.oracle, pytest.mark.compile]
 N_TOKENS = 300
-TOLERANCE = 1e-4
+TOLERANCE = 1e-4   # float32 against transformers' float64; measured 1.1e-5 on logits of up to 4.5
 CAPTURED = (1, 2, 3)
 
 

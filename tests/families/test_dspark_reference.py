@@ -13,6 +13,8 @@ import pytest
 from conftest import compile_here
 
 pytestmark = pytest.mark.compile
+# the DeepSeek-V4 trunk's bound against transformers (float32 sums against float64); measured 2.2e-5
+# for the capture, 5.5e-6 for r and 7.7e-6 for the draft logits (of up to 3.9)
 TOL = 1e-4
 # transformers' HyperConnection runs its Sinkhorn projection in float32 whatever the model's dtype:
 # the float64 reference meets it at float32 rounding (measured 4.2e-7 on activations of ~1)
@@ -98,19 +100,19 @@ def test_tvm_drafter_matches_the_pytorch_reference(pair):
     got = e.call("dspark_logits", r=got_r)["logits"]
     want_r = ref.block(hf_rows[150], anchor, P).detach()
     want = ref.logits(want_r).detach().numpy()
-    assert np.abs(got - want).max() <= TOL * max(1.0, np.abs(want).max())
+    assert np.abs(got - want).max() <= TOL
     assert np.abs(got_r - want_r.numpy()).max() <= TOL
     for prev in (anchor, 0, e.n_vocab - 1, int(np.argmax(want[0]))):
         markov = e.call("dspark_markov", prev=[prev])
         m, bias = (x.detach() for x in ref.markov(prev))
         assert np.abs(markov["m"][0] - m.numpy()).max() <= TOL
-        assert np.abs(markov["bias"][0] - bias.numpy()).max() <= TOL * max(1.0, bias.abs().max().item())
+        assert np.abs(markov["bias"][0] - bias.numpy()).max() <= TOL
     # the fused proposal: the Markov chain over the block's argmaxes and each row's confidence
     drafts, confidences = ref.propose(hf_rows[150], anchor, P, theta=0.0)
     out = e.call("dspark_propose", captured=drafter.anchor_row[None],
                  tokens=[anchor] + [cfg.noise_token_id] * (B - 1), start=P)
     assert out["drafts"].tolist() == drafts
-    assert np.abs(out["confidence"] - confidences).max() <= TOL * max(1.0, np.abs(confidences).max())
+    assert np.abs(out["confidence"] - confidences).max() <= TOL
     tvm_drafts, _ = drafter._propose(e, anchor, B)
     assert tvm_drafts == drafts
     # the θ cut: between the two middle confidences, away from either

@@ -123,6 +123,8 @@ def test_nextn_step_matches_the_numpy_reference(model):
             assert np.abs(step.outputs[model[2]] - rows).max() <= 2e-4
         want = _reference_logits(model, e.history + [t], rows)[-1]
         assert np.abs(want).max() > 0.5
+        # measured 3.9e-5 (hidden) and 5.4e-5 (streams) after the prompt, the trunk's departure from
+        # transformers carried through the layer; 7e-7 and 1e-6 after 24 tokens, fed the artifact's rows
         assert np.abs(got - want).max() <= 1e-4, (n_new, np.abs(got - want).max())
 
 
