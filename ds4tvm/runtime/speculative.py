@@ -15,6 +15,10 @@ argmax, ordinary tokens sampled; biased toward greedy text, as in ds4); exact (t
 mass, accepted with its probability under the filtered target distribution, else the replacement
 is drawn from the renormalised remainder, so the output law is that of plain sampling).
 
+Structured outputs (runtime/grammar.py): with a grammar, every distribution of steps 1 and 4 is
+masked first, as the grammar stands after the tokens before it, so a draft the grammar refuses is
+never accepted and the law of exact sampling is that of plain sampling under the grammar.
+
 Sampling modes (ds4-spec §6, the server's tool boundary): `mode(out)` may change the sampling
 parameters after any emitted token (the server switches to greedy inside tool-call syntax). When
 t itself crosses such a boundary its drafts are dropped; when an accepted draft does, the block is
@@ -213,17 +217,27 @@ def _choose(logits, guess: int | None, rejected: int | None, params: SamplingPar
     return _residual(logits, guess, params, rng) if guess is not None and exact else sample(logits, params, rng)
 
 
-def _agreeing(drafts: list[int], rows: np.ndarray, params: SamplingParams, exact: bool, rng) -> int:
-    """How many drafts the target accepts, in order: draft i is checked against row i."""
+def _agreeing(drafts: list[int], rows: np.ndarray, params: SamplingParams, exact: bool, rng, constraint=None) -> int:
+    """How many drafts the target accepts, in order: draft i is checked against row i (under a
+    grammar, as the grammar masks it after the drafts before it, matched tentatively)."""
     k = 0
-    while k < len(drafts) and _accept(drafts[k], rows[k], params, exact, rng):
+    while k < len(drafts) and _accept(drafts[k], _masked(constraint, rows[k]), params, exact, rng):
+        if constraint is not None:
+            constraint.accept(drafts[k])
         k += 1
+    if constraint is not None:
+        constraint.rollback(k)   # the accepted drafts are matched again as they are committed
     return k
+
+
+def _masked(constraint, logits: np.ndarray) -> np.ndarray:
+    return logits if constraint is None else constraint.mask(logits)
 
 
 def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, rng: np.random.Generator,
              drafter: Drafter | None = None, exact: bool = False, stop_ids=frozenset(), on_token=None, mode=None,
-             on_prefill=None, on_prompt=None, gate: CostGate | None = None) -> tuple[list[int], SpecStats]:
+             on_prefill=None, on_prompt=None, gate: CostGate | None = None,
+             constraint=None) -> tuple[list[int], SpecStats]:
     """Generates up to n_tokens after `prompt`, of which the engine may hold a prefix already
     (runtime/prefix.py; the rest is prefilled); stops after a token in stop_ids, or when on_token(t)
     returns True. With a drafter, speculates as described above; without one, plain decoding.
@@ -231,7 +245,9 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
     on_prefill(done, total) after every prefill chunk (True cancels); on_prompt() once the prompt is
     in the state (and the drafter's), before the first token (the server checkpoints there); gate:
     at temperature 0, the drafter is asked only while it pays (CostGate; `ds4 run`, `serve`, `bench`
-    and `demo` pass the engine's); given without a drafter, it measures the plain steps."""
+    and `demo` pass the engine's); given without a drafter, it measures the plain steps. constraint:
+    a grammar (runtime/grammar.Constraint) that masks every distribution the loop samples from or
+    checks a draft against, and follows the emitted tokens."""
     out: list[int] = []
     budget = min(n_tokens, engine.max_context - len(prompt))
     held = engine.pos
@@ -249,6 +265,8 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
         """Appends t; True when generation must end. Updates the sampling mode."""
         nonlocal current
         out.append(t)
+        if constraint is not None:
+            constraint.accept(t)
         stop = on_token is not None and on_token(t)
         if mode is not None:
             current = mode(out)
@@ -263,7 +281,7 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
         skipped += drafter is not None and not ask
         # 1. choose t
         guess = drafter.guess(engine, budget - len(out)) if ask and rejected is None else None
-        t, rejected = _choose(logits, guess, rejected, current, exact_now, rng), None
+        t, rejected = _choose(_masked(constraint, logits), guess, rejected, current, exact_now, rng), None
         if guess is not None and t != guess:
             drafter.result(0)
         if emit(t):
@@ -278,7 +296,7 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
         else:
             # 3-4. verify [t, *drafts], accept the longest agreeing prefix, commit
             step = engine.verify([t, *drafts])
-            k = _agreeing(drafts, step.logits, current, exact_now, rng)
+            k = _agreeing(drafts, step.logits, current, exact_now, rng, constraint)
             drafter.result(k + (guess is not None))
             while kept < k and not done:
                 done = emit(drafts[kept])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..errors import Ds4Error
 from ..runtime.chat import chat_prompt_ids
+from ..runtime.grammar import GrammarError
 from ..runtime.sampler import SamplingParams
 from .service import Job, Result
 
@@ -176,14 +177,12 @@ def openai_tools(body: dict) -> list[dict] | None:
     return tools
 
 
-def refuse_unsupported(body: dict, tool_choices: tuple = ("auto", "none")) -> None:
+def refuse_unsupported(body: dict, tool_choices: tuple = ("auto", "none"), formats: bool = True) -> None:
     """Fields a client may send that this server does not act on yet are a 400 naming the field,
-    never accepted and ignored (a client asking for JSON or a forced tool call must not get
-    unconstrained text as if it were that)."""
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported by this server "
-                            "(no structured outputs yet)", "response_format")
+    never accepted and ignored (a client asking for a forced tool call must not get unconstrained
+    text as if it were that). formats: whether the endpoint takes `response_format`."""
+    if not formats and body.get("response_format") is not None:
+        raise ApiError(400, "'response_format' is not supported on this endpoint", "response_format")
     for key in ("logprobs", "top_logprobs", "echo", "suffix", "best_of"):
         if body.get(key) not in (None, False) and not (key == "best_of" and body[key] == 1):
             raise ApiError(400, f"'{key}' is not supported by this server", key)
@@ -192,6 +191,28 @@ def refuse_unsupported(body: dict, tool_choices: tuple = ("auto", "none")) -> No
     if choice is not None and kind not in tool_choices:
         raise ApiError(400, f"'tool_choice' {json.dumps(choice)[:80]} is not supported by this server (only "
                             f"{' and '.join(tool_choices)}: the model chooses whether to call a tool)", "tool_choice")
+
+
+def response_format(body: dict, service):
+    """The grammar OpenAI's `response_format` asks for (runtime/grammar.py), or None for text."""
+    fmt = body.get("response_format")
+    kinds = ("text", "json_object", "json_schema")
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in kinds:
+        raise ApiError(400, f"'response_format.type' must be one of {', '.join(kinds)}", "response_format")
+    if body.get("tools"):
+        raise ApiError(400, "'response_format' cannot be combined with 'tools' on this server (the grammar "
+                            "would forbid the tool-call syntax)", "response_format")
+    try:
+        if fmt["type"] == "json_object":
+            return service.grammars.json_object()
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema object", "response_format")
+        return service.grammars.json_schema(spec["schema"], "'response_format.json_schema.schema'")
+    except GrammarError as e:
+        raise ApiError(400, e.message, "response_format") from None
 
 
 def chat_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
@@ -223,7 +244,8 @@ def chat_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
     prompt = _prompt(service, clean, tools)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     job = Job(prompt, budget(service, prompt, field(body, key, "integer"), key), params,
-              seed=seed(body), stop=stop_strings(body), tools=tools is not None)
+              seed=seed(body), stop=stop_strings(body), tools=tools is not None,
+              constraint=response_format(body, service))
     stream_opts = field(body, "stream_options", "object", {})
     return job, {"stream": field(body, "stream", "boolean", False),
                  "include_usage": bool(stream_opts.get("include_usage"))}
@@ -253,8 +275,7 @@ def completion_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, 
         raise ApiError(400, "'n' must be 1 (one choice per request)", "n")
     params = sampling(body, d)
     job = Job(prompt, budget(service, prompt, field(body, "max_tokens", "integer", 16), "max_tokens", "prompt"),
-              params,
-              seed=seed(body), stop=stop_strings(body))
+              params, seed=seed(body), stop=stop_strings(body), constraint=response_format(body, service))
     stream_opts = field(body, "stream_options", "object", {})
     return job, {"stream": field(body, "stream", "boolean", False),
                  "include_usage": bool(stream_opts.get("include_usage"))}
@@ -395,7 +416,7 @@ def detokenize(body: dict, service, served: str, d: Defaults) -> dict:
 
 def messages_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
     check_model(body, served)
-    refuse_unsupported(body, ("auto", "none"))
+    refuse_unsupported(body, ("auto", "none"), formats=False)
     max_tokens = field(body, "max_tokens", "integer", required=True)
     messages = anthropic_messages(body)
     tools = anthropic_tools(body)

@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import Cancelled, Ds4Error
 from ..runtime.checkpoint import CheckpointStore
 from ..runtime.drafters import drafter_tag
+from ..runtime.grammar import Grammars
 from ..runtime.prefix import resume, reusable
 from ..runtime.sampler import SamplingParams
 from ..runtime.speculative import CostGate, generate
@@ -40,6 +41,7 @@ class Job:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     tools: bool = False                  # tool definitions were given: parse calls, greedy inside them
+    constraint: object = None            # a grammar the output follows (runtime/grammar.Constraint)
     send: object = None                  # send(kind, payload): kind is "text", "done" or "error"
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -70,6 +72,7 @@ class Service:
         None: tool definitions are rendered into the prompt, replies are not parsed for calls.
         slots: sequences kept in memory; store: where checkpoints go (default: in memory)."""
         self.engine, self.tok, self.drafter, self.exact = engine, tokenizer, drafter, exact
+        self.grammars = Grammars(tokenizer)
         self.tool_syntax = tool_syntax
         self.slots = [Slot(engine.seq)] + [Slot(engine.new_sequence()) for _ in range(slots - 1)]
         self.store = store if store is not None else CheckpointStore(engine, drafter_tag(drafter))
@@ -128,7 +131,8 @@ class Service:
                                   mode=mode if tools is not None else None,
                                   on_prefill=lambda done, total: job.cancelled.is_set(),
                                   gate=CostGate.for_engine(self.engine),
-                                  on_prompt=lambda: after_prompt.append(self.engine.snapshot()))
+                                  on_prompt=lambda: after_prompt.append(self.engine.snapshot()),
+                                  constraint=job.constraint)
         finally:  # stored after the answer: writing a file must not delay its first token
             for cp in after_prompt + [self.engine.snapshot()]:
                 self.store.add(cp)

@@ -197,9 +197,7 @@ def test_hostile_templates_end_with_a_clean_error(template, reason, monkeypatch)
 
 
 @pytest.mark.parametrize("path, extra, field", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format"),
+    ("/v1/messages", {"response_format": {"type": "json_object"}}, None),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 3}, "logprobs"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
      "tool_choice"),
@@ -220,3 +218,21 @@ def test_fields_this_server_does_not_act_on_are_refused(server, path, extra, fie
     assert "not supported" in message and (field is None or err["error"]["param"] == field), err
     status, _ = _post(server, path, json.dumps({**base, "logprobs": False} if path != "/v1/messages" else base).encode())
     assert status == 200
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"response_format": {"type": "xml"}}, "'response_format.type' must be one of text, json_object, json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "'response_format.json_schema.schema' must be a JSON schema object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}},
+     "'response_format.json_schema.schema': Unsupported type \"objectx\""),
+    ({"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "cannot be combined with 'tools'"),
+])
+def test_response_formats_the_grammar_cannot_serve_are_refused(server, extra, says):
+    """A schema the grammar compiler rejects, or a format it has no grammar for, is a one-line 400
+    naming response_format (runtime/grammar.py)."""
+    body = {"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], **extra}
+    status, err = _post(server, "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and err["error"]["param"] == "response_format", (status, err)
+    assert says in err["error"]["message"] and "\n" not in err["error"]["message"], err
