@@ -389,6 +389,9 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
                                                                                 "histogram"),
         ctx: Optional[int] = CtxOpt, target: str = TargetOpt,
         as_json: bool = typer.Option(False, "--json", help="print tokens, text and speeds as JSON"),
+        json_schema: Optional[str] = typer.Option(None, "-j", "--json-schema", help="the output is JSON following "
+                                                  "this schema (its text, or a file holding it; '{}': any JSON); "
+                                                  "needs xgrammar"),
         session: Optional[Path] = typer.Option(None, "--session", help="continue the conversation saved in this "
                                                "file (if any) without re-reading it, and save it back"),
         session_overwrite: bool = typer.Option(False, "--session-overwrite", help="start a new conversation in "
@@ -403,9 +406,9 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
 
     params = SamplingParams(temp, top_p, top_k, min_p).check()
     prompt = _prompt_text(prompt, prompt_file)
-    if interactive and (tokens is not None or raw or session is not None or as_json):
-        raise Ds4Error("-i/--interactive: a chat on standard input; --tokens, --raw, --session and --json "
-                       "do not apply")
+    if interactive and (tokens is not None or raw or session is not None or as_json or json_schema is not None):
+        raise Ds4Error("-i/--interactive: a chat on standard input; --tokens, --raw, --session, --json and "
+                       "--json-schema do not apply")
     if not interactive and (prompt is None) == (tokens is None):
         raise Ds4Error("give exactly one of -p/--prompt, -f/--file and --tokens")
     if n_predict < -1:
@@ -418,6 +421,7 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
         return _chat(engine, drafter, model, params, seed, n_predict, exact_sampling, prompt)
     conversation = _Session(session, engine, drafter, session_overwrite) if session is not None else None
     ids, tok = _prompt_ids(engine, model, prompt, tokens, raw, conversation)
+    constraint = _json_constraint(json_schema, tok)
     cached = conversation.resume(ids) if conversation is not None else 0
     if n_predict == -1:
         n_predict = max(0, engine.max_context - len(ids))
@@ -439,7 +443,8 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
         out, stats = generate(engine, ids, n_predict, params, np.random.default_rng(seed), drafter=drafter,
                               exact=exact_sampling, stop_ids=tok.stop_ids, on_token=on_token,
                               on_prefill=on_prefill, gate=CostGate.for_engine(engine),
-                              on_prompt=None if conversation is None else lambda: at_prompt.append(engine.snapshot()))
+                              on_prompt=None if conversation is None else lambda: at_prompt.append(engine.snapshot()),
+                              constraint=constraint)
     elapsed = time.perf_counter() - t0
     tps = len(out) / stats.seconds if stats.seconds > 0 else 0.0
     prefill_s = max(elapsed - stats.seconds, 1e-9)
@@ -463,6 +468,26 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
         if verify_depth:
             print("ds4: verify depth " + " ".join(f"{k}:{v}" for k, v in stats.counters["depth"].items()),
                   file=sys.stderr)
+
+
+def _json_constraint(schema: str | None, tok):
+    """The grammar of --json-schema (runtime/grammar.py), or None."""
+    if schema is None:
+        return None
+    from .runtime.grammar import Grammars
+
+    text, where = schema, "--json-schema"
+    if not schema.lstrip().startswith("{"):
+        if not Path(schema).is_file():
+            raise Ds4Error(f"--json-schema {schema}: neither a JSON schema object nor a file holding one")
+        text, where = Path(schema).read_text(errors="replace"), f"--json-schema {schema}"
+    try:
+        parsed = json.loads(text)
+    except ValueError as e:
+        raise Ds4Error(f"{where}: not JSON ({e})") from None
+    if not isinstance(parsed, dict):
+        raise Ds4Error(f"{where}: expected a JSON schema object")
+    return Grammars(tok).json_schema(parsed, where)
 
 
 @app.command()

@@ -136,3 +136,24 @@ def test_text_stays_valid_utf8_across_tokens(model):
     assert follows and follows <= set(range(0x80, 0xA0)) and ids[b"\x9f"] in np.flatnonzero(np.isfinite(masked))
     c.rollback(1)
     assert np.isfinite(c.mask(np.zeros(tok.n_vocab, np.float32))[ids[b"a"]])
+
+
+def test_ds4_run_json_schema(tmp_path_factory, tmp_path):
+    """`ds4 run -j SCHEMA` (text or a file) on the tiny GLM: the printed text validates; a bad schema
+    is one line, exit 2."""
+    import jsonschema
+
+    from conftest import run_ds4
+
+    art = _once_per_run(tmp_path_factory, "grammar-glm", _tiny_glm)
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    for schema in (json.dumps(SCHEMA), str(schema_file)):
+        r = run_ds4("run", "-m", art, "--raw", "-p", "record = ", "-n", "96", "--temp", "0.9", "-s", "5",
+                    "-j", schema, "--json")
+        assert r.returncode == 0, r.stderr
+        jsonschema.validate(json.loads(json.loads(r.stdout)["text"]), SCHEMA)
+    for schema, says in (('{"type": "objectx"}', 'Unsupported type "objectx"'), ("[1]", "neither a JSON schema"),
+                         ("{not json", "not JSON")):
+        r = run_ds4("run", "-m", art, "-p", "x", "-j", schema)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
