@@ -933,6 +933,8 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                                                         help="write, for each compiled function, the kernels a "
                                                              "call runs and the rule that scheduled each"),
                   quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+                  version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                               help="print the version and exit"),
                   force: bool = typer.Option(False, "--force", help="let -o replace a directory that holds another "
                                                                     "model's artifact or other files")):
     """Compile MODEL (and the drafter of its --mtp support file) for TARGET into an artifact directory or a
@@ -1033,15 +1035,33 @@ def _check_out_dir(out: Path, model: Path, force: bool) -> None:
     raise Ds4Error(f"-o {out}: holds {what}; choose another directory, or pass --force to replace it")
 
 
-def _run(typer_app) -> None:
+def _run(typer_app, prog: str) -> None:
+    """Runs a command; bad input of any kind (click's usage errors included, which typer would draw
+    as a box of several lines) is one line on stderr and exit 2."""
+    from typer._click import exceptions as click   # typer (pinned) carries its own click
+
     try:
-        typer_app()
+        code = typer_app(standalone_mode=False, prog_name=prog)
+    except click.NoArgsIsHelpError as e:
+        print(e.format_message(), file=sys.stderr)
+        sys.exit(2)
+    except click.UsageError as e:
+        hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+        print(f"ds4: error: {e.format_message()}{hint}", file=sys.stderr)
+        sys.exit(2)
+    except click.ClickException as e:
+        print(f"ds4: error: {e.format_message()}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("ds4: interrupted", file=sys.stderr)
+        sys.exit(130)
     except Ds4Error as e:
         print(f"ds4: error: {e.message}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("ds4: interrupted", file=sys.stderr)
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _bare_flags(argv: list[str]) -> list[str]:
@@ -1057,11 +1077,11 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("-") and sys.argv[1] not in ("--help", "-h", "--version"):
         sys.argv.insert(1, "run")
     sys.argv[1:] = _bare_flags(sys.argv[1:])
-    _run(app)
+    _run(app, "ds4")
 
 
 def compile_main() -> None:
-    _run(compile_app)
+    _run(compile_app, "ds4-compile")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ of one layer keyed by their GGUF suffix (`ffn_gate_exps.weight`, ...)."""
 from __future__ import annotations
 
 import numpy as np
-from tvm import te, tirx
+from tvm import relax, te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
@@ -46,7 +46,9 @@ def table_experts(table: nn.Tensor, ids: nn.Tensor, scores: nn.Tensor, denominat
     """(experts, weights): each token's row of a token-id table [V, k] and route_weights of the
     scores for them; in the GPU forms one kernel (gpu_kernels.table_experts)."""
     if not exporting_gpu_forms():
-        experts = op.take(table, ids, axis=0)
+        # "clip" (the ids are range-checked before every call, so it never changes a row): the
+        # default "fast" mode makes TVM warn at every compile that it segfaults out of bounds
+        experts = nn.core.wrap_nested(relax.op.take(table._expr, ids._expr, axis=0, mode="clip"), "take")
         return experts, route_weights(scores, experts, denominator, scale)
     (V, k), E = [int(d) for d in table.shape], int(scores.shape[1])
     func = gpu_kernels.table_experts(E, V, k, denominator, float(scale), binds_gpu_threads())

@@ -29,8 +29,23 @@ def _tokens(r) -> list[int]:
 
 
 def test_version():
-    r = run_ds4("--version")
-    assert r.returncode == 0 and r.stdout.startswith("ds4tvm ") and "apache-tvm" in r.stdout
+    from conftest import run_ds4_compile
+
+    for r in (run_ds4("--version"), run_ds4_compile("--version")):
+        assert r.returncode == 0 and r.stdout.startswith("ds4tvm ") and "apache-tvm" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("args, says", [(("run", "--bogus"), "No such option: --bogus (see 'ds4 run --help')"),
+                                        (("run", "--temp", "abc", "-p", "x"), "Invalid value for '--temp'"),
+                                        (("nosuch",), "No such command 'nosuch'"),
+                                        (("compile", "--bogus"), "No such option: --bogus")])
+def test_usage_errors_are_one_line(args, says):
+    """click's usage errors, which typer draws as a box of several lines, are one line and exit 2."""
+    from conftest import run_ds4_compile
+
+    r = run_ds4_compile(*args[1:]) if args[0] == "compile" else run_ds4(*args)
+    assert r.returncode == 2 and r.stderr.startswith("ds4: error: ") and says in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_llama_cpp_spellings_mean_what_ours_do(tiny_artifact, tmp_path):
