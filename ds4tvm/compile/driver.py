@@ -24,15 +24,19 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.
 
 
 class Phases:
-    """A progress bar over the compile phases (on stderr)."""
+    """A progress bar over the compile phases (on stderr, when it is a terminal: redirected, rich
+    would leave a blank line where the bar was)."""
 
     def __init__(self, names: list[str], enabled: bool):
         self.names, self.p = names, None
         if enabled:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+            console = Console(stderr=True)
+            enabled = console.is_terminal
+        if enabled:
             self.p = Progress(TextColumn("ds4-compile"), BarColumn(), TextColumn("{task.description}"),
-                              TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                              TimeElapsedColumn(), console=console, transient=True)
             self.p.start()
             self.task = self.p.add_task(names[0], total=len(names))
         self.times: dict[str, float] = {}

@@ -85,6 +85,8 @@ def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding
 
         tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")   # its own: two first uses may compile at once
         shutil.rmtree(tmp, ignore_errors=True)
+        if progress:
+            print(f"ds4: first use of {path.name}: compiling it for {target} (cached in {out.parent})", file=sys.stderr)
         try:
             compile_gguf(path, target, tmp, bounds, kv_rounding=kv_rounding, progress=progress, support=support,
                          draft_onnx=heads)
