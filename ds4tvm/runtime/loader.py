@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from .. import __version__
@@ -85,11 +86,13 @@ def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding
 
         tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")   # its own: two first uses may compile at once
         shutil.rmtree(tmp, ignore_errors=True)
-        if progress:
-            print(f"ds4: first use of {path.name}: compiling it for {target} (cached in {out.parent})", file=sys.stderr)
         try:
+            t0 = time.perf_counter()
             compile_gguf(path, target, tmp, bounds, kv_rounding=kv_rounding, progress=progress, support=support,
                          draft_onnx=heads)
+            if progress:   # after: a file refused before compiling gets its one error line alone
+                print(f"ds4: first use of {path.name}: compiled it for {target} in {time.perf_counter() - t0:.0f} s "
+                      f"(cached in {out.parent})", file=sys.stderr)
             if not (out / MANIFEST).is_file():   # else another process finished first: keep its copy
                 shutil.rmtree(out, ignore_errors=True)
                 tmp.rename(out)
