@@ -44,7 +44,7 @@ Once upon a time there was a small model that wanted to run fast on every device
 
 
 @lru_cache(maxsize=None)
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     # GPT-2's reversible byte -> printable character map, which byte-level BPE vocabularies use.
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -63,7 +63,7 @@ def synthetic_vocab(n_vocab: int) -> dict:
     specials = [BOS, EOS, USER, ASSISTANT]
     if n_vocab < len(specials) + 256:
         raise Ds4Error(f"vocabulary size {n_vocab} is too small for a byte-level vocabulary (>= 260)")
-    b2u = _byte_to_unicode()
+    b2u = byte_to_unicode()
     tokens = specials + [b2u[b] for b in range(256)]
     types = [CONTROL] * len(specials) + [NORMAL] * 256
     words = Counter()

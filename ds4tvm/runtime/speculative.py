@@ -237,7 +237,7 @@ def _masked(constraint, logits: np.ndarray) -> np.ndarray:
 def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, rng: np.random.Generator,
              drafter: Drafter | None = None, exact: bool = False, stop_ids=frozenset(), on_token=None, mode=None,
              on_prefill=None, on_prompt=None, gate: CostGate | None = None,
-             constraint=None) -> tuple[list[int], SpecStats]:
+             constraint=None, on_choice=None) -> tuple[list[int], SpecStats]:
     """Generates up to n_tokens after `prompt`, of which the engine may hold a prefix already
     (runtime/prefix.py; the rest is prefilled); stops after a token in stop_ids, or when on_token(t)
     returns True. With a drafter, speculates as described above; without one, plain decoding.
@@ -247,7 +247,8 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
     at temperature 0, the drafter is asked only while it pays (CostGate; `ds4 run`, `serve`, `bench`
     and `demo` pass the engine's); given without a drafter, it measures the plain steps. constraint:
     a grammar (runtime/grammar.Constraint) that masks every distribution the loop samples from or
-    checks a draft against, and follows the emitted tokens."""
+    checks a draft against, and follows the emitted tokens. on_choice(t, row): before on_token, with
+    the target's logits row t was chosen or accepted from (the server's logprobs)."""
     out: list[int] = []
     budget = min(n_tokens, engine.max_context - len(prompt))
     held = engine.pos
@@ -261,10 +262,13 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
     t0 = time.perf_counter()
     logits, current, rejected = step.logits, params, None
 
-    def emit(t: int) -> bool:
-        """Appends t; True when generation must end. Updates the sampling mode."""
+    def emit(t: int, row: np.ndarray) -> bool:
+        """Appends t (chosen from the logits row); True when generation must end. Updates the
+        sampling mode."""
         nonlocal current
         out.append(t)
+        if on_choice is not None:
+            on_choice(t, row)
         if constraint is not None:
             constraint.accept(t)
         stop = on_token is not None and on_token(t)
@@ -284,7 +288,7 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
         t, rejected = _choose(_masked(constraint, logits), guess, rejected, current, exact_now, rng), None
         if guess is not None and t != guess:
             drafter.result(0)
-        if emit(t):
+        if emit(t, logits):
             break
         # 2. drafts after t, unless a guess was wrong or t crossed a mode boundary
         drafts, kept = [], 0
@@ -299,7 +303,7 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
             k = _agreeing(drafts, step.logits, current, exact_now, rng, constraint)
             drafter.result(k + (guess is not None))
             while kept < k and not done:
-                done = emit(drafts[kept])
+                done = emit(drafts[kept], step.logits[kept])
                 kept += 1
                 if current != chosen_under:
                     break  # an accepted draft crossed a mode boundary: keep the block up to it

@@ -147,6 +147,19 @@ class Tokenizer:
         n times this many characters cannot be n tokens or fewer."""
         return max(1, max((len(t) for t in self.tokens), default=1))
 
+    @cached_property
+    def _unicode_to_byte(self) -> dict[str, int]:
+        from ..gguf.vocab import byte_to_unicode
+
+        return {c: b for b, c in byte_to_unicode().items()}
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for (a control or user-defined token: its text in UTF-8)."""
+        text = self.tokens[i]
+        if self.token_types[i] in (CONTROL, USER_DEFINED, UNKNOWN) or any(c not in self._unicode_to_byte for c in text):
+            return text.encode()
+        return bytes(self._unicode_to_byte[c] for c in text)
+
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         for i in ids:
             if not 0 <= i < self.n_vocab:

@@ -177,13 +177,14 @@ def openai_tools(body: dict) -> list[dict] | None:
     return tools
 
 
-def refuse_unsupported(body: dict, tool_choices: tuple = ("auto", "none"), formats: bool = True) -> None:
+def refuse_unsupported(body: dict, tool_choices: tuple = ("auto", "none"), openai: bool = True) -> None:
     """Fields a client may send that this server does not act on yet are a 400 naming the field,
     never accepted and ignored (a client asking for a forced tool call must not get unconstrained
-    text as if it were that). formats: whether the endpoint takes `response_format`."""
-    if not formats and body.get("response_format") is not None:
-        raise ApiError(400, "'response_format' is not supported on this endpoint", "response_format")
-    for key in ("logprobs", "top_logprobs", "echo", "suffix", "best_of"):
+    text as if it were that). openai: an OpenAI endpoint (response_format and logprobs apply)."""
+    for key in ("response_format", "logprobs", "top_logprobs"):
+        if not openai and body.get(key) not in (None, False):
+            raise ApiError(400, f"'{key}' is not supported on this endpoint", key)
+    for key in ("echo", "suffix", "best_of"):
         if body.get(key) not in (None, False) and not (key == "best_of" and body[key] == 1):
             raise ApiError(400, f"'{key}' is not supported by this server", key)
     choice = body.get("tool_choice")
@@ -213,6 +214,25 @@ def response_format(body: dict, service):
         return service.grammars.json_schema(spec["schema"], "'response_format.json_schema.schema'")
     except GrammarError as e:
         raise ApiError(400, e.message, "response_format") from None
+
+
+def logprobs_request(body: dict, chat: bool) -> int | None:
+    """How many top alternatives to report with each token's log-probability, or None: chat's
+    `logprobs` (boolean) + `top_logprobs`, completions' `logprobs` (a count). Not with streaming."""
+    if chat:
+        top = field(body, "top_logprobs", "integer")
+        if top is not None and not body.get("logprobs"):
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        n = (top or 0) if field(body, "logprobs", "boolean", False) else None
+    else:
+        n = None if body.get("logprobs") is False else field(body, "logprobs", "integer")
+    if n is not None and not 0 <= n <= 20:
+        raise ApiError(400, f"'{'top_logprobs' if chat else 'logprobs'}' must be 0 to 20, got {n}",
+                       "top_logprobs" if chat else "logprobs")
+    if n is not None and body.get("stream"):
+        raise ApiError(400, "'logprobs' with 'stream' is not supported by this server (ask without streaming)",
+                       "logprobs")
+    return n
 
 
 def chat_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
@@ -245,7 +265,7 @@ def chat_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     job = Job(prompt, budget(service, prompt, field(body, key, "integer"), key), params,
               seed=seed(body), stop=stop_strings(body), tools=tools is not None,
-              constraint=response_format(body, service))
+              constraint=response_format(body, service), logprobs=logprobs_request(body, chat=True))
     stream_opts = field(body, "stream_options", "object", {})
     return job, {"stream": field(body, "stream", "boolean", False),
                  "include_usage": bool(stream_opts.get("include_usage"))}
@@ -275,7 +295,8 @@ def completion_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, 
         raise ApiError(400, "'n' must be 1 (one choice per request)", "n")
     params = sampling(body, d)
     job = Job(prompt, budget(service, prompt, field(body, "max_tokens", "integer", 16), "max_tokens", "prompt"),
-              params, seed=seed(body), stop=stop_strings(body), constraint=response_format(body, service))
+              params, seed=seed(body), stop=stop_strings(body), constraint=response_format(body, service),
+              logprobs=logprobs_request(body, chat=False))
     stream_opts = field(body, "stream_options", "object", {})
     return job, {"stream": field(body, "stream", "boolean", False),
                  "include_usage": bool(stream_opts.get("include_usage"))}
@@ -299,12 +320,33 @@ def openai_tool_calls(r: Result) -> list[dict]:
             for c in r.tool_calls]
 
 
-def chat_response(r: Result, rid: str, created: int, served: str) -> dict:
+def chat_logprobs(r: Result, tok) -> dict | None:
+    """OpenAI chat's `logprobs`: each generated token with its text, bytes and top alternatives."""
+    def one(t, lp):
+        return {"token": tok.decode([t]), "logprob": lp, "bytes": list(tok.token_bytes(t))}
+
+    if r.logprobs is None:
+        return None
+    return {"content": [dict(one(t, lp), top_logprobs=[one(i, x) for i, x in top]) for t, lp, top in r.logprobs]}
+
+
+def completion_logprobs(r: Result, tok) -> dict | None:
+    """OpenAI completions' `logprobs`: tokens, their log-probabilities, the top ones, text offsets."""
+    if r.logprobs is None:
+        return None
+    texts = [tok.decode([t]) for t, _, _ in r.logprobs]
+    offsets = [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in r.logprobs],
+            "top_logprobs": [{tok.decode([i]): x for i, x in top} for _, _, top in r.logprobs], "text_offset": offsets}
+
+
+def chat_response(r: Result, rid: str, created: int, served: str, tok=None) -> dict:
     msg = {"role": "assistant", "content": r.content}
     if r.tool_calls:
         msg["tool_calls"] = openai_tool_calls(r)
     out = {"id": rid, "object": "chat.completion", "created": created, "model": served,
-           "choices": [{"index": 0, "message": msg, "finish_reason": r.finish_reason, "logprobs": None}],
+           "choices": [{"index": 0, "message": msg, "finish_reason": r.finish_reason,
+                        "logprobs": chat_logprobs(r, tok)}],
            "usage": openai_usage(r)}
     if r.spec is not None:
         out["ds4_speculation"] = r.spec
@@ -316,9 +358,10 @@ def chat_chunk(rid: str, created: int, served: str, delta: dict, finish: str | N
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
 
-def completion_response(r: Result, rid: str, created: int, served: str) -> dict:
+def completion_response(r: Result, rid: str, created: int, served: str, tok=None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": served,
-            "choices": [{"index": 0, "text": r.content, "finish_reason": r.finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "text": r.content, "finish_reason": r.finish_reason,
+                         "logprobs": completion_logprobs(r, tok)}],
             "usage": openai_usage(r)}
 
 
@@ -416,7 +459,7 @@ def detokenize(body: dict, service, served: str, d: Defaults) -> dict:
 
 def messages_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
     check_model(body, served)
-    refuse_unsupported(body, ("auto", "none"), formats=False)
+    refuse_unsupported(body, ("auto", "none"), openai=False)
     max_tokens = field(body, "max_tokens", "integer", required=True)
     messages = anthropic_messages(body)
     tools = anthropic_tools(body)

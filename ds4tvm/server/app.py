@@ -236,7 +236,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
         events = start(job)
         if not opts["stream"]:
             r = await result(request, job, events)
-            return JSONResponse(api.chat_response(r, rid, created, served))
+            return JSONResponse(api.chat_response(r, rid, created, served, service.tok))
 
         def chunk(delta, finish=None):
             return _sse(api.chat_chunk(rid, created, served, delta, finish))
@@ -260,7 +260,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
         events = start(job)
         if not opts["stream"]:
             r = await result(request, job, events)
-            return JSONResponse(api.completion_response(r, rid, created, served))
+            return JSONResponse(api.completion_response(r, rid, created, served, service.tok))
 
         def done(r):
             yield _sse(api.completion_chunk(rid, created, served, "", r.finish_reason))

@@ -42,6 +42,7 @@ class Job:
     stop: tuple[str, ...] = ()
     tools: bool = False                  # tool definitions were given: parse calls, greedy inside them
     constraint: object = None            # a grammar the output follows (runtime/grammar.Constraint)
+    logprobs: int | None = None          # report log-probabilities, with this many top alternatives
     send: object = None                  # send(kind, payload): kind is "text", "done" or "error"
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -57,12 +58,23 @@ class Result:
     spec: dict | None = None
     seconds: float = 0.0
     cached_tokens: int = 0               # prompt tokens continued from a slot or checkpoint, not prefilled
+    logprobs: list | None = None         # per generated token: (id, logprob, [(id, logprob) of the top ones])
 
 
 @dataclass
 class Slot:
     seq: object                          # an engine sequence (Engine.new_sequence)
     used: float = 0.0                    # when a job last ran on it (monotonic clock)
+
+
+def token_logprobs(t: int, row: np.ndarray, top: int) -> tuple:
+    """(t, its log-probability, the top alternatives) under the model's distribution: the raw
+    logits row, before temperature, filters and grammar (what vLLM reports by default)."""
+    x = row.reshape(-1).astype(np.float64)
+    lp = x - x.max()
+    lp -= np.log(np.exp(lp).sum())
+    best = np.argsort(-lp, kind="stable")[:top]
+    return t, float(lp[t]), [(int(i), float(lp[i])) for i in best]
 
 
 class Service:
@@ -122,6 +134,11 @@ class Service:
         def mode(out):  # structured (greedy) decoding inside a tool-call block
             return GREEDY if stream.in_tool_call else job.params
 
+        chosen = [] if job.logprobs is not None else None
+
+        def on_choice(t: int, row: np.ndarray) -> None:
+            chosen.append(token_logprobs(t, row, job.logprobs))
+
         t0 = time.perf_counter()
         cached, after_prompt = self._resume(job.prompt), []
         try:
@@ -132,7 +149,7 @@ class Service:
                                   on_prefill=lambda done, total: job.cancelled.is_set(),
                                   gate=CostGate.for_engine(self.engine),
                                   on_prompt=lambda: after_prompt.append(self.engine.snapshot()),
-                                  constraint=job.constraint)
+                                  constraint=job.constraint, on_choice=None if chosen is None else on_choice)
         finally:  # stored after the answer: writing a file must not delay its first token
             for cp in after_prompt + [self.engine.snapshot()]:
                 self.store.add(cp)
@@ -147,7 +164,7 @@ class Service:
         else:
             reason = "length"
         return Result(stream.content(), calls, reason, stream.stop_string, len(job.prompt), len(out),
-                      stats.as_dict() if self.drafter is not None else None, time.perf_counter() - t0, cached)
+                      stats.as_dict() if self.drafter is not None else None, time.perf_counter() - t0, cached, chosen)
 
     def _resume(self, prompt: list[int]) -> int:
         """Attaches the slot that can continue the longest prefix of prompt by itself (ties: the least

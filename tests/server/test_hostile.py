@@ -198,12 +198,13 @@ def test_hostile_templates_end_with_a_clean_error(template, reason, monkeypatch)
 
 @pytest.mark.parametrize("path, extra, field", [
     ("/v1/messages", {"response_format": {"type": "json_object"}}, None),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 3}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 3, "stream": True}, "logprobs"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
      "tool_choice"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
                               "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"logprobs": 2, "stream": True}, "logprobs"),
+    ("/v1/messages", {"logprobs": True}, None),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/messages", {"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "any"}}, None),
 ])

@@ -112,3 +112,37 @@ def test_structured_outputs_with_the_openai_client(server):
     r = client.chat.completions.create(model="demo", messages=messages, max_tokens=16, temperature=0,
                                        response_format={"type": "json_object"})
     assert r.choices[0].message.content.startswith("{"), r
+
+
+def test_logprobs_of_chat_and_completions(server, demo_pair):
+    """logprobs through the real openai client: each token's log-probability and its top ones under
+    the model's distribution, checked for the first token against scipy's log_softmax of the
+    engine's own logits for the same prompt; at temperature 0 the chosen token is the top one; the
+    tokens' text is the content. With streaming: a 400 naming logprobs."""
+    import numpy as np
+    from openai import BadRequestError, OpenAI
+    from scipy.special import log_softmax
+
+    from ds4tvm.runtime.engine import Engine
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    prompt = [5, 17, 99, 3, 42, 8]
+    r = client.completions.create(model="demo", prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    want = log_softmax(Engine(demo_pair[2]).prefill(prompt).logits.reshape(-1).astype(np.float64))
+    best = np.argsort(-want)[:3]
+    assert abs(lp.token_logprobs[0] - want[best[0]]) <= 1e-5
+    assert sorted(lp.top_logprobs[0].values(), reverse=True) == pytest.approx(list(want[best]), abs=1e-5)
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    for c in content:
+        assert c.logprob <= 0 and c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-9)
+        assert bytes(c.bytes).decode(errors="replace") == c.token or "\ufffd" in c.token
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       logprobs=True, stream=True)
+    assert "logprobs" in str(e.value)
