@@ -581,7 +581,8 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
         print(f"ds4 serve: warning: listening on {host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr, flush=True)
     print(f"ds4 serve: {served} on http://{host}:{port}/v1 (context {service.ctx}, "
-          f"{type(drafter).__name__ if drafter is not None else 'target-only'} decoding)", file=sys.stderr, flush=True)
+          f"{drafter.NAME + ' speculative' if drafter is not None else 'target-only'} decoding)", file=sys.stderr,
+          flush=True)
     uvicorn.run(application, host=host, port=port, log_level="warning")
 
 

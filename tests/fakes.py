@@ -102,6 +102,8 @@ class ScriptedDrafter:
     the chosen token are script[i + 1:]. Like ds4's drafters it stays silent in the last
     tail_min_tokens tokens."""
 
+    NAME = "scripted"
+
     def __init__(self, script: list[int], block_size: int = 5, wrong_at: int | None = None, vocab: int = 512,
                  empty: bool = False, mode: str = "guess", tail_min_tokens: int = 10):
         self.script, self.block_size, self.wrong_at, self.vocab, self.empty = script, block_size, wrong_at, vocab, empty

@@ -44,6 +44,8 @@ from .sampler import SamplingParams, argmax, filtered_probs, sample
 
 
 class Drafter(Protocol):
+    NAME: str   # what it is called in its stats line, the server's start line and /props ("GLM MTP")
+
     def begin(self, engine, step, stop_ids) -> None:
         """The target has prefilled the prompt (`step`: its Step, with the named extra outputs)
         from position engine.pos - len(step rows); when that is > 0 (prefix reuse, runtime/prefix.py)
@@ -99,6 +101,15 @@ class DraftCounters:
         d["avg_accept"] = self.accepted_draft / self.cycles if self.cycles else 0.0
         d["depth"] = {str(k): v for k, v in sorted(self.depth.items())}
         return d
+
+
+def stats_line(name: str, d: dict, tok_s: float, **extra) -> str:
+    """Every drafter's stats line, one format: `ds4: NAME stats` then the common counters of d
+    (DraftCounters.as_dict), the drafter's own as key=value, and the decode speed."""
+    common = (f"cycles={d['cycles']} proposed={d['proposed']} accepted_draft={d['accepted_draft']} "
+              f"accept_rate={100 * d['accept_rate']:.2f}% avg_accept={d['avg_accept']:.3f}")
+    own = "".join(f" {k}={v}" for k, v in extra.items())
+    return f"ds4: {name} stats {common}{own} t/s={tok_s:.2f}"
 
 
 @dataclass

@@ -327,7 +327,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
     async def props(request: Request):
         e = service.engine
         return JSONResponse({"model": served, "family": e.manifest.family, "n_ctx": service.ctx,
-                             "target": e.manifest.target_name, "drafter": type(service.drafter).__name__
+                             "target": e.manifest.target_name, "drafter": service.drafter.NAME
                              if service.drafter is not None else None,
                              "default_sampling": {"temperature": defaults.temperature, "top_p": defaults.top_p,
                                                   "top_k": defaults.top_k, "min_p": defaults.min_p}})

@@ -208,7 +208,7 @@ def test_cli_mtp_identity_timing_and_flag_errors(model):
     assert lines and all(re.fullmatch(r"ds4: glm mtp cycle: verify2 [\d.]+ ms, head\+draft [\d.]+ ms, "
                                       r"(ACCEPT|reject) \(draft \d+ .+ vs true (\d+ .+|none \(generation ended\))\)",
                                       ln) for ln in lines), lines[:3]
-    assert re.search(r"ds4: glm mtp stats cycles=\d+ proposed=\d+ accepted_draft=\d+ accept_rate=[\d.]+%",
+    assert re.search(r"ds4: GLM MTP stats cycles=\d+ proposed=\d+ accepted_draft=\d+ accept_rate=[\d.]+%",
                      timed.stderr)
     for flags, says in ((("--mtp", gguf), "read no support file"), (("--dspark",), "has no DSpark drafter"),
                         (("--mtp", "--mtp-draft", "3"), "drafts one token")):

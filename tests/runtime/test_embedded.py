@@ -82,4 +82,4 @@ def test_serve_without_a_model_answers_the_openai_client(cache):
         assert r.choices[0].text.strip() and r.usage.completion_tokens > 0
     finally:
         log = server.stop()
-    assert "using the embedded demo model" in log and "DSparkDrafter decoding" in log
+    assert "using the embedded demo model" in log and "DSpark speculative decoding" in log

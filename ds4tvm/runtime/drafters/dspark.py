@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import Ds4Error
-from ..speculative import DraftCounters
+from ..speculative import DraftCounters, stats_line
 
 DEFAULT_THETA = 0.7
 EXACT_DEFAULT_THETA = 0.8
@@ -100,6 +100,7 @@ class Scheduler:
 
 
 class DSparkDrafter:
+    NAME = "DSpark"
     def __init__(self, engine, theta: float = DEFAULT_THETA, max_block: int | None = None,
                  scheduler: Scheduler | None = None):
         d = engine.drafters.get("dspark")
@@ -172,11 +173,8 @@ class DSparkDrafter:
 
     def stats_line(self, tok_s):
         d = self.counters()
-        return (f"ds4: DSpark stats cycles={d['cycles']} first_tokens={d['first_tokens']} proposed={d['proposed']} "
-                f"accepted_draft={d['accepted_draft']} accept_rate={100 * d['accept_rate']:.2f}% "
-                f"avg_accept={d['avg_accept']:.3f} full={d['full']} partial={d['partial']} "
-                f"miss_first={d['miss_first']} no_draft={d['no_draft']} scheduler_skips={d['scheduler_skips']} "
-                f"t/s={tok_s:.2f}")
+        return stats_line(self.NAME, d, tok_s, **{k: d[k] for k in ("first_tokens", "full", "partial", "miss_first",
+                                                                      "no_draft", "scheduler_skips")})
 
     # ------------------------------------------------------------------ the drafter itself
     def _write_rings(self, engine, captured, start, direct):

@@ -23,10 +23,11 @@ import time
 import numpy as np
 
 from ...errors import Ds4Error
-from ..speculative import DraftCounters
+from ..speculative import DraftCounters, stats_line
 
 
 class GLMMTPDrafter:
+    NAME = "GLM MTP"
     def __init__(self, engine, timing: bool = False, exact: bool = False, out=None):
         if "glm_mtp" not in engine.drafters:
             raise Ds4Error(f"{engine.dir}: this artifact has no GLM MTP layer; compile a GGUF that holds its nextn "
@@ -100,8 +101,7 @@ class GLMMTPDrafter:
 
     def stats_line(self, tok_s):
         d = self.counters()
-        return (f"ds4: glm mtp stats cycles={d['cycles']} proposed={d['proposed']} accepted_draft={d['accepted_draft']} "
-                f"accept_rate={100 * d['accept_rate']:.2f}% avg_accept={d['avg_accept']:.3f} t/s={tok_s:.2f}")
+        return stats_line(self.NAME, d, tok_s)
 
     def _write_rows(self, engine, hidden: np.ndarray, tokens: list[int], start: int, before) -> None:
         """Rows of committed positions start..: token i with the hidden state of position i - 1

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from ...errors import Ds4Error
-from ..speculative import DraftCounters
+from ..speculative import DraftCounters, stats_line
 
 DEFAULT_MARGIN = 3.0
 MAX_DRAFT = 16
@@ -26,6 +26,7 @@ def _margin(logits: np.ndarray) -> float:
 
 
 class MTPDrafter:
+    NAME = "MTP"
     def __init__(self, engine, n_draft: int = 2, margin: float = DEFAULT_MARGIN, timing: bool = False):
         if "mtp" not in engine.drafters:
             raise Ds4Error(f"{engine.dir}: this artifact has no legacy MTP drafter; compile it with --mtp MTP.gguf")
@@ -89,9 +90,7 @@ class MTPDrafter:
 
     def stats_line(self, tok_s):
         d = self.counters()
-        return (f"ds4: MTP stats cycles={d['cycles']} proposed={d['proposed']} accepted_draft={d['accepted_draft']} "
-                f"accept_rate={100 * d['accept_rate']:.2f}% avg_accept={d['avg_accept']:.3f} full={d['full']} "
-                f"partial={d['partial']} miss_first={d['miss_first']} margin_skips={d['margin_skips']} t/s={tok_s:.2f}")
+        return stats_line(self.NAME, d, tok_s, **{k: d[k] for k in ("full", "partial", "miss_first", "margin_skips")})
 
     def _write_rows(self, engine, streams: np.ndarray, tokens: list[int], start: int, before) -> None:
         """Ring rows for committed positions start..: token i with the streams of position i - 1

@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import Ds4Error
-from ..speculative import DraftCounters
+from ..speculative import DraftCounters, stats_line
 
 
 class ONNXDrafter:
+    NAME = "ONNX heads"
     def __init__(self, engine):
         settings = engine.drafters.get("onnx")
         if settings is None:
@@ -59,10 +60,7 @@ class ONNXDrafter:
     def stats_line(self, tok_s):
         d = self.counters()
         heads = ",".join(f"{100 * r:.1f}%" for r in d["head_accept_rate"])
-        return (f"ds4: ONNX heads stats cycles={d['cycles']} proposed={d['proposed']} "
-                f"accepted_draft={d['accepted_draft']} accept_rate={100 * d['accept_rate']:.2f}% "
-                f"avg_accept={d['avg_accept']:.3f} full={d['full']} partial={d['partial']} "
-                f"miss_first={d['miss_first']} per_head={heads} t/s={tok_s:.2f}")
+        return stats_line(self.NAME, d, tok_s, **{k: d[k] for k in ("full", "partial", "miss_first")}, per_head=heads)
 
 
 def from_options(engine, options):

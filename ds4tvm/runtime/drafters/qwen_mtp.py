@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import Ds4Error
-from ..speculative import DraftCounters
+from ..speculative import DraftCounters, stats_line
 
 DEPTH_ENV = "DS4_QWEN4_MTP_DEPTH"
 FLUSH_ROWS = 32     # committed rows left unwritten (plain steps while the cost gate pauses) before a write
@@ -73,6 +73,7 @@ class DepthPolicy:
 
 
 class QwenMTPDrafter:
+    NAME = "Qwen3.8 MTP"
     def __init__(self, engine, timing: bool = False, exact: bool = False, out=None):
         if "qwen_mtp" not in engine.drafters:
             raise Ds4Error(f"{engine.dir}: this artifact has no Qwen3.8 MTP layer; compile a GGUF that holds its "
@@ -156,10 +157,9 @@ class QwenMTPDrafter:
 
     def stats_line(self, tok_s):
         d = self.counters()
-        per = ", ".join(f"depth {k}: {v['cycles']} cycles {v['accepted_draft']}/{v['proposed']}"
-                        for k, v in d["by_depth"].items() if v["cycles"])
-        return (f"ds4: Qwen3.8 mtp: {d['cycles']} verify cycles, {d['accepted_draft']} drafts accepted "
-                f"({100 * d['accept_rate']:.1f}%){'; ' + per if per else ''}; t/s={tok_s:.2f}")
+        per = {f"depth{k}": f"{v['accepted_draft']}/{v['proposed']}@{v['cycles']}"
+               for k, v in d["by_depth"].items() if v["cycles"]}
+        return stats_line(self.NAME, d, tok_s, **per)
 
     def _write(self, engine, tokens: list[int], before: list) -> None:
         """Rows of the committed positions that end at engine.pos."""
