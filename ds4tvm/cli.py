@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -376,11 +377,12 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
                                                    "(- : standard input)"),
         n_predict: int = typer.Option(64, "-n", "--n-predict", help="tokens to generate (-1: until the end of "
                                                                       "the text or the context)"),
-        temp: float = typer.Option(1.0, "--temp", "--temperature", help="temperature; 0 is greedy"),
-        top_p: float = typer.Option(1.0, "--top-p"),
+        temp: Optional[float] = typer.Option(None, "--temp", "--temperature", help="temperature; 0 is greedy "
+                                             "(default: the model family's, ds4's: 1)"),
+        top_p: Optional[float] = typer.Option(None, "--top-p", help="default: the family's (1; GLM-5.3 0.95)"),
         top_k: int = typer.Option(0, "--top-k", help="0: off"),
-        min_p: float = typer.Option(0.05, "--min-p"),
-        seed: int = typer.Option(0, "-s", "--seed"),
+        min_p: Optional[float] = typer.Option(None, "--min-p", help="default: the family's (0.05; GLM-5.3 0)"),
+        seed: Optional[int] = typer.Option(None, "-s", "--seed", help="default: a random one (--json prints it)"),
         mtp: MtpOpt = None, mtp_draft: MtpDraftOpt = 1, mtp_margin: MtpMarginOpt = None,
         mtp_timing: MtpTimingOpt = False, dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None,
         dspark_strict: DSparkStrictOpt = False, draft_onnx: DraftOnnxOpt = None,
@@ -401,10 +403,10 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
     _threads(threads)
     import numpy as np
 
-    from .runtime.sampler import SamplingParams
     from .runtime.speculative import CostGate, generate
 
-    params = SamplingParams(temp, top_p, top_k, min_p).check()
+    _sampling(None, temp, top_p, top_k, min_p)   # bad values fail before anything loads
+    seed = secrets.randbits(32) if seed is None else seed
     prompt = _prompt_text(prompt, prompt_file)
     if interactive and (tokens is not None or raw or session is not None or as_json or json_schema is not None):
         raise Ds4Error("-i/--interactive: a chat on standard input; --tokens, --raw, --session, --json and "
@@ -417,6 +419,7 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
                             quality, exact_sampling, draft_onnx)
     model = _model_or_embedded(model, progress=not as_json)
     engine, drafter = _speculative_engine(model, options, target, ctx, progress=not as_json)
+    params = _sampling(engine, temp, top_p, top_k, min_p)
     if interactive:
         return _chat(engine, drafter, model, params, seed, n_predict, exact_sampling, prompt)
     conversation = _Session(session, engine, drafter, session_overwrite) if session is not None else None
@@ -452,7 +455,7 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
     if conversation is not None:
         conversation.save(tok, ids, out, stream.content(), at_prompt)
     if as_json:
-        info = {"tokens": out, "text": stream.content(), "n_prompt": len(ids), "n_cached": cached,
+        info = {"tokens": out, "text": stream.content(), "seed": seed, "n_prompt": len(ids), "n_cached": cached,
                 "n_generated": len(out), "prefill_tok_s": round((len(ids) - cached) / prefill_s, 2),
                 "decode_tok_s": round(tps, 2)}
         if drafter is not None:
@@ -468,6 +471,18 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
         if verify_depth:
             print("ds4: verify depth " + " ".join(f"{k}:{v}" for k, v in stats.counters["depth"].items()),
                   file=sys.stderr)
+
+
+def _sampling(engine, temp, top_p, top_k: int, min_p):
+    """The flags given, checked, and the model family's defaults for the others (ds4's: temperature
+    1, top-p 1, min-p 0.05; GLM-5.3's top-p 0.95, min-p 0); engine None: the values given alone
+    checked, before anything is loaded."""
+    from .families import family_named
+    from .runtime.sampler import SamplingParams
+
+    t, p, m = family_named(engine.manifest.family).sampling if engine is not None else (1.0, 1.0, 0.05)
+    return SamplingParams(t if temp is None else temp, p if top_p is None else top_p, top_k,
+                          m if min_p is None else min_p).check()
 
 
 def _json_constraint(schema: str | None, tok):
@@ -498,10 +513,11 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
           ctx: Optional[int] = typer.Option(None, "-c", "--ctx", "--ctx-size", help="context per request (default: the "
                                             "artifact's; 4096 when compiling a GGUF on first use)"),
           alias: Optional[str] = typer.Option(None, "--alias", help="model id clients use (default: the file name)"),
-          temp: float = typer.Option(1.0, "--temp", "--temperature", help="default temperature; 0 is greedy"),
-          top_p: float = typer.Option(1.0, "--top-p"),
+          temp: Optional[float] = typer.Option(None, "--temp", "--temperature", help="default temperature; 0 is "
+                                               "greedy (default: the model family's, ds4's: 1)"),
+          top_p: Optional[float] = typer.Option(None, "--top-p", help="default: the family's (1; GLM-5.3 0.95)"),
           top_k: int = typer.Option(0, "--top-k", help="0: off"),
-          min_p: float = typer.Option(0.05, "--min-p"),
+          min_p: Optional[float] = typer.Option(None, "--min-p", help="default: the family's (0.05; GLM-5.3 0)"),
           mtp: MtpOpt = None, mtp_draft: MtpDraftOpt = 1, mtp_margin: MtpMarginOpt = None,
           mtp_timing: MtpTimingOpt = False, dspark: DSparkOpt = False, dspark_confidence: DSparkConfidenceOpt = None,
           dspark_strict: DSparkStrictOpt = False, draft_onnx: DraftOnnxOpt = None, quality: QualityOpt = False,
@@ -522,10 +538,9 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
           target: str = TargetOpt, threads: Optional[int] = ThreadsOpt):
     """OpenAI- and Anthropic-compatible HTTP server (chat/completions, completions, messages)."""
     _threads(threads)
-    from .runtime.sampler import SamplingParams
     from .runtime.tokenizer import Tokenizer
 
-    SamplingParams(temp, top_p, top_k, min_p).check()
+    _sampling(None, temp, top_p, top_k, min_p)
     if not 0 < port < 65536:
         raise Ds4Error(f"--port {port}: expected 1..65535")
     if ctx is not None and ctx < 2:
@@ -574,7 +589,8 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
                       tool_syntax=load_attr(syntax) if syntax else None, slots=slots, store=store)
     served = alias or engine.gguf.get("general.name", "str", default=None) or \
         (model.name if model.is_dir() else model.stem)
-    application = create_app(service, served, Defaults(temp, top_p, top_k, min_p), keepalive=keepalive,
+    p = _sampling(engine, temp, top_p, top_k, min_p)
+    application = create_app(service, served, Defaults(p.temperature, p.top_p, p.top_k, p.min_p), keepalive=keepalive,
                              api_key=api_key, log_format=None if log_format == "none" else log_format,
                              cors_origins=tuple(cors_origins))
     if api_key is None and not _loopback(host):

@@ -111,6 +111,8 @@ class Family:
     # is chosen: flags that mean nothing for its drafters are a Ds4Error, not silently ignored
     check_speculation: Callable[[Any], None] | None = None
     title: str = ""                                 # the model's published name, for users (`ds4 inspect`)
+    # ds4's sampling defaults for this family's models: (temperature, top-p, min-p)
+    sampling: tuple[float, float, float] = (1.0, 1.0, 0.05)
 
     def drafter_for_support(self, support: "Family") -> DraftSpec | None:
         return next((d for d in self.drafters if d.support == support.name), None)

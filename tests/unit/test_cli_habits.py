@@ -143,3 +143,25 @@ def test_interactive_chat_continues_each_turn_and_answers_as_sessions_do(tiny_ar
         assert one.returncode == 0, one.stderr
         said.append(json.loads(one.stdout)["text"])
     assert answers == said, (answers, said)
+
+
+def test_sampling_defaults_are_the_model_familys_and_the_seed_is_random(tiny_artifact):
+    """ds4's defaults per family (temperature 1, top-p 1, min-p 0.05; GLM-5.3 top-p 0.95, min-p 0),
+    flags over them; without -s each run draws a seed, which --json prints and -s repeats."""
+    from types import SimpleNamespace
+
+    from ds4tvm.cli import _sampling
+
+    def engine(family):
+        return SimpleNamespace(manifest=SimpleNamespace(family=family))
+
+    for family, want in (("deepseek4", (1.0, 1.0, 0.05)), ("qwen4exp", (1.0, 1.0, 0.05)), ("glm5next", (1.0, 0.95, 0.0))):
+        p = _sampling(engine(family), None, None, 0, None)
+        assert (p.temperature, p.top_p, p.min_p) == want, family
+    p = _sampling(engine("glm5next"), 0.5, 0.8, 40, 0.1)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.5, 0.8, 40, 0.1)
+    base = ("run", "-m", tiny_artifact, "--raw", "-p", "hello there", "-n", 8, "--json")
+    first, second = (json.loads(run_ds4(*base).stdout) for _ in range(2))
+    assert first["seed"] != second["seed"]
+    again = json.loads(run_ds4(*base, "-s", first["seed"]).stdout)
+    assert again["tokens"] == first["tokens"] and again["seed"] == first["seed"]

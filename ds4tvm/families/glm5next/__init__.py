@@ -14,6 +14,7 @@ FAMILY = Family(
     build=f"{_HERE}.build:build", check_bounds=check_bounds, default_bounds=DEFAULT_BOUNDS,
     describe=Config.describe, hf_model_types=("glm5_next",), convert=f"{_HERE}.convert:convert_hf",
     published=f"{_HERE}.build:published", tool_syntax=f"{_HERE}.tools:GLMToolSyntax",
+    sampling=(1.0, 0.95, 0.0),
     check_speculation=nextn_speculation("GLM-5.3", 2, "drafts one token (2 per cycle with the chosen one)"),
     drafters=(DraftSpec("glm_mtp", "GLM MTP", "--mtp", support=None, enabled=lambda o: o.mtp is not None or o.mtp_timing,
                         drafter="ds4tvm.runtime.drafters.glm_mtp:from_options",
