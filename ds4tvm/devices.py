@@ -47,6 +47,25 @@ def probe_device(kind: str):
     return dev, None
 
 
+KFD_NODES = Path("/sys/class/kfd/kfd/topology/nodes")
+
+
+def rocm_arches(nodes: Path = KFD_NODES) -> list[str]:
+    """The gfx names of this machine's ROCm GPUs, from the kernel driver's topology (TVM's runtime
+    does not report them): each GPU node's `gfx_target_version` is major * 10000 + minor * 100 +
+    stepping, written gfx{major}{minor:x}{stepping:x} (90402: gfx942, 90010: gfx90a)."""
+    found = []
+    for props in sorted(nodes.glob("*/properties")):
+        try:
+            fields = dict(line.split(None, 1) for line in props.read_text().splitlines() if " " in line)
+            v = int(fields.get("gfx_target_version", "0"))
+        except (OSError, ValueError):
+            continue
+        if v:
+            found.append(f"gfx{v // 10000}{v // 100 % 100:x}{v % 100:x}")
+    return found
+
+
 def device_for(m: Manifest, art_dir: Path):
     """The device an artifact's code runs on here, or one line saying why it cannot run here."""
     found = probe_device(m.device)

@@ -79,13 +79,13 @@ def resolve(value: str) -> Target:
     raise Ds4Error(f"--target {value!r} is not a target; expected one of: {_valid()}")
 
 
-def detect(value: str) -> str:
+def detect(value: str, kfd_nodes=None) -> str:
     """`auto`, or a bare `cuda` / `rocm`: the target of the device this machine has (auto: a CUDA
-    GPU's architecture, else this CPU); any other value as given. A ROCm GPU's gfx name cannot be
-    read through TVM's runtime: name it (rocm:gfxNNNN)."""
+    GPU's architecture, else a ROCm GPU's (its gfx name from the kernel driver, devices.rocm_arches),
+    else this CPU); any other value as given."""
     if value not in ("auto", "cuda", "rocm"):
         return value
-    from ..devices import probe_device
+    from ..devices import KFD_NODES, probe_device, rocm_arches
 
     found = probe_device("cuda") if value in ("auto", "cuda") else None
     if found is not None and found[1] in CUDA_ARCHES:
@@ -93,9 +93,15 @@ def detect(value: str) -> str:
     if found is not None:
         raise Ds4Error(f"--target {value}: this GPU is {found[1]}, which ds4tvm does not compile for; expected one "
                        f"of {', '.join(CUDA_ARCHES)}")
+    gfx = rocm_arches(kfd_nodes or KFD_NODES) if value in ("auto", "rocm") else []
+    if gfx and gfx[0] in ROCM_ARCHES:
+        return f"rocm:{gfx[0]}"
+    if gfx:
+        raise Ds4Error(f"--target {value}: this GPU is {gfx[0]}, which ds4tvm does not compile for; expected one "
+                       f"of {', '.join(ROCM_ARCHES)}")
     if value == "auto":
         return "cpu"
-    what = "a ROCm GPU's architecture is not detected" if value == "rocm" else "this machine has no CUDA device"
+    what = "this machine has no ROCm GPU" if value == "rocm" else "this machine has no CUDA device"
     raise Ds4Error(f"--target {value}: {what}; name the target: {_valid()}")
 
 

@@ -82,16 +82,40 @@ def test_options_that_would_be_ignored_are_refused(tiny_artifact, tmp_path):
         r = run_ds4("run", "-m", gguf, "--tokens", "5", "-n", 1, "--target", target, timeout=60)
         _one_line_error(r, "this machine has no CUDA device")   # before a compile of tens of seconds
     _one_line_error(run_ds4("run", "-m", gguf, "--tokens", "5", "-n", 1, "--target", "rocm", timeout=60),
-                    "a ROCm GPU's architecture is not detected", "rocm:gfxNNN")
+                    "this machine has no ROCm GPU", "rocm:gfx")
 
 
 def test_target_auto_is_this_machines_device():
     from ds4tvm.compile.targets import detect
-    from ds4tvm.devices import probe_device
+    from ds4tvm.devices import probe_device, rocm_arches
 
-    cuda = probe_device("cuda")
-    assert detect("auto") == (f"cuda:{cuda[1]}" if cuda is not None else "cpu")
+    cuda, gfx = probe_device("cuda"), rocm_arches()
+    assert detect("auto") == (f"cuda:{cuda[1]}" if cuda is not None else f"rocm:{gfx[0]}" if gfx else "cpu")
     assert detect("cuda:sm_80") == "cuda:sm_80" and detect("llvm") == "llvm"
+
+
+def test_a_rocm_gpu_is_named_from_the_kernel_drivers_topology(tmp_path):
+    """A KFD topology like an MI300 machine's (a CPU node, then GPU nodes): rocm and auto name gfx942;
+    an RDNA2 card (gfx1030) is named and refused; no GPU node: rocm is refused, auto is the CPU."""
+    from ds4tvm.compile.targets import detect
+    from ds4tvm.devices import probe_device, rocm_arches
+    from ds4tvm.errors import Ds4Error
+
+    def topology(name, *versions):
+        for i, v in enumerate(versions):
+            (tmp_path / name / str(i)).mkdir(parents=True)
+            (tmp_path / name / str(i) / "properties").write_text(f"cpu_cores_count 8\ngfx_target_version {v}\n")
+        return tmp_path / name
+
+    mi300, mi200 = topology("mi300", 0, 90402, 90402), topology("mi200", 90010)
+    assert rocm_arches(mi300) == ["gfx942", "gfx942"] and rocm_arches(mi200) == ["gfx90a"]
+    assert detect("rocm", mi300) == "rocm:gfx942"
+    if probe_device("cuda") is None:
+        assert detect("auto", mi300) == "rocm:gfx942" and detect("auto", topology("cpu", 0)) == "cpu"
+    with pytest.raises(Ds4Error, match="this GPU is gfx1030, which ds4tvm does not compile for"):
+        detect("rocm", topology("rdna2", 100300))
+    with pytest.raises(Ds4Error, match="this machine has no ROCm GPU"):
+        detect("rocm", topology("none", 0))
 
 
 def test_compile_output_onto_another_models_artifact_is_refused(tiny_artifact, tmp_path):
