@@ -2,7 +2,7 @@
 call, several in a row), the form GLM's and Qwen's chat templates teach. A subclass gives the
 pattern of a call (`_call`: groups name and body) and of an argument in its body (`_arg`: groups
 key and value); a value that reads as JSON is taken as JSON (the templates write non-strings as
-JSON), anything else as the string."""
+JSON), anything else as the string without the whitespace around it."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class TaggedToolSyntax:
             for key, value in self._arg.findall(body):
                 try:
                     args[key.strip()] = json.loads(value)
-                except json.JSONDecodeError:
-                    args[key.strip()] = value
+                except json.JSONDecodeError:   # a string; whitespace around it is layout, as for JSON
+                    args[key.strip()] = value.strip()
             calls.append({"name": name, "arguments": args})
         return calls

@@ -58,20 +58,26 @@ def _first_line(e: Exception) -> str:
 _SECOND = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
 
-def _never_valid(b: bytes) -> bool:
-    """Whether these bytes cannot stand in valid UTF-8 (nor in compact JSON) wherever they occur."""
-    return (any(c < 0x20 or c in (0xC0, 0xC1) or c >= 0xF5 for c in b)
+def _never_valid(b: bytes, in_json: bool) -> bool:
+    """Whether these bytes cannot stand in valid UTF-8 (nor, in_json, in compact JSON) wherever
+    they occur."""
+    return (any(c in (0xC0, 0xC1) or c >= 0xF5 or (in_json and c < 0x20) for c in b)
             or any(c in _SECOND and not _SECOND[c][0] <= d <= _SECOND[c][1] for c, d in zip(b, b[1:])))
 
 
 class Vocabulary:
-    """What a Constraint checks of each token beyond the grammar: refused outright (`refused`),
-    its first and last byte (-1: none) for the UTF-8 rule across token boundaries."""
+    """What a Constraint checks of each token beyond the grammar: refused outright (`refused`, in
+    JSON; `refused_text`, in a tool call's text, where newlines are the syntax's), its first and
+    last byte (-1: none) for the UTF-8 rule across token boundaries."""
 
     def __init__(self, tokenizer, decoded: list[bytes]):
         types, stop = tokenizer.token_types, tokenizer.stop_ids
-        self.refused = np.array([i for i, b in enumerate(decoded) if i not in stop and
-                                 (types[i] in (CONTROL, UNKNOWN, UNUSED) or _never_valid(b))], np.int64)
+
+        def refused(in_json: bool) -> np.ndarray:
+            return np.array([i for i, b in enumerate(decoded) if i not in stop and
+                             (types[i] in (CONTROL, UNKNOWN, UNUSED) or _never_valid(b, in_json))], np.int64)
+
+        self.refused, self.refused_text = refused(True), refused(False)
         self.first = np.array([b[0] if b else -1 for b in decoded])
         self.last = [b[-1] if b else -1 for b in decoded]
 
@@ -84,7 +90,7 @@ class Grammars:
         self._compiler, self.vocabulary = None, None
         self._lock = threading.Lock()
 
-    def _compile(self, how, *args, **kwargs):
+    def _compile(self, how, *args, in_json: bool = True, **kwargs):
         """A Constraint from compiler.how(*args). JSON is compact (no whitespace beyond one space
         after ',' and ':'): free whitespace lets a small model pad until it runs out of tokens."""
         xgr = _xgrammar()
@@ -95,7 +101,9 @@ class Grammars:
                 self.vocabulary = Vocabulary(self.tok, info.decoded_vocab)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             compiler = self._compiler
-        return Constraint(getattr(compiler, how)(*args, **kwargs), self.tok.n_vocab, self.vocabulary)
+        v = self.vocabulary
+        return Constraint(getattr(compiler, how)(*args, **kwargs), self.tok.n_vocab, v,
+                          v.refused if in_json else v.refused_text)
 
     def json_object(self) -> "Constraint":
         """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
@@ -113,14 +121,30 @@ class Grammars:
             raise GrammarError(f"{where}: {_first_line(e)}") from None
 
 
+    def tool_calls(self, syntax: str, tools: list[dict], choice) -> "Constraint":
+        """The model's tool-call syntax (`syntax`: xgrammar's name of the format, the family's
+        tool_syntax.XGRAMMAR) with a call forced: tool_choice "required" (any of `tools`, OpenAI's
+        form) or {"type": "function", "function": {"name": ...}}; each call's arguments follow its
+        tool's parameters schema. No reasoning block."""
+        xgr = _xgrammar()
+        try:
+            tag = xgr.get_model_structural_tag(syntax, tools=tools, tool_choice=choice, reasoning=False,
+                                               max_whitespace_cnt=1)   # as for JSON: no padding
+            return self._compile("compile_structural_tag", tag, in_json=False)
+        except GrammarError:
+            raise
+        except Exception as e:
+            raise GrammarError(f"tools: {_first_line(e)}") from None
+
+
 class Constraint:
     """One generation's grammar matcher: `mask` a distribution, `accept` the tokens committed,
     `rollback` tentative ones."""
 
-    def __init__(self, compiled, n_vocab: int, vocabulary: Vocabulary):
+    def __init__(self, compiled, n_vocab: int, vocabulary: Vocabulary, refused: np.ndarray):
         xgr = _xgrammar()
         self.matcher = xgr.GrammarMatcher(compiled)
-        self.n_vocab, self.vocab = n_vocab, vocabulary
+        self.n_vocab, self.vocab, self.refused = n_vocab, vocabulary, refused
         self._bitmask = xgr.allocate_token_bitmask(1, n_vocab)
         self._last: list[int] = []   # the last byte of every token accepted
 
@@ -128,7 +152,7 @@ class Constraint:
         """A copy of one row of logits with the tokens refused here at -inf."""
         self.matcher.fill_next_token_bitmask(self._bitmask)
         allowed = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[:self.n_vocab].astype(bool)
-        allowed[self.vocab.refused] = False
+        allowed[self.refused] = False
         lead = self._last[-1] if self._last else -1
         if lead in _SECOND:   # a sequence begun by the last token: strict UTF-8 bounds its next byte
             low, high = _SECOND[lead]

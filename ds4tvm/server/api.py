@@ -235,9 +235,33 @@ def logprobs_request(body: dict, chat: bool) -> int | None:
     return n
 
 
+def forcing(service) -> tuple:
+    """The tool_choice kinds this server acts on: a forced call ("required", a named function)
+    needs the family's tool syntax to name its xgrammar format."""
+    forced = ("required", "function") if getattr(service.tool_syntax, "XGRAMMAR", None) else ()
+    return ("auto", "none", *forced)
+
+
+def forced_call(service, tools: list[dict] | None, choice):
+    """The grammar of a forced tool call (OpenAI's tool_choice "required" or a named function, as
+    xgrammar takes it), or None when the model chooses."""
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    if tools is None or kind not in ("required", "function"):
+        return None
+    if kind == "function":
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in [t["function"]["name"] for t in tools]:
+            raise ApiError(400, f"'tool_choice' names {json.dumps(name)}, which is not one of 'tools'", "tool_choice")
+    try:
+        return service.grammars.tool_calls(service.tool_syntax.XGRAMMAR, tools, choice)
+    except GrammarError as e:
+        raise ApiError(400, e.message, "tool_choice") from None
+
+
 def chat_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
     check_model(body, served)
-    refuse_unsupported(body)
+    refuse_unsupported(body, forcing(service))
     messages = field(body, "messages", "array", required=True)
     if not messages:
         raise ApiError(400, "'messages' must not be empty", "messages")
@@ -265,7 +289,8 @@ def chat_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     job = Job(prompt, budget(service, prompt, field(body, key, "integer"), key), params,
               seed=seed(body), stop=stop_strings(body), tools=tools is not None,
-              constraint=response_format(body, service), logprobs=logprobs_request(body, chat=True))
+              constraint=response_format(body, service) or forced_call(service, tools, body.get("tool_choice")),
+              logprobs=logprobs_request(body, chat=True))
     stream_opts = field(body, "stream_options", "object", {})
     return job, {"stream": field(body, "stream", "boolean", False),
                  "include_usage": bool(stream_opts.get("include_usage"))}
@@ -459,14 +484,20 @@ def detokenize(body: dict, service, served: str, d: Defaults) -> dict:
 
 def messages_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
     check_model(body, served)
-    refuse_unsupported(body, ("auto", "none"), openai=False)
+    choice = body.get("tool_choice")
+    anthropic_forced = {"any": "required", "tool": "function"}
+    refuse_unsupported(body, tuple(k for k in ("auto", "none", "any", "tool")
+                                   if anthropic_forced.get(k, k) in forcing(service)), openai=False)
     max_tokens = field(body, "max_tokens", "integer", required=True)
     messages = anthropic_messages(body)
     tools = anthropic_tools(body)
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    forced = forced_call(service, tools, "required" if kind == "any" else
+                         {"type": "function", "function": {"name": choice.get("name")}} if kind == "tool" else None)
     params = sampling(body, d)
     prompt = _prompt(service, messages, tools)
     job = Job(prompt, budget(service, prompt, max_tokens, "max_tokens"), params,
-              seed=seed(body), stop=stop_strings(body, "stop_sequences"), tools=tools is not None)
+              seed=seed(body), stop=stop_strings(body, "stop_sequences"), tools=tools is not None, constraint=forced)
     return job, {"stream": field(body, "stream", "boolean", False)}
 
 

@@ -157,3 +157,52 @@ def test_ds4_run_json_schema(tmp_path_factory, tmp_path):
                          ("{not json", "not JSON")):
         r = run_ds4("run", "-m", art, "-p", "x", "-j", schema)
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _tiny_qwen(d):
+    from ds4tvm.families.qwen4exp.random_model import tiny_config, write_random_qwen4exp
+
+    if not (d / "art" / "manifest.json").is_file():
+        d.mkdir(parents=True, exist_ok=True)
+        gguf = write_random_qwen4exp(d / "qwen.gguf", tiny_config(), seed=1)
+        compile_here(gguf, "--target", "llvm", "-o", d / "art", "--max-context", "512", "--quiet")
+    return d / "art"
+
+
+@pytest.mark.parametrize("family", ["glm5next", "qwen4exp"])
+def test_forced_tool_calls_parse_in_the_familys_syntax(family, tmp_path_factory):
+    """The grammar of a forced call (tool_choice "required" and a named tool) in GLM-5.3's and
+    Qwen3.8's tool syntax (xgrammar's glm_4_7 and qwen_3_5 tags): every sampled output is a call the
+    family's own parser reads, naming a given tool, its arguments following that tool's schema
+    (DeepSeek-V4's DSML: tests/server/test_server_surface.py, through the server)."""
+    import jsonschema
+
+    from ds4tvm.families import family_named, load_attr
+    from ds4tvm.runtime.engine import Engine
+    from ds4tvm.runtime.grammar import Grammars
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.speculative import generate
+    from ds4tvm.runtime.tokenizer import Tokenizer
+
+    art = _once_per_run(tmp_path_factory, f"grammar-{family}", _tiny_glm if family == "glm5next" else _tiny_qwen)
+    syntax = load_attr(family_named(family).tool_syntax)
+    engine = Engine(art)
+    tok = Tokenizer.from_metadata(engine.tokenizer_data)
+    schemas = {"get_weather": SCHEMA, "now": {"type": "object", "properties": {}}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in schemas.items()]
+    grammars = Grammars(tok)
+    for seed, choice in enumerate(["required"] * 3 + [{"type": "function", "function": {"name": "get_weather"}}]):
+        engine.reset()
+        c, parser, text = grammars.tool_calls(syntax.XGRAMMAR, tools, choice), syntax(), []
+
+        def on_token(t):   # the turn ends as the server ends it: a complete call followed by other text
+            text.append(t)
+            return parser.closed_block(tok.decode(text))
+
+        out, _ = generate(engine, tok.encode("call a tool: "), 300, SamplingParams(0.9), np.random.default_rng(seed),
+                          stop_ids=tok.stop_ids, constraint=c, on_token=on_token)
+        calls = parser.parse(tok.decode([t for t in out if t not in tok.stop_ids]))
+        assert calls and (c.finished or parser.closed_block(tok.decode(out))), (seed, tok.decode(out))
+        for call in calls:
+            jsonschema.validate(call["arguments"], schemas[call["name"]])
+        assert isinstance(choice, str) or {call["name"] for call in calls} == {"get_weather"}

@@ -199,14 +199,14 @@ def test_hostile_templates_end_with_a_clean_error(template, reason, monkeypatch)
 @pytest.mark.parametrize("path, extra, field", [
     ("/v1/messages", {"response_format": {"type": "json_object"}}, None),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 3, "stream": True}, "logprobs"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"},
      "tool_choice"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
-                              "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+                              "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
     ("/v1/completions", {"logprobs": 2, "stream": True}, "logprobs"),
     ("/v1/messages", {"logprobs": True}, None),
     ("/v1/completions", {"echo": True}, "echo"),
-    ("/v1/messages", {"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "any"}}, None),
+    ("/v1/messages", {"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "sometimes"}}, None),
 ])
 def test_fields_this_server_does_not_act_on_are_refused(server, path, extra, field):
     """Accepted and ignored, a JSON-mode or forced-tool request would get free text as if it were

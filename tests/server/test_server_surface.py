@@ -146,3 +146,38 @@ def test_logprobs_of_chat_and_completions(server, demo_pair):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        logprobs=True, stream=True)
     assert "logprobs" in str(e.value)
+
+
+def test_forced_tool_calls(server):
+    """tool_choice "required" and a named function (OpenAI), "any" (Anthropic): the family's
+    tool-call syntax is forced by xgrammar's structural tag for it (here DeepSeek-V4's DSML), and
+    each call's arguments validate against its tool's schema; a name not among the tools is a 400."""
+    import anthropic
+    import jsonschema
+    from openai import BadRequestError, OpenAI
+
+    weather = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+               "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 9}}}
+    schemas = {"get_weather": weather, "now": {"type": "object", "properties": {}}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in schemas.items()]
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice, seed in (("required", 1), ("required", 2), ({"type": "function", "function": {"name": "get_weather"}}, 3)):
+        r = client.chat.completions.create(model="demo", messages=messages, tools=tools, tool_choice=choice,
+                                           max_tokens=400, temperature=0.9, seed=seed)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and calls, r
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+        if isinstance(choice, dict):
+            assert {c.function.name for c in calls} == {"get_weather"}
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=messages, tools=tools, max_tokens=8,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert "tool_choice" in str(e.value)
+    # one tool: the demo's context is 512 tokens, and the tool definitions are part of the prompt
+    m = anthropic.Anthropic(base_url=server.url, api_key="none").messages.create(
+        model="demo", max_tokens=150, messages=messages, tool_choice={"type": "any"},
+        tools=[{"name": "now", "input_schema": schemas["now"]}], extra_body={"temperature": 0.9})
+    assert m.stop_reason == "tool_use" and {b.name for b in m.content if b.type == "tool_use"} == {"now"}, m

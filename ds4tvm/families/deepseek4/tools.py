@@ -21,6 +21,7 @@ DSML = "｜DSML｜"
 class DSMLToolSyntax:
     """The interface every family's tool syntax offers (runtime/textstream.py and the server use it)."""
 
+    XGRAMMAR = "deepseek_v4"   # xgrammar's structural tag of this syntax (forced tool calls)
     begin = f"<{DSML}tool_calls>"
     end = f"</{DSML}tool_calls>"
     _invoke = re.compile(rf'<{DSML}invoke name="([^"]*)">(.*?)</{DSML}invoke>', re.S)

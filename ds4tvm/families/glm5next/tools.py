@@ -18,5 +18,6 @@ from ..tagged_tools import TaggedToolSyntax
 
 
 class GLMToolSyntax(TaggedToolSyntax):
+    XGRAMMAR = "glm_4_7"   # xgrammar's structural tag of this syntax (forced tool calls)
     _call = re.compile(r"<tool_call>\s*([^<\s]+)\s*(.*?)</tool_call>", re.S)
     _arg = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)

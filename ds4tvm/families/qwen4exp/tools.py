@@ -24,5 +24,6 @@ from ..tagged_tools import TaggedToolSyntax
 
 
 class QwenToolSyntax(TaggedToolSyntax):
+    XGRAMMAR = "qwen_3_5"   # xgrammar's structural tag of this syntax (forced tool calls)
     _call = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*</tool_call>", re.S)
     _arg = re.compile(r"<parameter=([^>]+)>\n?(.*?)\n?</parameter>", re.S)
