@@ -1,19 +1,22 @@
-"""Structured outputs: a grammar (JSON, or JSON that follows a schema) compiled by xgrammar against
-the model's vocabulary, and a `Constraint` that the speculative loop applies to every distribution
-it samples from or checks a draft against (runtime/speculative.py): disallowed tokens get -inf, so
-no filter, sample, greedy choice or acceptance test can pick one, and a draft the grammar refuses is
-never accepted. The matcher follows the committed tokens; drafts are matched tentatively while they
-are checked and rolled back before the accepted ones are committed.
+"""Structured outputs: a grammar (JSON, JSON that follows a schema, or the model's tool-call syntax
+with a call forced) compiled by xgrammar against the model's vocabulary, and a `Constraint` that
+the speculative loop applies to every distribution it samples from or checks a draft against
+(runtime/speculative.py): disallowed tokens get -inf, so no filter, sample, greedy choice or
+acceptance test can pick one, and a draft the grammar refuses is never accepted. The matcher
+follows the committed tokens; drafts are matched tentatively while they are checked and rolled
+back before the accepted ones are committed.
 
-Control tokens other than the stop tokens are always refused: the byte-level vocabulary would let
-their text (`<|User|>`) stand inside a JSON string. So are tokens holding a raw control character
-(bytes below 0x20): compact JSON never contains one, and xgrammar 0.2.9's rule for strings with a
-maxLength lets them through. And so is any byte that would make the text invalid UTF-8 where
-xgrammar's decoder is lenient (surrogates ED A0..BF, overlong E0 80..9F / F0 80..8F, beyond U+10FFFF):
-inside a token statically, across a token boundary from the last byte accepted. Both were found by
-tests/runtime/test_grammar.py and tests/server/test_server_surface.py (invalid JSON, a maxLength
-exceeded once decoded). xgrammar is optional (`pip install
-'ds4tvm[grammar]'`); without it a request for structured output is refused, never ignored.
+Beyond the grammar, control tokens other than the stop tokens are always refused: the byte-level
+vocabulary would let their text (`<|User|>`) stand inside a string. In JSON so are tokens holding a
+raw control character (bytes below 0x20): compact JSON never contains one, and xgrammar 0.2.9's
+rule for strings with a maxLength lets them through. And everywhere any byte that would make the
+text invalid UTF-8 where xgrammar's decoder is lenient (surrogates ED A0..BF, overlong E0 80..9F /
+F0 80..8F, beyond U+10FFFF): inside a token statically, across a token boundary from the last byte
+accepted. Both leaks were found by tests/runtime/test_grammar.py and
+tests/server/test_server_surface.py (invalid JSON, a maxLength exceeded once decoded).
+
+xgrammar is optional (`pip install 'ds4tvm[grammar]'`); without it a request for structured output
+is refused, never ignored.
 """
 
 from __future__ import annotations
@@ -119,7 +122,6 @@ class Grammars:
             raise
         except Exception as e:   # xgrammar raises its C++ errors as RuntimeError subclasses
             raise GrammarError(f"{where}: {_first_line(e)}") from None
-
 
     def tool_calls(self, syntax: str, tools: list[dict], choice) -> "Constraint":
         """The model's tool-call syntax (`syntax`: xgrammar's name of the format, the family's

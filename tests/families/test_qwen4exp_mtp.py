@@ -21,7 +21,8 @@ from conftest import compile_here, exact_sampling_outcomes, run_ds4
 
 pytestmark = [pytest.mark.compile, pytest.mark.oracle]
 EOS = 7
-TOLERANCE = 1e-4   # the Qwen3.8 trunk's bound against transformers (test_qwen4exp_oracle.py); the nextn step measured 1.9e-6
+# the Qwen3.8 trunk's bound against transformers (test_qwen4exp_oracle.py); the nextn step measured 1.9e-6
+TOLERANCE = 1e-4
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(0, 512, 41)]   # > 35 positions: QSA selects
 
 
@@ -278,8 +279,8 @@ def test_cli_mtp_identity_at_every_depth_timing_json_and_flag_errors(model):
         env = {**os.environ, "DS4_QWEN4_MTP_DEPTH": depth}
         r = run_ds4(*base, "--mtp", env=env)
         assert r.returncode == 0 and r.stdout == plain.stdout, r.stderr
-        assert re.search(r"ds4: Qwen3\.8 MTP stats cycles=\d+ proposed=\d+ accepted_draft=\d+ accept_rate=[\d.]+% avg_accept=[\d.]+ "
-                         r"depth[23]=\d+/\d+@\d+", r.stderr), r.stderr
+        assert re.search(r"ds4: Qwen3\.8 MTP stats cycles=\d+ proposed=\d+ accepted_draft=\d+ accept_rate=[\d.]+% "
+                         r"avg_accept=[\d.]+ depth[23]=\d+/\d+@\d+", r.stderr), r.stderr
         assert "qwen mtp cycle" not in r.stderr
     timed = run_ds4(*base, "--mtp-timing", env={**os.environ, "DS4_QWEN4_MTP_DEPTH": "3"})
     assert timed.returncode == 0 and timed.stdout == plain.stdout, timed.stderr
