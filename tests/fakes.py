@@ -38,7 +38,10 @@ class Sequences:
 
     @property
     def rewindable(self) -> int:
-        return min(self.pos, self.max_verify)
+        return self.rewindable_of(self.seq)
+
+    def rewindable_of(self, seq) -> int:
+        return min(seq.pos, self.max_verify)
 
     def rewind(self, n: int) -> None:
         assert 0 <= n <= self.rewindable

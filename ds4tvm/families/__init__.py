@@ -34,8 +34,9 @@ class DraftSpec:
     """A drafter a target family offers: its name in the manifest, how users call it (label) and
     the flags that select it (for messages); support: the family name of the support file it
     reads, or None when its weights are in the model GGUF; enabled(options): whether the
-    speculation flags (runtime/drafters.SpecOptions) ask for it; drafter: 'module:factory' with
-    factory(engine, options) -> the runtime drafter; compile_with: how an artifact gets it (for
+    speculation flags (runtime/drafters.SpecOptions) ask for it; drafter: the name of its module in
+    runtime/drafters/, whose from_options(engine, options) builds the runtime drafter (families
+    name a drafter, they import nothing of the runtime); compile_with: how an artifact gets it (for
     messages)."""
     name: str
     label: str

@@ -380,7 +380,11 @@ class Engine:
     def rewindable(self) -> int:
         """How many committed tokens rewind() can drop: what every ring of the groups in use keeps
         (StateSpec.rewind)."""
-        return min([self.pos] + [self._rewind_limits[g] for g in self.seq.fed if g in self._rewind_limits])
+        return self.rewindable_of(self.seq)
+
+    def rewindable_of(self, seq: Sequence) -> int:
+        """rewindable for a sequence, attached or not."""
+        return min([seq.pos] + [self._rewind_limits[g] for g in seq.fed if g in self._rewind_limits])
 
     def rewind(self, n: int) -> None:
         """Un-commits the last n tokens (n <= rewindable)."""

@@ -19,11 +19,13 @@ def common_prefix(a, b) -> int:
     return n
 
 
-def reusable(engine, prompt) -> int:
-    """How many prompt tokens the attached sequence can continue from by itself: its common prefix
-    with prompt, less the re-evaluated one, if it ends within what it can rewind; else 0."""
-    c = common_prefix(engine.history, prompt)
-    return c - 1 if c >= 2 and engine.pos - (c - 1) <= engine.rewindable else 0
+def reusable(engine, prompt, seq=None) -> int:
+    """How many prompt tokens a sequence of the engine (default: the attached one) can continue
+    from by itself: its common prefix with prompt, less the re-evaluated one, if it ends within what
+    it can rewind; else 0. A query: nothing is attached or changed."""
+    seq = engine.seq if seq is None else seq
+    c = common_prefix(seq.history[:seq.pos], prompt)
+    return c - 1 if c >= 2 and seq.pos - (c - 1) <= engine.rewindable_of(seq) else 0
 
 
 def resume(engine, prompt, store=None) -> int:

@@ -170,11 +170,7 @@ class Service:
         """Attaches the slot that can continue the longest prefix of prompt by itself (ties: the least
         recently used, so a new conversation takes the oldest slot) and puts it on the longest prefix
         it or a checkpoint holds; the tokens that need no prefill."""
-        def reach(slot):
-            self.engine.attach(slot.seq)
-            return reusable(self.engine, prompt), -slot.used
-
-        slot = max(self.slots, key=reach)
+        slot = max(self.slots, key=lambda s: (reusable(self.engine, prompt, s.seq), -s.used))
         slot.used = time.monotonic()
         self.engine.attach(slot.seq)
         return resume(self.engine, prompt, self.store)

@@ -222,3 +222,22 @@ def test_a_window_longer_than_the_context_sizes_rings_by_the_context():
         return [(s.name, s.shape) for s in build(BuildRequest(cfg, types, bounds)).states]
 
     assert states(1 << 24) == states(256)
+
+
+def test_families_name_their_drafters_and_import_no_runtime():
+    """A family names each drafter by its module in runtime/drafters/ (which builds it with
+    from_options); nothing under families/ refers to the runtime, which is the layer above."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    from ds4tvm.families import _registry
+    from ds4tvm.runtime.drafters import _generic
+
+    specs = [d for fam in _registry().values() for d in fam.drafters] + list(_generic())
+    assert {d.drafter for d in specs} >= {"dspark", "mtp", "glm_mtp", "qwen_mtp", "onnx"}
+    for d in specs:
+        assert callable(importlib.import_module(f"ds4tvm.runtime.drafters.{d.drafter}").from_options), d
+    root = Path(__file__).resolve().parents[2] / "ds4tvm" / "families"
+    upward = re.compile(r"^\s*(from|import)\s+(\.\.\.?runtime|ds4tvm\.runtime)|ds4tvm\.runtime\.", re.M)
+    assert not [str(f) for f in root.rglob("*.py") if upward.search(f.read_text())]

@@ -16,10 +16,10 @@ FAMILY = Family(
     drafters=(
         DraftSpec("dspark", "DSpark", "--dspark", support="dspark",
                   enabled=lambda o: o.dspark or o.dspark_confidence is not None or o.dspark_strict,
-                  drafter="ds4tvm.runtime.drafters.dspark:from_options"),
+                  drafter="dspark"),
         DraftSpec("mtp", "legacy MTP", "--mtp-draft", support="deepseek4_mtp",
                   enabled=lambda o: o.mtp_draft > 1 or o.mtp_timing,
-                  drafter="ds4tvm.runtime.drafters.mtp:from_options"),
+                  drafter="mtp"),
     ),
     tool_syntax=f"{_HERE}.tools:DSMLToolSyntax", chat_template="ds4tvm.gguf.vocab:CHAT_TEMPLATE",
     hf_model_types=("deepseek_v4",), convert="ds4tvm.gguf.convert:convert_hf",

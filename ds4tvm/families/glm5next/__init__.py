@@ -17,6 +17,6 @@ FAMILY = Family(
     sampling=(1.0, 0.95, 0.0),
     check_speculation=nextn_speculation("GLM-5.3", 2, "drafts one token (2 per cycle with the chosen one)"),
     drafters=(DraftSpec("glm_mtp", "GLM MTP", "--mtp", support=None, enabled=lambda o: o.mtp is not None or o.mtp_timing,
-                        drafter="ds4tvm.runtime.drafters.glm_mtp:from_options",
+                        drafter="glm_mtp",
                         compile_with="a GLM-5.3 GGUF that holds its nextn (MTP) layer"),),
 )

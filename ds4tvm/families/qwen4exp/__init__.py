@@ -19,6 +19,6 @@ FAMILY = Family(
     host_inputs={"ple": f"{_HERE}.ple:host_rows"}, tool_syntax=f"{_HERE}.tools:QwenToolSyntax",
     drafters=(DraftSpec("qwen_mtp", "Qwen3.8 MTP", "--mtp", support=None,
                         enabled=lambda o: o.mtp is not None or o.mtp_timing,
-                        drafter="ds4tvm.runtime.drafters.qwen_mtp:from_options",
+                        drafter="qwen_mtp",
                         compile_with="a Qwen3.8 GGUF that holds its nextn (MTP) layer"),),
 )

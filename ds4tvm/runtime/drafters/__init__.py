@@ -5,6 +5,7 @@ the target's hidden state); the artifact says which were compiled in."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def _generic():
     from ...families import DraftSpec
 
     return (DraftSpec("onnx", "ONNX draft heads", "--draft-onnx", support=None,
-                      enabled=lambda o: o.draft_onnx is not None, drafter="ds4tvm.runtime.drafters.onnx:from_options",
+                      enabled=lambda o: o.draft_onnx is not None, drafter="onnx",
                       compile_with="ds4-compile --draft-onnx HEADS.onnx"),)
 
 
@@ -86,7 +87,7 @@ def check_support_given(family, options: SpecOptions, model: Path) -> None:
 def choose_drafter(engine, options: SpecOptions, model: Path):
     """The drafter the flags ask for, built (and so checked) on this engine; None for target-only
     decoding (no speculation flag, --quality, or a drafter's own check-only flag)."""
-    from ...families import family_named, load_attr
+    from ...families import family_named
 
     asked = wanted(family_named(engine.manifest.family), options)
     if len(asked) > 1:
@@ -101,5 +102,5 @@ def choose_drafter(engine, options: SpecOptions, model: Path):
             raise Ds4Error(f"{support}: holds the {held} drafter; {d.flags} needs a {d.label} support file")
         raise Ds4Error(f"{model}: the artifact has no {d.label} drafter (it holds {held} drafter); "
                        f"compile it with {d.compile_with}")
-    drafter = load_attr(d.drafter)(engine, options)
+    drafter = importlib.import_module(f"{__name__}.{d.drafter}").from_options(engine, options)
     return None if options.quality else drafter
