@@ -683,14 +683,14 @@ class _Session:
     --tokens prompts) and the state after it, in one checkpoint file (runtime/checkpoint.py)."""
 
     def __init__(self, path: Path, engine, drafter, overwrite: bool = False):
-        from .runtime.checkpoint import CheckpointError
+        from .runtime.checkpoint import CheckpointError, load_state
         from .runtime.drafters import drafter_tag
 
         self.path, self.engine, self.tag = path, engine, drafter_tag(drafter)
         meta = {}
         if path.exists():
             try:
-                meta = engine.load_state(path, self.tag)
+                meta = load_state(engine, path, self.tag)
                 _check_session_meta(path, meta, engine.n_vocab)
             except CheckpointError as e:
                 if not overwrite:   # a user's file (a GGUF given by mistake) is never overwritten
@@ -718,6 +718,7 @@ class _Session:
         """Saves the state after the answer, or, for a chat whose template renders the answer into
         other tokens than were generated, the state after the prompt (the next turn's prefix)."""
         from .runtime.chat import chat_prompt_ids
+        from .runtime.checkpoint import save_state
 
         meta = {"tokens": ids + out}
         if self.messages:
@@ -726,7 +727,7 @@ class _Session:
             if again[:self.engine.pos] != self.engine.history and at_prompt:
                 self.engine.restore(at_prompt[0])
         try:
-            self.engine.save_state(self.path, self.tag, meta)
+            save_state(self.engine, self.path, self.tag, meta)
         except OSError as e:
             raise Ds4Error(f"--session {self.path}: cannot write it ({e.strerror or e})") from None
 

@@ -7,7 +7,8 @@ import numpy as np
 
 from dataclasses import dataclass
 
-from ds4tvm.runtime.engine import Checkpoint, Sequence, Step
+from ds4tvm.runtime.checkpoint import Checkpoint
+from ds4tvm.runtime.engine import Sequence, Step
 from ds4tvm.runtime.speculative import DraftCounters
 
 

@@ -1,5 +1,6 @@
-"""Sequence checkpoints on disk (Engine.save_state / load_state) and the store the server keeps
-them in.
+"""Sequence checkpoints: `Checkpoint` (Engine.snapshot makes one, Engine.restore takes it back), on
+disk (`save_state` / `load_state`), and the store the server keeps them in. This module imports
+nothing of the engine (the engine imports it).
 
 A file is MAGIC, the header's length (8 bytes, little-endian), a JSON header, the state rows and
 the sha256 of everything before it (32 bytes): the header names the format, the ds4tvm version, the
@@ -21,13 +22,29 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .. import __version__
 from ..errors import Ds4Error
-from .engine import Checkpoint
+
+
+@dataclass
+class Checkpoint:
+    """A copy of a sequence at its committed length: per state tensor, the rows it needs
+    (StateSpec.rows_for), in the manifest's order."""
+    pos: int
+    history: list
+    arrays: list
+    fed: set = field(default_factory=set)
+    meta: dict = field(default_factory=dict)   # what its writer wants back (`ds4 run --session`: the conversation)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays) + 8 * len(self.history)
+
 
 MAGIC = b"DS4STATE"
 FORMAT = 2   # 2: the sha256 trailer covers the whole file (1: the state rows only)
@@ -351,3 +368,19 @@ class CheckpointStore:
             self._drop(files[0][0])
             if files[0][0].exists():
                 return   # a read-only directory: nothing can be evicted
+
+
+def save_state(engine, path, tag: str = "", meta: dict | None = None) -> Path:
+    """Writes the engine's attached sequence to path; tag: what else it needs to be resumed as it
+    was (the drafter whose states it fed); meta: JSON that load_state returns."""
+    cp = engine.snapshot()
+    cp.meta = meta or {}
+    return write(path, cp, engine, tag)
+
+
+def load_state(engine, path, tag: str = "") -> dict:
+    """Restores a sequence save_state wrote for this artifact (and tag) and returns its meta;
+    anything else is a CheckpointError, with the attached sequence untouched."""
+    cp = read(path, engine, tag)
+    engine.restore(cp)
+    return cp.meta

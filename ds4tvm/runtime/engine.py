@@ -7,7 +7,7 @@ State is indexed by position (DESIGN.md): a verify writes rows (or recurrent slo
 past the committed length, commit(k) keeps the first k of them and rollback() drops them, both by
 moving counters only. A `Sequence` is what one sequence owns (the state tensors, the committed
 length and tokens); the engine works on one at a time (`attach`), so a server can keep several, and
-`snapshot` / `restore` (in memory) and `save_state` / `load_state` (runtime/checkpoint.py) copy one.
+`snapshot` / `restore` copy one in memory (runtime/checkpoint.py's `save_state` / `load_state` on disk).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..families import check_weight_files
 from ..gguf import open_gguf
 from ..gguf.quant import ALIGN, derived_plane, to_planes
 from . import threads
+from .checkpoint import Checkpoint
 
 SMALL_MODEL_BYTES = 64 << 20   # weight files below this run on one CPU thread unless told otherwise
 
@@ -38,21 +39,6 @@ class Sequence:
     pos: int = 0
     history: list = field(default_factory=list)
     fed: set = field(default_factory=set)
-
-
-@dataclass
-class Checkpoint:
-    """A copy of a sequence at its committed length: per state tensor, the rows it needs
-    (StateSpec.rows_for), in the manifest's order."""
-    pos: int
-    history: list
-    arrays: list
-    fed: set = field(default_factory=set)
-    meta: dict = field(default_factory=dict)   # what its writer wants back (`ds4 run --session`: the conversation)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays) + 8 * len(self.history)
 
 
 @dataclass
@@ -193,24 +179,6 @@ class Engine:
             t.copyfrom(full)
         self.pos, self.history, self.pending = cp.pos, list(cp.history), 0
         self.seq.fed = set(cp.fed)
-
-    def save_state(self, path, tag: str = "", meta: dict | None = None) -> Path:
-        """Writes the attached sequence to path (runtime/checkpoint.py); tag: what else it needs to be
-        resumed as it was (the drafter whose states it fed); meta: JSON that load_state returns."""
-        from . import checkpoint
-
-        cp = self.snapshot()
-        cp.meta = meta or {}
-        return checkpoint.write(path, cp, self, tag)
-
-    def load_state(self, path, tag: str = "") -> dict:
-        """Restores a sequence save_state wrote for this artifact (and tag) and returns its meta;
-        anything else is a CheckpointError, with the attached sequence untouched."""
-        from . import checkpoint
-
-        cp = checkpoint.read(path, self, tag)
-        self.restore(cp)
-        return cp.meta
 
     def _bind_params(self) -> list:
         planes, out = {}, []

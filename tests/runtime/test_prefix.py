@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from ds4tvm.runtime.checkpoint import CheckpointError, CheckpointStore, read, write
+from ds4tvm.runtime.checkpoint import CheckpointError, CheckpointStore, load_state, read, save_state, write
 from ds4tvm.runtime.prefix import resume
 
 pytestmark = pytest.mark.compile
@@ -81,7 +81,7 @@ def test_resume_from_a_checkpoint_when_the_divergence_is_beyond_the_rewind(engin
 def test_checkpoint_file_round_trip_and_refusals(engine, cold, tmp_path):
     engine.reset()
     engine.prefill(PROMPT[:123])
-    path = engine.save_state(tmp_path / "a.ds4state", meta={"note": "kept"})
+    path = save_state(engine, tmp_path / "a.ds4state", meta={"note": "kept"})
     want = _states(engine)
     engine.reset()
     engine.prefill([4] * 10)
@@ -112,13 +112,13 @@ def test_checkpoint_file_round_trip_and_refusals(engine, cold, tmp_path):
     }
     for reason, p in cases.items():
         with pytest.raises(CheckpointError, match=reason) as e:
-            engine.load_state(p)
+            load_state(engine, p)
         assert str(p) in e.value.message and "\n" not in e.value.message
         after = (_states(engine), list(engine.history))
         assert after[1] == before[1] and all(np.array_equal(a, b) for a, b in zip(after[0], before[0]))
     with pytest.raises(CheckpointError, match="made with"):
-        engine.load_state(path, tag="dspark")
-    assert engine.load_state(path) == {"note": "kept"}
+        load_state(engine, path, tag="dspark")
+    assert load_state(engine, path) == {"note": "kept"}
     assert engine.pos == 123 and engine.history == PROMPT[:123]
     assert all(np.array_equal(a, b) for a, b in zip(_states(engine), want))
     np.testing.assert_array_equal(engine.prefill(PROMPT[123:], all_logits=True).logits, cold[123:])
