@@ -61,10 +61,9 @@ def _first_line(e: Exception) -> str:
 _SECOND = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
 
-def _never_valid(b: bytes, in_json: bool) -> bool:
-    """Whether these bytes cannot stand in valid UTF-8 (nor, in_json, in compact JSON) wherever
-    they occur."""
-    return (any(c in (0xC0, 0xC1) or c >= 0xF5 or (in_json and c < 0x20) for c in b)
+def _never_utf8(b: bytes) -> bool:
+    """Whether these bytes cannot stand in valid UTF-8 wherever they occur."""
+    return (any(c in (0xC0, 0xC1) or c >= 0xF5 for c in b)
             or any(c in _SECOND and not _SECOND[c][0] <= d <= _SECOND[c][1] for c, d in zip(b, b[1:])))
 
 
@@ -74,13 +73,12 @@ class Vocabulary:
     last byte (-1: none) for the UTF-8 rule across token boundaries."""
 
     def __init__(self, tokenizer, decoded: list[bytes]):
-        types, stop = tokenizer.token_types, tokenizer.stop_ids
-
-        def refused(in_json: bool) -> np.ndarray:
-            return np.array([i for i, b in enumerate(decoded) if i not in stop and
-                             (types[i] in (CONTROL, UNKNOWN, UNUSED) or _never_valid(b, in_json))], np.int64)
-
-        self.refused, self.refused_text = refused(True), refused(False)
+        kept = np.ones(len(decoded), bool)
+        kept[list(tokenizer.stop_ids)] = False
+        text = kept & np.array([t in (CONTROL, UNKNOWN, UNUSED) or _never_utf8(b)
+                                for t, b in zip(tokenizer.token_types, decoded)])
+        raw = np.array([any(c < 0x20 for c in b) for b in decoded])
+        self.refused_text, self.refused = np.flatnonzero(text), np.flatnonzero(text | (kept & raw))
         self.first = np.array([b[0] if b else -1 for b in decoded])
         self.last = [b[-1] if b else -1 for b in decoded]
 

@@ -4,6 +4,7 @@ names the field at fault; the HTTP layer turns it into a 4xx in the API's own er
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import secrets
@@ -360,7 +361,7 @@ def completion_logprobs(r: Result, tok) -> dict | None:
     if r.logprobs is None:
         return None
     texts = [tok.decode([t]) for t, _, _ in r.logprobs]
-    offsets = [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    offsets = [0, *itertools.accumulate(len(x) for x in texts)][:len(texts)]
     return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in r.logprobs],
             "top_logprobs": [{tok.decode([i]): x for i, x in top} for _, _, top in r.logprobs], "text_offset": offsets}
 
@@ -485,15 +486,14 @@ def detokenize(body: dict, service, served: str, d: Defaults) -> dict:
 def messages_job(body: dict, service, served: str, d: Defaults) -> tuple[Job, dict]:
     check_model(body, served)
     choice = body.get("tool_choice")
-    anthropic_forced = {"any": "required", "tool": "function"}
-    refuse_unsupported(body, tuple(k for k in ("auto", "none", "any", "tool")
-                                   if anthropic_forced.get(k, k) in forcing(service)), openai=False)
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    forced_kinds = ("any", "tool") if "required" in forcing(service) else ()
+    refuse_unsupported(body, ("auto", "none", *forced_kinds), openai=False)
     max_tokens = field(body, "max_tokens", "integer", required=True)
     messages = anthropic_messages(body)
     tools = anthropic_tools(body)
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    forced = forced_call(service, tools, "required" if kind == "any" else
-                         {"type": "function", "function": {"name": choice.get("name")}} if kind == "tool" else None)
+    name = choice.get("name") if kind == "tool" else None
+    forced = forced_call(service, tools, {"any": "required", "tool": {"type": "function", "function": {"name": name}}}.get(kind))
     params = sampling(body, d)
     prompt = _prompt(service, messages, tools)
     job = Job(prompt, budget(service, prompt, max_tokens, "max_tokens"), params,

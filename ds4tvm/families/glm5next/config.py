@@ -73,6 +73,11 @@ class Config:
     mtp_input: str = HIDDEN         # HIDDEN or STREAMS: see above
 
     @property
+    def mtp_input_width(self) -> int:
+        """The width of the row the MTP layer reads (mtp_input): D, or hc * D for the streams."""
+        return self.n_embd * (self.hc if self.mtp_input == STREAMS else 1)
+
+    @property
     def n_all(self) -> int:
         return self.n_layers + self.n_nextn
 

@@ -109,8 +109,7 @@ class GLM5NextWithMTP(GLM5Next):
         spec = super().spec()
         st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in mtp_states(self.cfg, self.bounds)]
         mode = {"param_mode": "plain", "effect_mode": "none"}
-        width = self.cfg.n_embd * (self.cfg.hc if self.cfg.mtp_input == STREAMS else 1)
         for fn, n in (("mtp_observe", "n"), ("mtp_step", 1)):
-            spec[fn] = {"hidden_prev": nn.spec.Tensor([n, width], "float32"),
+            spec[fn] = {"hidden_prev": nn.spec.Tensor([n, self.cfg.mtp_input_width], "float32"),
                         "tokens": nn.spec.Tensor([n], "int32"), "start": int, "states": st, "$": mode}
         return spec

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...gguf.validate import DENSE, EMBED, NORM, PLAIN, ROUTED, TensorSpec
-from .config import DS4, LLAMA, STREAMS, Config
+from .config import DS4, LLAMA, Config
 
 # canonical suffix (after blk.L.) -> llama.cpp's
 LLAMA_NAMES = {
@@ -114,7 +114,7 @@ def _hc(c: Config) -> list[tuple]:
 
 
 def _nextn(c: Config) -> list[tuple]:
-    E, H = c.n_embd, c.n_embd * (c.hc if c.mtp_input == STREAMS else 1)   # H: the width of what it reads
+    E, H = c.n_embd, c.mtp_input_width
     return [("nextn.eh_proj.weight", (E + H, E), DENSE), ("nextn.enorm.weight", (E,), NORM),
             ("nextn.hnorm.weight", (H,), NORM), ("nextn.shared_head_norm.weight", (E,), NORM, c.layout == LLAMA)]
 
