@@ -172,7 +172,7 @@ def train_target(out: Path, args, log: Log) -> None:
     ppl = heldout_perplexity(model, held, 32 if args.max_files is None else 2)
     log(f"target: {seconds / 60:.1f} min, held-out perplexity {ppl:.2f} (per token)")
     model.save_pretrained(out / "hf")
-    from ds4tvm.gguf.convert import convert_hf
+    from ds4tvm.families.deepseek4.convert import convert_hf
 
     convert_hf(out / "hf", out / "target.gguf", dense_type="q8_0", progress=False)
     log.record("target", {"parameters": n_params, "steps": len(losses), "batch": args.batch, "seq": SEQ,

@@ -44,18 +44,10 @@ import tvm
 
 from ..artifact import width_variant
 from .fusion import OPAQUE, block_like
+from .vmir import GRAPH_CALL, NUM_ARGS, calls_builtin
 
-NUM_ARGS = "ds4.num_args"
 STATES = "ds4.states"   # [first parameter, count] of the state tensors of a recorded function
 WIDTH = "ds4.width"     # the token count a copy of a function is bound to (width_copies)
-
-
-def num_args(func) -> int:
-    """How many leading parameters are the function's inputs (ids, position, states...), the rest
-    being weights: its num_input, or for a function rewritten here the inputs it had (the states
-    tuple counted per tensor)."""
-    attrs = func.attrs or {}
-    return int(attrs[NUM_ARGS]) if NUM_ARGS in attrs else int(attrs["num_input"])
 
 
 def record_arguments(recorded: list):
@@ -429,8 +421,6 @@ def _storage_as_tuple(mod, func):
     that tuple outside the graph at every call: the captured function runs only at capture."""
     from tvm import relax
 
-    from .report import GRAPH_CALL, calls_builtin
-
     bindings = [b for block in func.body.blocks for b in block.bindings]
     cached = next((b.var for b in bindings if calls_builtin(b.value, CACHED_ALLOC)), None)
     call = next((b for b in bindings if calls_builtin(b.value, GRAPH_CALL)), None)
@@ -463,8 +453,6 @@ def _storage_as_tuple(mod, func):
 
 
 def _replays_graph(func) -> bool:
-    from .report import GRAPH_CALL, calls_builtin
-
     return any(calls_builtin(b.value, GRAPH_CALL) for block in func.body.blocks for b in block.bindings)
 
 

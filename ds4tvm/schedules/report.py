@@ -31,9 +31,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .vmir import GRAPH_CALL, builtin_of, calls_builtin, num_args
+
 RuleLog = dict   # kernel (PrimFunc global name) -> the rule that scheduled it; WEIGHTS_ONLY -> {fn: [kernel]}
 WEIGHTS_ONLY = "weights_only"
-GRAPH_CALL = "vm.builtin.cuda_graph.run_or_capture"
 HAND = "hand"          # PrimFunc attribute value of ds4.schedule for kernels written scheduled
 
 
@@ -100,7 +101,6 @@ def device_launches(func) -> int:
 
 
 def function_report(mod, name: str, log: RuleLog) -> dict:
-    import tvm
     from tvm import relax
 
     func = mod[name]
@@ -119,24 +119,6 @@ def function_report(mod, name: str, log: RuleLog) -> dict:
             "graph_regions": regions, "kernels_in_graphs": sum(k["in_graph"] for k in kernels),
             "outside_graphs": sum(outside.values()), "outside_by_kind": dict(outside),
             "weights_only": log.get(WEIGHTS_ONLY, {}).get(name, [])}
-
-
-def _builtin(v) -> str | None:
-    """The VM built-in a call runs (R.call_packed, R.call_builtin_with_ctx and the like), if any."""
-    from tvm import relax
-
-    if isinstance(v.op, relax.ExternFunc):
-        return v.op.global_symbol
-    if v.args and isinstance(v.args[0], relax.ExternFunc):
-        return v.args[0].global_symbol
-    return None
-
-
-def calls_builtin(v, name: str) -> bool:
-    """Whether binding value v is a call of the VM built-in `name`."""
-    from tvm import relax
-
-    return isinstance(v, relax.Call) and _builtin(v) == name
 
 
 def _captured(v):
@@ -159,7 +141,7 @@ def _kind(mod, v) -> str:
         return "tuple"
     if isinstance(v.op, tvm.ir.GlobalVar):
         return "kernel" if isinstance(mod[v.op], tvm.tirx.PrimFunc) else "call"
-    builtin = _builtin(v) or getattr(v.op, "name", "")
+    builtin = builtin_of(v) or getattr(v.op, "name", "")
     if builtin == GRAPH_CALL:
         return "graph"
     if "alloc" in builtin:
@@ -175,7 +157,6 @@ def note_weights_only(log: RuleLog):
     import tvm
     from tvm import relax
 
-    from .graphs import num_args
 
     @tvm.transform.module_pass(opt_level=0, name="NoteWeightsOnly")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:

@@ -2,7 +2,7 @@
 Drafters: DSpark (`--mtp DSPARK.gguf --dspark`) and the legacy one-stage MTP
 (`--mtp MTP.gguf --mtp-draft N`), each from its own support file."""
 
-from .. import DraftSpec, Family
+from ..contract import DraftSpec, Family
 from .build import check_bounds
 from .config import ARCH, Config
 from .tensors import tensor_specs
@@ -22,6 +22,6 @@ FAMILY = Family(
                   drafter="mtp"),
     ),
     tool_syntax=f"{_HERE}.tools:DSMLToolSyntax", chat_template="ds4tvm.gguf.vocab:CHAT_TEMPLATE",
-    hf_model_types=("deepseek_v4",), convert="ds4tvm.gguf.convert:convert_hf",
+    hf_model_types=("deepseek_v4",), convert="ds4tvm.families.deepseek4.convert:convert_hf",
     published=f"{_HERE}.build:published",
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...errors import Ds4Error
-from .. import Build, BuildRequest, load_attr, module_build
+from ..contract import Build, BuildRequest, load_attr, module_build
 
 
 def check_bounds(cfg, bounds) -> None:

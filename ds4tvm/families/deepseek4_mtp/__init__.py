@@ -1,6 +1,6 @@
 """Legacy one-stage MTP support file for DeepSeek-V4-Flash (ds4-spec §1.2, §7)."""
 
-from .. import Family
+from ..contract import Family
 from .config import ARCH, Config, is_legacy_mtp
 from .tensors import tensor_specs
 

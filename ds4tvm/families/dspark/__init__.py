@@ -1,6 +1,6 @@
 """DSpark drafter support file for DeepSeek-V4-Flash (`deepseek4-dspark`)."""
 
-from .. import Family
+from ..contract import Family
 from .config import ARCH, Config
 from .tensors import tensor_specs
 

@@ -2,7 +2,7 @@
 with the pooled sparse indexer) under mHC, MoE with a sigmoid router; GGUFs in ds4's layout or
 llama.cpp's both load (config.py, tensors.py)."""
 
-from .. import DraftSpec, Family, nextn_speculation
+from ..contract import DraftSpec, Family, nextn_speculation
 from .build import DEFAULT_BOUNDS, check_bounds
 from .config import ARCH, Config
 from .tensors import tensor_specs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...artifact import Bounds
 from ...errors import Ds4Error
-from .. import Build, BuildRequest, module_build
+from ..contract import Build, BuildRequest, module_build
 
 # a real-size KDA snapshot is 34 layers x 64 heads x 128 x 128 floats = 136 MiB, and each layer keeps
 # max_verify + 1 of them: the MTP cycle verifies 2 rows

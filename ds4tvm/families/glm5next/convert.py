@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import Ds4Error
-from ...gguf.convert import TextCheckpoint, _choose_type, read_hf_checkpoint
+from ...gguf.convert import TextCheckpoint, choose_type, read_hf_checkpoint
 from ...gguf.quant import quantize
 from ...gguf.safetensors_io import SafetensorsDir
 from ...gguf.vocab import hf_vocab, synthetic_vocab
@@ -139,7 +139,7 @@ def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: s
     ckpt = Checkpoint(st, replace(cfg, layout=DS4), str(hf_dir))
     tensors = []
     for canonical, spec, suffix in canonical_pairs(cfg):
-        qtype = _choose_type(spec, dense, experts)
+        qtype = choose_type(spec, dense, experts)
 
         def produce(name=canonical.name, suffix=suffix, want=tuple(reversed(canonical.shape)), qtype=qtype):
             x = ckpt.get(name)

@@ -2,7 +2,7 @@
 QSA indexer under the low-rank HC mixer, softmax-routed MoE, and PLE n-gram rows read lazily from
 the GGUF on the host (ple.py); the MTP (nextn) layer of the GGUF drafts (mtp.py)."""
 
-from .. import DraftSpec, Family, nextn_speculation
+from ..contract import DraftSpec, Family, nextn_speculation
 from .build import DEFAULT_BOUNDS, check_bounds
 from .config import ARCH, Config
 from .tensors import tensor_specs

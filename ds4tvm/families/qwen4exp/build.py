@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ...artifact import Bounds
 from ...errors import Ds4Error
-from .. import Build, BuildRequest, module_build
+from ..contract import Build, BuildRequest, module_build
 
 # a real-size GDN snapshot is 36 layers x 48 heads x 128 x 128 floats = 108 MiB, and each layer keeps
 # max_verify + 1 of them: the MTP cycle verifies up to 3 rows

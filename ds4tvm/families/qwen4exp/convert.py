@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import Ds4Error
-from ...gguf.convert import TextCheckpoint, _choose_type, read_hf_checkpoint
+from ...gguf.convert import TextCheckpoint, choose_type, read_hf_checkpoint
 from ...gguf.quant import quantize
 from ...gguf.safetensors_io import SafetensorsDir
 from ...gguf.vocab import hf_vocab, synthetic_vocab
@@ -209,7 +209,7 @@ def convert_hf(hf_dir: Path, out: Path, dense_type: str = "f16", experts_type: s
     cfg.validate(str(cfg_path))
     tensors = []
     for spec in tensor_specs(cfg):
-        qtype = type_of(spec) if type_of is not None else _choose_type(spec, dense, experts)
+        qtype = type_of(spec) if type_of is not None else choose_type(spec, dense, experts)
 
         def produce(name=spec.name, want=tuple(reversed(spec.shape)), qtype=qtype):
             x = ckpt.get(name, cfg)
