@@ -1,5 +1,5 @@
 """The CPU linears of every GGUF format, one kernel at a time: the hand-written kernels of
-nn/cpu_kernels.py side by side with the TE kernels that schedules/llvm.py builds for the same
+kernels/cpu.py side by side with the TE kernels that schedules/llvm.py builds for the same
 linear, in one run. Prints ms per call and the weight bytes read per second (GB/s: the bytes of
 the experts a call uses, or of the whole matrix) at one token (decode) and at --tokens (prefill).
 
@@ -8,7 +8,7 @@ the experts a call uses, or of the whole matrix) at one token (decode) and at --
 
 --shape is E,N,K,J: E experts of N x K weights, J chosen per token (the benchmark model's routed
 gate/up by default); the dense linear is one N*E/4 x K matrix. --blockings times the hand kernels in each register
-blocking given (ROWSxTOKENS, nn/cpu_kernels.Blocking) side by side; by default the one this CPU
+blocking given (ROWSxTOKENS, kernels/cpu.Blocking) side by side; by default the one this CPU
 takes. The int8 kernels take the CPU's dot instruction (AVX-512 VNNI's or AVX2's)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 
 from ds4tvm.gguf.quant import random_blocks, to_planes
-from ds4tvm.nn import cpu_kernels
+from ds4tvm.kernels import cpu as cpu_kernels
 from ds4tvm.nn.qweight import QWeight, for_cpu
 from ds4tvm.runtime.threads import SPIN_COUNT
 from ds4tvm.schedules.llvm import pipeline

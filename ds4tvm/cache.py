@@ -17,7 +17,7 @@ def cache_root() -> Path:
 
 
 def kernel_cache() -> Path:
-    """Hand-written kernels as parsed TIR (nn/cpu_kernels.py)."""
+    """Hand-written kernels as parsed TIR (kernels/cpu.py)."""
     return _base() / "kernels"
 
 

@@ -105,7 +105,7 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
     """records: the tuning database to apply (and, with tune_trials > 0, to tune into); by default
     the one shipped for the target (schedules/tuning.py). draft_onnx: draft heads to compile in
     (compile/onnx_heads.py). int8_activations: the CPU linears quantize their inputs to int8
-    (nn/cpu_int8.py). report: where to write what each function's call runs (schedules/report.py).
+    (kernels/cpu_int8.py). report: where to write what each function's call runs (schedules/report.py).
     gpu_forms: True exports a CPU target's linears in the GPU forms (their numerics checked here)."""
     tgt_spec = resolve(target)
     check_int8_activations(tgt_spec, int8_activations)
@@ -233,10 +233,10 @@ def _with_heads(mod, functions, heads, path: Path, tgt_spec, out_dir: Path, para
 
 
 def int8_dot(tgt_spec) -> str | None:
-    """The int8 dot instruction a CPU target's -mcpu has (nn/cpu_int8.py): AVX-512 VNNI's or AVX2's."""
+    """The int8 dot instruction a CPU target's -mcpu has (kernels/cpu_int8.py): AVX-512 VNNI's or AVX2's."""
     import tvm
 
-    from ..nn import cpu_kernels
+    from ..kernels import cpu as cpu_kernels
 
     return cpu_kernels.int8_dot_for(tvm.target.Target(tgt_spec.tvm))
 
@@ -254,10 +254,10 @@ def check_int8_activations(tgt_spec, wanted: bool) -> None:
 
 
 def cpu_kernel_shape(tgt_spec) -> tuple:
-    """(threads, register blocking) of a CPU target's hand-written kernels (nn/cpu_kernels.py)."""
+    """(threads, register blocking) of a CPU target's hand-written kernels (kernels/cpu.py)."""
     import tvm
 
-    from ..nn import cpu_kernels
+    from ..kernels import cpu as cpu_kernels
 
     return int(tgt_spec.tvm.get("num-cores", 1)), cpu_kernels.blocking_for(tvm.target.Target(tgt_spec.tvm))
 

@@ -12,7 +12,7 @@ How the heads join the artifact:
   axes, biases under SMALL) stay constants, which the frontend needs for shape arguments;
 - a MatMul of rows [n, K] by a weight (float32, or float16 cast to float32) is rewritten to multiply by its transpose, stored as [N, K]
   (a row per output, as a Gemm with transB keeps it), so that every such product with a weight is
-  one "x @ W^T" kernel (products of higher-rank inputs keep TVM's generic matmul): the hand-written F32 linear on CPU targets (nn/cpu_kernels.py), one TE reduction that
+  one "x @ W^T" kernel (products of higher-rank inputs keep TVM's generic matmul): the hand-written F32 linear on CPU targets (kernels/cpu.py), one TE reduction that
   dlight's GEMV / Matmul rules schedule on GPUs (a separate transpose would copy the weight on
   every call, since fusion is off);
 - `tokens` is taken as int32, so the engine range-checks it like every token input; Gather indices
@@ -294,7 +294,7 @@ def add_to_module(mod, func, cpu: tuple | None = None, gpu_target=None):
     from tvm import relax, te
     from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
-    from ..nn import cpu_kernels
+    from ..kernels import cpu as cpu_kernels
 
     weights = set(func.params[int(func.attrs["num_input"]):])
     bb = relax.BlockBuilder(mod)

@@ -10,7 +10,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ..schedules.fusion import BROADCAST
-from . import gpu_kernels
+from ..kernels import gpu as gpu_kernels
 from .qweight import binds_gpu_threads, exporting_gpu_forms
 
 

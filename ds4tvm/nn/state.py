@@ -21,6 +21,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 
+from ..kernels.slots import context_row
 from .qweight import exporting_gpu_forms
 
 F32 = "float32"
@@ -34,19 +35,6 @@ def gather_context(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: st
                           name=name)
 
     return op.tensor_expr_op(f, name, [ring, new, start])
-
-
-def context_row(ring_te, new_te, s, before: int):
-    """gather_context's element (j, d) as an expression over the ring and the new rows (TE tensors
-    or TIR buffers)."""
-    size = ring_te.shape[0]
-
-    def body(j, d):
-        pos = s - before + j
-        old = tirx.if_then_else(pos >= 0, ring_te[tirx.floormod(pos, size), d], tirx.const(0, F32))
-        return tirx.if_then_else(j < before, old, new_te[tirx.max(j - before, 0), d])
-
-    return body
 
 
 def context_rows(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: str):

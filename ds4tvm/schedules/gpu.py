@@ -1,7 +1,7 @@
 """The GPU pipelines (CUDA, ROCm, Metal): TVM's build passes with dlight scheduling every kernel.
 
 Linears arrive in their GPU forms (nn/qweight.py: a `dequantize` block feeding one reduction over
-K; routed experts blockized, nn/gpu_kernels.py). Rules, first match wins: Matmul (prefill and
+K; routed experts blockized, kernels/gpu.py). Rules, first match wins: Matmul (prefill and
 verify, symbolic token counts), GEMV (static one-token decode, the blockized experts),
 LowBatchGEMV, HandGEMV (the linears GEMV cannot analyse: IQ2_XXS), Reduction and GeneralReduction
 (norms, softmax, pooling), Fallback for everything else, so that every PrimFunc is scheduled (GPU

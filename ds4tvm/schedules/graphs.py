@@ -283,7 +283,7 @@ def _copies(shapes: list, dtypes: list, name: str, threads: int = 256):
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as B
 
-    from ..nn.gpu_kernels import hand_kernel
+    from ..kernels.gpu import hand_kernel
 
     target = tvm.target.Target.current(allow_none=True)
     bind = target is not None and target.kind.name != "llvm"

@@ -1,7 +1,7 @@
 """The CPU (llvm) pipeline: TVM's default CPU build passes, spelled out so that tuning records and
 schedules have their place in it.
 
-Linears arrive already written as register-blocked TIR kernels (nn/cpu_kernels.py, chosen when
+Linears arrive already written as register-blocked TIR kernels (kernels/cpu.py, chosen when
 the module is exported for a CPU target). The TE kernels of shapes those kernels do not take (and
 of modules exported without a CPU target) are scheduled here: dense ones dequantize
 each weight row once per call into a one-row buffer shared by all the call's tokens; dense and
@@ -109,7 +109,7 @@ def _lane_partial_sums(sch, block) -> None:
 
 
 def _schedule_attention(func: tirx.PrimFunc) -> s_tir.Schedule | None:
-    """Softmax-with-sinks attention (nn/blocks.py attend_with_sinks): q.k as 16-lane partial sums;
+    """Softmax-with-sinks attention (nn/attention.py attend_with_sinks): q.k as 16-lane partial sums;
     p.v with the key slot outside the channel loop, so that each value row is read once,
     contiguously."""
     sch = s_tir.Schedule(func)

@@ -12,7 +12,7 @@ generation), for any target:
                                   stage it cannot merge); 1 on the CPU
   functions.<fn>.by_rule          kernels per rule: a dlight rule's name (Matmul, GEMV, LowBatchGEMV,
                                   Reduction, GeneralReduction, Fallback), `hand` (written scheduled:
-                                  nn/cpu_kernels.py, the GPU delta rule), `tuned` (a meta-schedule
+                                  kernels/cpu.py, the GPU delta rule), `tuned` (a meta-schedule
                                   record), `llvm:<kind>` (schedules/llvm.py's own), `host` (shape
                                   functions on the host), `as written`
   functions.<fn>.graph_regions    CUDA graph regions the call replays (0 where there are none)

@@ -1,6 +1,6 @@
 """`ds4-compile --tune TRIALS`: meta-schedule tuning of the static-shape quantized linears (the
 decode kernels: one token, every distinct shape x format that the TE schedules in llvm.py cover;
-the linears nn/cpu_kernels.py takes are hand-written and not tuned) on the machine compiling.
+the linears kernels/cpu.py takes are hand-written and not tuned) on the machine compiling.
 
 Each kernel is tuned from scratch for TRIALS candidates, then the best candidate and the hand
 schedule are measured side by side with meta-schedule's own builder and runner; only a candidate

@@ -1,4 +1,4 @@
-"""`ds4-compile --int8-activations`: the CPU linears quantize their inputs to int8 (nn/cpu_int8.py).
+"""`ds4-compile --int8-activations`: the CPU linears quantize their inputs to int8 (kernels/cpu_int8.py).
 
 The kernels themselves are checked against gguf's Q8_0 quantizer in tests/unit/test_kernels.py;
 here the whole model: a token's logits do not depend on how it was batched (prefill, decode and

@@ -1,4 +1,4 @@
-"""The GPU forms of the quantized linears (nn/qweight.py, nn/gpu_kernels.py) and `ds4-compile --report`:
+"""The GPU forms of the quantized linears (nn/qweight.py, kernels/gpu.py) and `ds4-compile --report`:
 
 - compiled for cuda:sm_90 here (codegen only), the report says which dlight rule scheduled each
   kernel: no linear of any plane format (dense, grouped, routed experts) falls to Fallback;

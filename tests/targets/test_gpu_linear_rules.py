@@ -1,4 +1,4 @@
-"""Every plane format's linears in their GPU forms (nn/qweight.py, nn/gpu_kernels.py) on cuda:sm_90,
+"""Every plane format's linears in their GPU forms (nn/qweight.py, kernels/gpu.py) on cuda:sm_90,
 codegen only: dense, grouped and routed-expert linears at one token (decode) and at a symbolic
 token count (verify, prefill), and the routed experts' up projection with the SwiGLU as its
 epilogue, are scheduled by a GEMV-family or Matmul rule (the dense ones of a

@@ -236,15 +236,16 @@ from ds4tvm.compile.toolchains import prepare
 prepare("cuda")
 import tvm
 from ds4tvm.families.deepseek4.published import flash_config
-from ds4tvm.nn import blocks, gpu_kernels as g
+from ds4tvm.kernels import gpu as g
+from ds4tvm.nn import hyper
 c = flash_config()
 ring = (c.sliding_window + 16, c.head_dim)
 kernels = [g.window_attention(c.n_head, c.head_dim, ring, c.sliding_window - 1, (65536 // 4, c.head_dim), c.idx_top_k,
                               c.sliding_window, 4, c.n_rot, True, True),
            g.window_attention(c.n_head, c.head_dim, ring, c.sliding_window - 1, (65536 // 128, c.head_dim), None,
                               c.sliding_window, 128, c.n_rot, True, False),
-           blocks._hc_norm_func(c.hc, c.n_embd, c.hc_sinkhorn_iters, c.hc_eps, c.rms_eps, True),
-           blocks._hc_norm_func(c.hc, c.n_embd, 0, c.hc_eps, c.rms_eps, True, head=True),
+           hyper._hc_norm_func(c.hc, c.n_embd, c.hc_sinkhorn_iters, c.hc_eps, c.rms_eps, True),
+           hyper._hc_norm_func(c.hc, c.n_embd, 0, c.hc_eps, c.rms_eps, True, head=True),
            g.table_experts(c.n_expert, c.n_vocab, c.n_expert_used, None, 1.0, True),
            g.rms_rope_fp8(c.head_dim, c.n_rot, c.rms_eps, True, 0, 1, True),
            g.top_k(c.n_expert, c.n_expert_used, True, None, 1.0, True), g.top_k(1024, c.idx_top_k, False)]

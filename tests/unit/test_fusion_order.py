@@ -71,7 +71,7 @@ def test_without_the_read_dependencies_the_fused_read_sees_the_new_row():
 
 def _gemv_then_hc_post(n):
     """A GEMV [n, D] and hc_post's GPU form after it: one function of n tokens."""
-    from ds4tvm.nn.blocks import _hc_post_te
+    from ds4tvm.nn.hyper import _hc_post_te
     from ds4tvm.schedules.fusion import ELEMWISE, PRESET
 
     D, Kx, hc = 32, 16, 4

@@ -1,4 +1,4 @@
-"""The hand-written GPU kernels of the GPU forms (nn/gpu_kernels.py), run here with their loops
+"""The hand-written GPU kernels of the GPU forms (kernels/gpu.py), run here with their loops
 serial (bind=False, as gpu_forms(on_gpu=False) exports them), against the CPU's kernels for the
 same blocks (TE, scheduled by schedules/llvm.py) and against numpy."""
 
@@ -43,7 +43,7 @@ def test_rms_rope_rounding_forms_equal_the_cpu_kernels(rounding, at):
     """rms_rope with fp8 (the hand kernel gpu_kernels.rms_rope_fp8) or fp4 (the Hadamard transform
     reading the normalized, rotated rows inline: the indexer compressor's rows) against the CPU's
     rms, rope and rounding kernels."""
-    from ds4tvm.nn.blocks import rms_rope, rope_inv_freq
+    from ds4tvm.nn.norm_rope import rms_rope, rope_inv_freq
 
     freq = rope_inv_freq(16, 10000.0, None)
     rng = np.random.default_rng(5)
@@ -95,7 +95,8 @@ def test_choose_experts_kernel_ranks_like_topk_and_weighs_like_route_weights():
 def test_window_attention_kernel_equals_the_te_attention(kind):
     """The one-kernel attention reading the ring in place (nn/state.RingRows), with the inverse
     RoPE, against the TE attention over gather_context's rows and a rope() after it."""
-    from ds4tvm.nn.blocks import rope_inv_freq, sparse_window_attention
+    from ds4tvm.nn.attention import sparse_window_attention
+    from ds4tvm.nn.norm_rope import rope_inv_freq
     from ds4tvm.nn.state import context_rows
 
     H, D, window, ratio, n, start = 4, 64, 16, 4, 3, 41
@@ -128,7 +129,8 @@ def test_window_attention_kernel_equals_the_te_attention(kind):
 def test_window_attention_kernel_writes_a_decode_steps_row_into_the_ring():
     """A decode step's attention kernel also writes its K=V row into the ring (in place): the
     same output and the same ring as attention then ring_write."""
-    from ds4tvm.nn.blocks import rope_inv_freq, sparse_window_attention
+    from ds4tvm.nn.attention import sparse_window_attention
+    from ds4tvm.nn.norm_rope import rope_inv_freq
     from ds4tvm.nn.state import context_rows
 
     H, D, window, start = 4, 64, 16, 45

@@ -6,7 +6,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from ds4tvm.gguf.quant import random_blocks, to_planes
-from ds4tvm.nn import cpu_int8
+from ds4tvm.kernels import cpu_int8
 
 tvm = pytest.importorskip("tvm")
 pytestmark = pytest.mark.compile
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.compile
 TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_1, QT.Q4_K, QT.Q2_K, QT.Q6_K, QT.MXFP4, QT.IQ2_XXS]
 
 
-# The GPU forms (nn/qweight.py, nn/gpu_kernels.py) exported for llvm: the same kernels as on a GPU
+# The GPU forms (nn/qweight.py, kernels/gpu.py) exported for llvm: the same kernels as on a GPU
 # without their thread bindings; K = 256 sends the K-quants' experts to the flat form.
 PLANE_CASES = ([pytest.param(t, 512, False, id=t.name) for t in TYPES]
                + [pytest.param(t, 512, True, id=f"{t.name}-gpu-forms") for t in TYPES]
@@ -110,7 +110,7 @@ CPU_DEFAULT = (QT.Q8_0, QT.Q4_K, QT.MXFP4, QT.IQ2_XXS)
 @pytest.mark.parametrize("qtype", [t if t in CPU_DEFAULT else pytest.param(t, marks=pytest.mark.slow) for t in TYPES],
                          ids=lambda t: t.name)
 def test_cpu_kernels_match_gguf_dequantize(qtype):
-    """nn/cpu_kernels.py (chosen when exporting for a CPU target): dense, grouped and routed-expert
+    """kernels/cpu.py (chosen when exporting for a CPU target): dense, grouped and routed-expert
     linears, for token counts that take every path (register dequantization, a dequantized tile
     from 12 tokens, every leftover of blocks of 6 in blocks of 4/2/1, experts with no, one, few and
     many slots)."""
@@ -122,7 +122,7 @@ def test_cpu_kernels_round_alike_in_every_register_blocking(qtype):
     """The AVX2 and SSE/NEON blockings (2 rows x 3 or 1 tokens: other token blocks and leftovers) against gguf's
     dequantizer as above, and bit for bit equal to the AVX-512 blocking's outputs: the order of a
     token's sums does not depend on the blocking."""
-    from ds4tvm.nn.cpu_kernels import BLOCKINGS
+    from ds4tvm.kernels.cpu import BLOCKINGS
 
     outputs = {bits: _check_cpu_kernels(qtype, int8=None, blocking=BLOCKINGS[bits]) for bits in (512, 256, 128)}
     for bits in (256, 128):
@@ -140,7 +140,7 @@ FEATURE = {"vpdpbusd": "avx512vnni", "vpmaddubsw": "avx2"}
                                                     id=f"{t.name}-{d}")
                                        for d in FEATURE for t in cpu_int8.FORMATS[d]])
 def test_int8_activation_kernels_match_gguf_q8_0_inputs(qtype, dot):
-    """The --int8-activations kernels (nn/cpu_int8.py) with each dot instruction this CPU has (an
+    """The --int8-activations kernels (kernels/cpu_int8.py) with each dot instruction this CPU has (an
     AVX-512 VNNI CPU runs the AVX2 one too), in every form and token count as above, against gguf's
     dequantized weights times the inputs as gguf's Q8_0 quantizer rounds them (its codes, with the
     block scale kept in float32). Their difference from the float inputs' product (~1e-3 of the
@@ -170,7 +170,7 @@ def _check_cpu_kernels(qtype, int8: str | None, blocking=None) -> list:
     from tvm.relax.frontend import nn
     from tvm.target import codegen
 
-    from ds4tvm.nn import cpu_kernels
+    from ds4tvm.kernels import cpu as cpu_kernels
     from ds4tvm.nn.qweight import QWeight, for_cpu
 
     blocking = blocking or cpu_kernels.BLOCKINGS[512]
@@ -240,7 +240,7 @@ def test_parsed_kernels_are_kept_on_disk_and_a_damaged_one_is_parsed_again(tmp_p
     TIR, and a damaged file is parsed again and replaced."""
     import tvm_ffi
 
-    from ds4tvm.nn import cpu_kernels
+    from ds4tvm.kernels import cpu as cpu_kernels
 
     monkeypatch.setenv("DS4TVM_CACHE", str(tmp_path))
     parse_or_load = cpu_kernels.dense_linear.__wrapped__   # past the in-process cache, as a new process

@@ -8,7 +8,7 @@ from tvm import s_tir, te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...nn.blocks import F32, NEG_INF
+from ...kernels.slots import F32, NEG_INF
 from ...nn.qweight import exporting_for_cpu
 from ...nn.state import RingRows, args, rows_reader
 

@@ -16,8 +16,9 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import Bounds, FunctionSpec, StateSpec
-from ...nn.blocks import (hc_head, hc_post, hc_pre, indexer_select, periodic_rows, rms, rms_rope, rope,
-                          rope_hadamard_fp4, rope_inv_freq, sparse_window_attention)
+from ...nn.attention import indexer_select, sparse_window_attention
+from ...nn.hyper import hc_head, hc_post, hc_pre
+from ...nn.norm_rope import periodic_rows, rms, rms_rope, rope, rope_hadamard_fp4, rope_inv_freq
 from ...nn.moe import choose_experts, dense_ffn, routed_experts, table_experts
 from ...nn.qweight import Weights
 from ...nn.state import compacts, compressor_writes, context_rows

@@ -19,7 +19,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import FunctionSpec, StateSpec
-from ...nn.blocks import rms, rope_inv_freq
+from ...nn.norm_rope import rms, rope_inv_freq
 from ...nn.state import ring_write
 from ...nn.qweight import Weights
 from ..deepseek4.model import Block

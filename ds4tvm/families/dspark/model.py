@@ -26,7 +26,9 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import FunctionSpec, StateSpec
-from ...nn.blocks import attend_with_sinks, hc_head, hc_post, rms, rope, rope_inv_freq
+from ...nn.attention import attend_with_sinks
+from ...nn.hyper import hc_head, hc_post
+from ...nn.norm_rope import rms, rope, rope_inv_freq
 from ...nn.state import gather_context, ring_write
 from ...nn.qweight import Weights
 from ..deepseek4.model import Block

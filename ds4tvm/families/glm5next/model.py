@@ -17,7 +17,9 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import Bounds, FunctionSpec, StateSpec
-from ...nn.blocks import attend_with_sinks, hc_post, hc_pre, indexer_select, layer_norm, rms, selected_pool_positions
+from ...nn.attention import attend_with_sinks, indexer_select, selected_pool_positions
+from ...nn.hyper import hc_post, hc_pre
+from ...nn.norm_rope import layer_norm, rms
 from ...nn.linear_attention import causal_conv_silu, delta_rule, l2_normalized_heads
 from ...nn.moe import choose_experts, dense_ffn, routed_experts
 from ...nn.qweight import QWeight

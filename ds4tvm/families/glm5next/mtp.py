@@ -27,7 +27,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import FunctionSpec, StateSpec
-from ...nn.blocks import rms
+from ...nn.norm_rope import rms
 from .config import STREAMS
 from .model import GLM5Next, Layer, layer_states
 

@@ -19,7 +19,8 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import Bounds, FunctionSpec, StateSpec
-from ...nn.blocks import indexer_select, rms, rope_neox, selected_pool_positions, softmax_attention
+from ...nn.attention import indexer_select, selected_pool_positions, softmax_attention
+from ...nn.norm_rope import rms, rope_neox
 from ...nn.linear_attention import causal_conv_silu, delta_rule, l2_normalized_heads
 from ...nn.moe import choose_experts, dense_ffn, routed_experts
 from ...nn.qweight import QWeight

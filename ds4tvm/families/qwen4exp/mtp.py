@@ -21,7 +21,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import FunctionSpec, StateSpec
-from ...nn.blocks import rms
+from ...nn.norm_rope import rms
 from .model import Layer, Qwen4Exp, _inject, _per_stream, hc_mix, last_row, layer_states, layer_weights
 from .tensors import nextn_specs
 

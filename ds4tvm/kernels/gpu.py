@@ -3,7 +3,7 @@ GEMV that dlight's GEMV rule schedules, as MLC-LLM writes its MoE GEMVs. One (to
 `blockIdx.y`; inside it an outer block reads the pair's expert id once, a `dequantize` block turns
 that expert's rows into float32 (inlined by the rule into the product: no fp32 weight is written)
 and a `gemv` block reduces over K. The expert's planes are read straight from the weight arguments
-with nn/dequant.py's expressions, the same float operations as every other path.
+with kernels/dequant.py's expressions, the same float operations as every other path.
 
 Then the kernels written scheduled for what dlight's rules would split into several launches
 (`launches` in `ds4-compile --report`): the window attention over a K=V ring, RMSNorm + RoPE + FP8
@@ -20,7 +20,9 @@ from gguf import GGMLQuantizationType as QT
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_kernels import _arg_types, _dequant
+from .cpu import arg_types, dequant_of
+from .minifloat import pow2_ceil_scale, round_minifloat
+from .slots import NEG_INF, context_row, window_slots
 
 # Formats whose dequantization gathers lookup tables by the weight's codes: dlight's GEMV rejects
 # them in any form, so their experts keep the flat form (nn/qweight.py) that schedules/gpu.py's
@@ -41,8 +43,8 @@ def expert_gemv(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool,
     """y[T, J, N] = x[T, (J|1), K] @ W[ids[t, j], N, K]^T for any T (a decode's T = 1 is the case
     it is shaped for; wider calls run one GEMV per (token, slot) pair). bind=False: the pair loop
     serial, for checking the form's numerics on a CPU."""
-    a = _arg_types(qtype, (E, N), K, False)
-    deq = _dequant(qtype)
+    a = arg_types(qtype, (E, N), K, False)
+    deq = dequant_of(qtype)
     XJ = J if per_slot_input else 1
 
     def x_of(x, s, k):
@@ -88,8 +90,8 @@ def expert_gemv_swiglu(qtype: QT, E: int, N: int, K: int, J: int, limit: float, 
     """y[T, J, N] = clamped SwiGLU(g, x @ W[ids]^T) (nn/moe.clamped_swiglu of the gate projection
     g and this up projection): expert_gemv of a shared input with the SwiGLU as its epilogue,
     which dlight's GEMV rule schedules after the reduction (one launch where there were two)."""
-    a = _arg_types(qtype, (E, N), K, False)
-    deq = _dequant(qtype)
+    a = arg_types(qtype, (E, N), K, False)
+    deq = dequant_of(qtype)
 
     def act(g, u):
         return clamped_swiglu_value(g, u, limit)
@@ -144,7 +146,7 @@ def hand_kernel(func):
 @functools.lru_cache(maxsize=None)
 def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape: tuple | None, sel_width: int | None,
                      window: int, ratio: int, n_rot: int, bind: bool = True, write_ring: bool = False):
-    """nn/blocks.sparse_window_attention as one kernel, its context rows read in place from the
+    """nn/attention.sparse_window_attention as one kernel, its context rows read in place from the
     ring (nn/state.RingRows): a thread block per (token, head) keeps its slots' scores in shared
     memory; each thread scores slots (the dot over D in order, as the TE form), max and sum run as
     tree reductions over the threads, then each thread sums its output channel pair over the slots
@@ -153,8 +155,6 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
     ring is then the kernel's first output), which no block reads while fewer rows are new than
     the ring holds beyond `before` (a decode step, a recorded width). bind=False: the same loops
     serial (a CPU runs them: the numerics check of the GPU forms)."""
-    from .blocks import NEG_INF, _window_slots   # blocks imports this module
-    from .state import context_row
 
     size, width = ring_shape
     has_comp, use_sel = comp_shape is not None, sel_width is not None
@@ -170,7 +170,7 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
     threads = (lambda: T.thread_binding(NT, thread="threadIdx.x")) if bind else (lambda: T.serial(NT))
 
     def slots(ring, new, comp, sel, s):
-        return _window_slots(context_row(ring, new, s, before), new.shape[0] + before, comp if has_comp else None,
+        return window_slots(context_row(ring, new, s, before), new.shape[0] + before, comp if has_comp else None,
                              sel if use_sel else None, s, window, ratio)
 
     def key(ring, new, comp, sel, s, t, a, d):
@@ -276,7 +276,7 @@ def top_k(E: int, k: int, biased: bool, denominator=None, scale: float = 1.0, bi
     scores: the lower index first), then a thread per chosen slot picking the index of its rank
     and its weight. Indices stay in [0, E) whatever the scores (a NaN gives ranks that collide:
     its slot reads index 0, never one out of range). nn/moe.choose_experts, and the indexer's
-    selection over few rows (nn/blocks.indexer_select). bind=False: the same loops serial."""
+    selection over few rows (nn/attention.indexer_select). bind=False: the same loops serial."""
     blocks = (lambda n: T.thread_binding(n, thread="blockIdx.x")) if bind else T.serial
     threads = (lambda: T.thread_binding(E, thread="threadIdx.x")) if bind else (lambda: T.serial(E))
 
@@ -362,8 +362,7 @@ def rms_rope_fp8(D: int, n_rot: int, eps: float, weighted: bool, offset: int, st
     thread block per row sums its squares by a tree over the threads, each thread normalizes and
     rotates a channel pair into shared memory, a thread per block of 64 channels finds its
     largest magnitude, and each thread writes its pair rounded. The same expressions as the three
-    kernels (nn/blocks.py, nn/rounding.py). bind=False: the same loops serial."""
-    from .rounding import _pow2_ceil_scale, _round_minifloat
+    kernels (nn/norm_rope.py, nn/rounding.py). bind=False: the same loops serial."""
 
     NT, lo = THREADS, D - n_rot
     pairs, n_blocks = D // 2, (lo + 63) // 64
@@ -425,8 +424,8 @@ def rms_rope_fp8(D: int, n_rot: int, eps: float, weighted: bool, offset: int, st
                 for i in range(per_thread):
                     if i * NT + tx < lo:
                         big[0] = amax[(i * NT + tx) // 64]   # a register: the rounding's conditions read it
-                        out[t, i * NT + tx] = _round_minifloat(y[i * NT + tx] / _pow2_ceil_scale(big[0], 448.0), 3, -6,
-                                                               448.0) * _pow2_ceil_scale(big[0], 448.0)
+                        out[t, i * NT + tx] = round_minifloat(y[i * NT + tx] / pow2_ceil_scale(big[0], 448.0), 3, -6,
+                                                               448.0) * pow2_ceil_scale(big[0], 448.0)
                     elif i * NT + tx < D:
                         out[t, i * NT + tx] = y[i * NT + tx]
     return hand_kernel(main)

@@ -1,6 +1,6 @@
 """The float32 value of element (row..., k) of a GGML tensor held as planes (gguf/quant.py), as a
 TIR expression with the same float operations as gguf's numpy dequantizer. Shared by the TE
-kernels of nn/qweight.py and the hand-written CPU kernels of nn/cpu_kernels.py."""
+kernels of nn/qweight.py and the hand-written CPU kernels of kernels/cpu.py."""
 
 from __future__ import annotations
 

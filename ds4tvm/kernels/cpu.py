@@ -8,7 +8,7 @@ loaded once for TB tokens and each token vector once for NR rows. TB and NR foll
 vector registers (Blocking): 6 x 4 with AVX-512 (24 of its 32 registers); 3 x 2 with AVX2, where
 an accumulator takes two of the 16 registers (6 x 4 spilled there: 2.5-3.6x slower at 64
 tokens). The order of a token's sums does not depend on TB or NR. Weights come from
-nn/dequant.py's expressions (gguf's float operations, so every path rounds alike), VW lanes at a
+kernels/dequant.py's expressions (gguf's float operations, so every path rounds alike), VW lanes at a
 time, the k loop unrolled over one block of the format so that its scales are loaded and
 converted once. Output rows go in tiles of RB; with fewer than HT tokens a tile's weights are
 dequantized in registers inside the micro-kernel; with more the tile is dequantized once into a
@@ -29,7 +29,7 @@ products went through memory).
 
 With int8 set (ds4-compile --int8-activations: the target's int8 dot instruction, vpdpbusd or
 vpmaddubsw) the Q8_0/Q4_K/Q2_K/IQ2_XXS kernels (and MXFP4's with vpmaddubsw) quantize their
-inputs to int8 first and run nn/cpu_int8.py's integer micro-kernel in the same tiles and token
+inputs to int8 first and run kernels/cpu_int8.py's integer micro-kernel in the same tiles and token
 blocks.
 
 benchmarks/cpu_kernels.py times each format against the TE kernels; BENCHMARKS.md has the numbers.
@@ -104,7 +104,7 @@ def blocking_for(target) -> Blocking:
 
 
 def int8_dot_for(target) -> str | None:
-    """The int8 dot instruction of a TVM CPU target (nn/cpu_int8.py), None where it has neither."""
+    """The int8 dot instruction of a TVM CPU target (kernels/cpu_int8.py), None where it has neither."""
     from tvm.target import codegen
 
     has = functools.partial(codegen.target_has_features, target=target)
@@ -116,7 +116,7 @@ def supports(qtype: QT, N: int, K: int, groups: int = 1) -> bool:
 
 
 def takes_int8(qtype: QT, K: int, dot: str) -> bool:
-    """Whether the int8-activation path (nn/cpu_int8.py) takes the format with the dot instruction
+    """Whether the int8-activation path (kernels/cpu_int8.py) takes the format with the dot instruction
     and K is a whole number of its 256-weight blocks."""
     return qtype in cpu_int8.FORMATS[dot] and K % cpu_int8.BLOCK == 0
 
@@ -163,13 +163,13 @@ def kernel_tables(qtype: QT, int8: str | None = None) -> dict:
     return cpu_int8.tables(qtype, int8) if int8 else tables(qtype)
 
 
-def _arg_types(qtype: QT, lead: tuple, K: int, int8: str | None) -> list[tuple[tuple, str]]:
+def arg_types(qtype: QT, lead: tuple, K: int, int8: str | None) -> list[tuple[tuple, str]]:
     """(shape, dtype) of each weight argument: the planes, then the tables."""
     planes = [((*lead, f.per_row(K)), f.dtype) for f in plane_format(qtype).fields]
     return weight_args(planes + [(t.shape, str(t.dtype)) for t in kernel_tables(qtype, int8).values()])
 
 
-def _dequant(qtype: QT):
+def dequant_of(qtype: QT):
     names = [f.name for f in plane_format(qtype).fields] + list(tables(qtype))
     deq = DEQUANT[qtype]
     return lambda r, k, ws: deq(dict(zip(names, ws)), r, k)
@@ -224,7 +224,7 @@ def _token_blocks(micro, b: Blocking):
 
 
 def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at):
-    """The row_tile macro of the int8-activation path (nn/cpu_int8.py): x is the tuple (xq, D, X)
+    """The row_tile macro of the int8-activation path (kernels/cpu_int8.py): x is the tuple (xq, D, X)
     of quantized inputs, x_loc(ctx, i, tile) the quantized row and first column of list entry i,
     w_row(tile, r) the weight row index of tile row r. Weights are always decoded in registers:
     their codes feed the dot products directly."""
@@ -380,7 +380,7 @@ def _tiles(qtype: QT, K: int, b: Blocking, int8: str | None, x_at, x_loc, w_row,
     a quantized input row and its first column); w_row(tile, r): the weight row of tile row r."""
     if int8:
         return _int8_row_tiles(qtype, K, b, int8, x_loc, w_row, y_at)
-    deq = _dequant(qtype)
+    deq = dequant_of(qtype)
 
     def w_at(inline, tile, r, k, wt, ws):
         return deq(w_row(tile, r), k, ws) if inline else wt[r, k]
@@ -468,10 +468,10 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, blocking: Blocking, gr
                  int8: str | None = None):
     """y[T, N] = x[T, K] @ W[N, K]^T for any T. With groups G, x is [T, G*K] and output rows
     g*N/G .. (g+1)*N/G read x[:, g*K : (g+1)*K] (a grouped projection). int8: the dot
-    instruction inputs quantized to int8 feed (nn/cpu_int8.py), or None."""
+    instruction inputs quantized to int8 feed (kernels/cpu_int8.py), or None."""
     parallel = _parallel(threads, N, K)
     rows_per_group = N // groups
-    a = _arg_types(qtype, (N,), K, int8)
+    a = arg_types(qtype, (N,), K, int8)
 
     def x_at(x, _ctx, i, rt, k):   # a tile's input columns are its group's slice of x
         return x[i, rt * RB // rows_per_group * K + k]
@@ -524,9 +524,9 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
     """y[T, J, N] = x[T, (J|1), K] @ W[ids[t, j], N, K]^T for any T, grouped by expert: the
     (token, slot) pairs are sorted by expert, and the row tiles of the experts in use (in order
     of expert id) are shared among the cores, so a decode's six experts keep both cores busy.
-    int8: the dot instruction inputs quantized to int8 feed (nn/cpu_int8.py), or None."""
+    int8: the dot instruction inputs quantized to int8 feed (kernels/cpu_int8.py), or None."""
     parallel = _parallel(threads, N, K)
-    a = _arg_types(qtype, (E, N), K, int8)
+    a = arg_types(qtype, (E, N), K, int8)
     NT, XJ = N // RB, (J if per_slot_input else 1)
 
     def x_at(x, slots, i, _et, k):

@@ -4,7 +4,7 @@ float32) and multiplied by the weights' integer codes with integer dot products,
 backend does: AVX-512 VNNI's vpdpbusd (64 u8 x s8 products summed into 16 int32 lanes per
 instruction) or, on AVX2, vpmaddubsw (u8 x s8 pairs summed into int16, saturating) then vpmaddwd
 (int16 pairs into int32), on each half of the 64 (`int8_dot_for` picks by the target). It reads the
-same planes as nn/cpu_kernels.py and replaces that module's float micro-kernel only.
+same planes as kernels/cpu.py and replaces that module's float micro-kernel only.
 
 The logits change: every input is rounded to 8 bits (a relative error of about 1/254 of its
 block's largest magnitude), so they no longer match transformers to ~1e-6; what the kernels
@@ -139,7 +139,7 @@ def _iq2_xxs(P, r, s, dot):
 
 def _e8m0_half(e):
     """gguf's e8m0_to_fp32_half of a vector of exponent bytes: 2^(e-128), the two smallest as
-    denormals (nn/dequant.py's expression, lane by lane)."""
+    denormals (kernels/dequant.py's expression, lane by lane)."""
     n = e.ty.dtype.lanes
     e = e.astype(f"uint32x{n}")
     small = _bc(0x00200000, "uint32", n) << e
