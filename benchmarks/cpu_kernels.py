@@ -24,7 +24,8 @@ from tvm.relax.frontend import nn
 
 from ds4tvm.gguf.quant import random_blocks, to_planes
 from ds4tvm.kernels import cpu as cpu_kernels
-from ds4tvm.nn.qweight import QWeight, for_cpu
+from ds4tvm.kernels.forms import TE, CpuLinears, Forms
+from ds4tvm.nn.qweight import QWeight, set_forms
 from ds4tvm.runtime.threads import SPIN_COUNT
 from ds4tvm.schedules.llvm import pipeline
 
@@ -45,12 +46,9 @@ def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, kernel: str, 
     spec = {"dense": {"x": nn.spec.Tensor(["t", K], "float32"), "$": mode},
             "experts": {"x": nn.spec.Tensor(["t", K], "float32"), "sel": nn.spec.Tensor(["t", J], "int32"), "$": mode}}
     target = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": threads})
-    if kernel != "TE":
-        with for_cpu(threads, blocking or cpu_kernels.blocking_for(target),
-                     int8_dot=cpu_kernels.int8_dot_for(target) if kernel == "int8" else None):
-            mod, params = M().export_tvm(spec=spec)
-    else:
-        mod, params = M().export_tvm(spec=spec)
+    forms = TE if kernel == "TE" else Forms(cpu_linears=CpuLinears(
+        threads, blocking or cpu_kernels.blocking_for(target), cpu_kernels.int8_dot_for(target) if kernel == "int8" else None))
+    mod, params = set_forms(M(), forms).export_tvm(spec=spec)
     return relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu()), params
 
 

@@ -118,18 +118,20 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
     m, dm, support_cfg = _load_pair(gguf_path, support)
     check_bounds(m.family, m.config, bounds)
     heads = onnx_heads.read(draft_onnx, m.config.n_embd, m.config.n_vocab, bounds.max_verify) if draft_onnx else None
-    records = _records(tgt_spec, records)
+    records_dir = _records(tgt_spec, records)
     phases = Phases(["validate", "build module", "export", *(["tune"] if tune_trials else []), "compile",
                      "write artifact"], progress and not tune_trials)
     tuning = None
     try:
         phases.next()
+        forms = tgt_spec.forms(int8_activations, gpu_forms)
+        recording = records_functions(tgt_spec, forms)
         built = load_attr(m.family.build)(BuildRequest(
             m.config, tensor_types(m.gguf), bounds, kv_rounding, dm.family if dm else None, support_cfg,
-            tensor_types(dm.gguf) if dm else {}))
+            tensor_types(dm.gguf) if dm else {}, forms))
         phases.next()
-        widths = recorded_widths(built.functions, tgt_spec, bounds, gpu_forms)
-        mod, named = _export(built.module, tgt_spec, int8_activations, gpu_forms, widths)
+        widths = recorded_widths(built.functions, recording, bounds)
+        mod, named = _export(built.module, widths)
         params = [[name, *built.sources[id(p)]] for name, p in named]
         functions, weights = built.functions, {MODEL: file_identity(gguf_path),
                                                **({"support": file_identity(support)} if dm else {})}
@@ -142,11 +144,11 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
         if tune_trials:
             from ..schedules.tuning import tune
 
-            tuning = tune(mod, tvm.target.Target(tgt_spec.tvm), records, tune_trials, progress)
+            tuning = tune(mod, tvm.target.Target(tgt_spec.tvm), records_dir, tune_trials, progress)
             phases.next()
         recorded = []
-        ex = _compile_module(mod, tgt_spec, records, report, [f.name for f in functions],
-                             recorded=recorded if gpu_forms or tgt_spec.device != "cpu" else None, widths=widths)
+        ex = _compile_module(mod, tgt_spec, records_dir, report, [f.name for f in functions],
+                             recorded=recorded if recording else None, widths=widths)
         functions = _with_recorded(functions, recorded, widths)
         phases.next()
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -161,8 +163,8 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
             hashes={name: file_sha256(out_dir / name) for name in (tgt_spec.library, "tokenizer.json")})
         phases.next()
         manifest.extra["compile_seconds"] = phases.times
-        if _applies(records):
-            manifest.extra["tuning_records"] = str(records)
+        if _applies(records_dir):
+            manifest.extra["tuning_records"] = str(records_dir)
         if tuning is not None:
             manifest.extra["tuning"] = tuning
         if int8_activations:
@@ -176,12 +178,18 @@ def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_roundin
 TARGET_FUNCTIONS = ("prefill", "decode", "verify")   # what the engine calls by name
 
 
-def recorded_widths(functions: list, tgt_spec, bounds, gpu_forms: bool | None = None) -> dict:
+def records_functions(tgt_spec, forms) -> bool:
+    """Whether the compile records each function's kernels as one graph (CUDA graphs:
+    schedules/graphs.py), or, for a CPU target exported in the GPU forms, compiles as CUDA does to
+    check that rewrite here."""
+    return tgt_spec.records_functions or (tgt_spec.device == "cpu" and forms.gpu)
+
+
+def recorded_widths(functions: list, recording: bool, bounds) -> dict:
     """The functions called with 1..max_verify rows (FunctionSpec.per_width), with the widths at
-    which a copy of each is recorded (CUDA graphs: schedules/graphs.width_copies; also a CPU target
-    exported in the GPU forms, which compiles as CUDA does): every width, since the speculative
-    loop verifies 1 + however many drafts it has. {} where nothing is recorded."""
-    if not (tgt_spec.device == "cuda" or (tgt_spec.device == "cpu" and gpu_forms)):
+    which a copy of each is recorded (schedules/graphs.width_copies): every width, since the
+    speculative loop verifies 1 + however many drafts it has. {} where nothing is recorded."""
+    if not recording:
         return {}
     return {f.name: list(range(1, bounds.max_verify + 1)) for f in functions if f.per_width}
 
@@ -215,7 +223,7 @@ def _with_heads(mod, functions, heads, path: Path, tgt_spec, out_dir: Path, para
     except Exception as e:  # noqa: BLE001 - the frontend's converters raise anything on what they cannot take
         raise Ds4Error(f"{path}: TVM's ONNX frontend cannot import it ({onnx_heads.first_line(e)})") from None
     if tgt_spec.device == "cpu":
-        mod = onnx_heads.add_to_module(mod, func, cpu=cpu_kernel_shape(tgt_spec))
+        mod = onnx_heads.add_to_module(mod, func, cpu=(tgt_spec.threads, tgt_spec.blocking()))
     else:
         mod = onnx_heads.add_to_module(mod, func, gpu_target=tvm.target.Target(tgt_spec.tvm))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -232,15 +240,6 @@ def _with_heads(mod, functions, heads, path: Path, tgt_spec, out_dir: Path, para
     return mod, [replace(f, params=(0, n)) for f in functions] + [spec]
 
 
-def int8_dot(tgt_spec) -> str | None:
-    """The int8 dot instruction a CPU target's -mcpu has (kernels/cpu_int8.py): AVX-512 VNNI's or AVX2's."""
-    import tvm
-
-    from ..kernels import cpu as cpu_kernels
-
-    return cpu_kernels.int8_dot_for(tvm.target.Target(tgt_spec.tvm))
-
-
 def check_int8_activations(tgt_spec, wanted: bool) -> None:
     """The int8 path's dot products are AVX-512 VNNI or AVX2 instructions: only CPU targets that
     have one."""
@@ -248,37 +247,15 @@ def check_int8_activations(tgt_spec, wanted: bool) -> None:
         return
     if tgt_spec.device != "cpu":
         raise Ds4Error(f"--int8-activations: a CPU option; {tgt_spec.name} is a {tgt_spec.device} target")
-    if int8_dot(tgt_spec) is None:
+    if tgt_spec.int8_dot() is None:
         raise Ds4Error(f"--int8-activations: target {tgt_spec.name} has neither AVX-512 VNNI (vpdpbusd) nor AVX2 "
                        f"(vpmaddubsw); use --target cpu on a CPU that has one, or compile without it")
 
 
-def cpu_kernel_shape(tgt_spec) -> tuple:
-    """(threads, register blocking) of a CPU target's hand-written kernels (kernels/cpu.py)."""
-    import tvm
-
-    from ..kernels import cpu as cpu_kernels
-
-    return int(tgt_spec.tvm.get("num-cores", 1)), cpu_kernels.blocking_for(tvm.target.Target(tgt_spec.tvm))
-
-
-def _export(model, tgt_spec, int8_activations: bool = False, gpu_forms: bool | None = None,
-            widths: dict | None = None):
-    """The Relax module and its parameters; CPU targets get the hand-written linear kernels, GPU
-    targets the GPU forms (nn/qweight.py). gpu_forms=True exports a CPU target in the GPU forms too
-    (their numerics checked on the CPU: tests/targets/test_gpu_forms.py). widths: the functions
-    exported once more as their width templates (recorded_widths)."""
-    from ..nn import qweight
-
-    cpu = tgt_spec.device == "cpu"
-    gpu_forms = not cpu if gpu_forms is None else gpu_forms
-    with contextlib.ExitStack() as stack:
-        if gpu_forms:
-            stack.enter_context(qweight.gpu_forms(on_gpu=not cpu))
-        elif cpu:
-            stack.enter_context(qweight.for_cpu(*cpu_kernel_shape(tgt_spec),
-                                                int8_dot(tgt_spec) if int8_activations else None))
-        return model.export_tvm(spec=_with_width_templates(model, model.spec(), widths or {}))
+def _export(model, widths: dict | None = None):
+    """The Relax module and its parameters (the model's blocks in the forms its builder set).
+    widths: the functions exported once more as their width templates (recorded_widths)."""
+    return model.export_tvm(spec=_with_width_templates(model, model.spec(), widths or {}))
 
 
 def _with_width_templates(model, spec: dict, widths: dict) -> dict:
@@ -361,11 +338,12 @@ def compile_shapes(family: str, target: str, bounds, out_dir: Path, progress: bo
     phases = Phases(["build module", "export", "compile", "write library"], progress)
     try:
         req = load_attr(fam.published)()
-        req.bounds = bounds
+        forms = tgt_spec.forms(int8_activations)
+        req.bounds, req.forms = bounds, forms
         built = load_attr(fam.build)(req)
         phases.next()
-        widths = recorded_widths(built.functions, tgt_spec, bounds)
-        mod, named = _export(built.module, tgt_spec, int8_activations, widths=widths)
+        widths = recorded_widths(built.functions, records_functions(tgt_spec, forms), bounds)
+        mod, named = _export(built.module, widths)
         phases.next()
         ex = _compile_module(mod, tgt_spec, report=report, functions=[f.name for f in built.functions],
                              widths=widths)

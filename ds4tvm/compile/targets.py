@@ -42,6 +42,45 @@ class Target:
     arches: tuple[str, ...] = field(default=())
 
     @property
+    def threads(self) -> int:
+        """The cores a CPU target's kernels are compiled for."""
+        return int(self.tvm.get("num-cores", 1))
+
+    @property
+    def records_functions(self) -> bool:
+        """Whether the pipeline records each exported function's kernels as one replayable graph
+        (CUDA graphs: schedules/graphs.py)."""
+        return self.device == "cuda"
+
+    def blocking(self):
+        """A CPU target's register blocking, by the widest float vectors its -mcpu has (kernels/cpu.py)."""
+        import tvm
+
+        from ..kernels.cpu import blocking_for
+
+        return blocking_for(tvm.target.Target(self.tvm))
+
+    def int8_dot(self) -> str | None:
+        """The int8 dot instruction a CPU target's -mcpu has (kernels/cpu_int8.py): AVX-512 VNNI's or
+        AVX2's; None where it has neither."""
+        import tvm
+
+        from ..kernels.cpu import int8_dot_for
+
+        return int8_dot_for(tvm.target.Target(self.tvm))
+
+    def forms(self, int8_activations: bool = False, gpu_forms: bool | None = None):
+        """Which kernels the model's blocks emit here (kernels/forms.py): a CPU target's hand-written
+        linears (with int8 inputs where asked), a GPU target's GPU forms. gpu_forms=True exports a
+        CPU target in the GPU forms, their loops serial (their numerics checked on the CPU)."""
+        from ..kernels.forms import CpuLinears, Forms
+
+        cpu = self.device == "cpu"
+        if gpu_forms if gpu_forms is not None else not cpu:
+            return Forms(gpu=True, on_gpu=not cpu)
+        return Forms(cpu_linears=CpuLinears(self.threads, self.blocking(), self.int8_dot() if int8_activations else None))
+
+    @property
     def library(self) -> str:
         # Metal host objects are Mach-O: they cannot be linked here, so the library stays a tarball.
         return f"lib-{self.name}.tar" if self.device == "metal" else f"lib-{self.name}.so"

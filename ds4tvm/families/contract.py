@@ -12,6 +12,7 @@ from ..artifact import Bounds, FunctionSpec, StateSpec
 from ..errors import Ds4Error
 from ..gguf.reader import GGUFFile
 from ..gguf.validate import TensorSpec
+from ..kernels.forms import TE, Forms
 
 
 def load_attr(path: str):
@@ -50,6 +51,7 @@ class BuildRequest:
     support: "Family | None" = None
     support_config: Any = None
     support_types: dict = field(default_factory=dict)
+    forms: Forms = TE   # which kernels the module's blocks emit for the target (Target.forms)
 
 
 @dataclass
@@ -65,11 +67,13 @@ class Build:
     drafters: dict[str, dict] = field(default_factory=dict)
 
 
-def module_build(module) -> Build:
+def module_build(module, forms: Forms) -> Build:
     """The Build of a family module that lists its own state and function specs, and the settings
-    of the drafters compiled into it when it has any (`drafter_settings()`)."""
-    from ..nn.qweight import parameter_sources
+    of the drafters compiled into it when it has any (`drafter_settings()`), its blocks set to
+    emit `forms`."""
+    from ..nn.qweight import parameter_sources, set_forms
 
+    set_forms(module, forms)
     settings = module.drafter_settings() if hasattr(module, "drafter_settings") else {}
     return Build(module, module.state_specs(), module.function_specs(), parameter_sources(module), settings)
 

@@ -15,7 +15,7 @@ from tvm.script import tirx as T
 
 from ..kernels import gpu as gpu_kernels
 from ..kernels.slots import NEG_INF, window_slots
-from .qweight import binds_gpu_threads, exporting_gpu_forms
+from ..kernels.forms import Forms
 from .norm_rope import rope
 from .state import RingRows, recorded_width, ring_write, rows_reader
 from .state import args as state_args
@@ -89,7 +89,7 @@ def selected_pool_positions(sel_te, s, P: int, tail: bool):
 
 def sparse_window_attention(q: nn.Tensor, kv_ctx, comp: nn.Tensor | None, sel: nn.Tensor | None,
                             sinks: nn.Tensor, start, window: int, ratio: int, name: str,
-                            rope_back: np.ndarray | None = None, write_ring: tuple | None = None):
+                            rope_back: np.ndarray | None = None, write_ring: tuple | None = None, *, forms: Forms):
     """Softmax attention of q [T, H, D] over, for token t at position p = start + t:
     - the raw window: positions p-window+1..p, rows of kv_ctx (row j = position start-window+1+j);
     - compressed rows c < (p+1)//ratio of `comp`: all of them, or those listed in sel [T, M];
@@ -104,7 +104,7 @@ def sparse_window_attention(q: nn.Tensor, kv_ctx, comp: nn.Tensor | None, sel: n
     use_sel = sel is not None
     n, H, D = q.shape
     M = (int(sel.shape[1]) if use_sel else int(comp.shape[0])) if has_comp else 0
-    if isinstance(kv_ctx, RingRows) and exporting_gpu_forms() and window + M <= gpu_kernels.MAX_SLOTS:
+    if isinstance(kv_ctx, RingRows) and forms.gpu and window + M <= gpu_kernels.MAX_SLOTS:
         ring_shape = tuple(int(x) for x in kv_ctx.ring.shape)
         # the rows written land in slots no block reads: fewer new rows than the ring holds beyond
         # `before` (a recorded width: at most max_verify rows, for which rings are sized)
@@ -113,7 +113,7 @@ def sparse_window_attention(q: nn.Tensor, kv_ctx, comp: nn.Tensor | None, sel: n
         func = gpu_kernels.window_attention(
             int(H), int(D), ring_shape, kv_ctx.before, tuple(int(x) for x in comp.shape) if has_comp else None,
             M if use_sel else None, window, ratio, 2 * len(rope_back) if rope_back is not None else 0,
-            binds_gpu_threads(), in_kernel)
+            forms.binds_threads, in_kernel)
         fr = rope_back if rope_back is not None else np.zeros(1, np.float32)
         args = [q, kv_ctx.ring, kv_ctx.new, sinks, start, nn.Tensor.from_const(fr),
                 comp if has_comp else nn.Tensor.from_const(np.zeros((1, 1), np.float32)),
@@ -206,7 +206,7 @@ def _indexer_scores_te(q, w, keys, s, ratio: int):
 
 
 def indexer_select(iq: nn.Tensor, w: nn.Tensor, keys: nn.Tensor, start, ratio: int, top_k: int,
-                   name: str) -> nn.Tensor:
+                   name: str, *, forms: Forms) -> nn.Tensor:
     """Lightning indexer: score_c = sum_h w[t,h] * relu(iq[t,h] . key_c) over the visible rows
     c < (p+1)//ratio; returns the indices of the top_k scores [T, min(top_k, rows)] (invisible rows
     score -inf, so when fewer than top_k are visible all of them are among the indices). Rows that
@@ -214,15 +214,15 @@ def indexer_select(iq: nn.Tensor, w: nn.Tensor, keys: nn.Tensor, start, ratio: i
     is 16 partial sums along contiguous channels, summed in lane order."""
     rows = int(keys.shape[0])
     _, heads, dim = iq.shape
-    if exporting_gpu_forms():
+    if forms.gpu:
         scores = op.tensor_expr_op(functools.partial(_indexer_scores_te, ratio=ratio), name, [iq, w, keys, start])
     else:
         func = _indexer_scores_func(int(heads), int(dim), rows, ratio)
         scores = op.tensor_ir_op(func, name, args=[iq, w, keys, start],
                                  out=nn.Tensor.placeholder((iq.shape[0], rows), "float32"))
     k = min(top_k, rows)
-    if exporting_gpu_forms() and rows <= gpu_kernels.MAX_BLOCK_THREADS:   # one launch where TOPI's sort takes five
-        func = gpu_kernels.top_k(rows, k, False, bind=binds_gpu_threads())
+    if forms.gpu and rows <= gpu_kernels.MAX_BLOCK_THREADS:   # one launch where TOPI's sort takes five
+        func = gpu_kernels.top_k(rows, k, False, bind=forms.binds_threads)
         chosen, _ = op.tensor_ir_op(func, name + "_topk", [scores, nn.Tensor.from_const(np.zeros(1, np.float32))],
                                     [nn.Tensor.placeholder((iq.shape[0], k), "int32"),
                                      nn.Tensor.placeholder((iq.shape[0], k), F32)])

@@ -13,7 +13,7 @@ from tvm.script import tirx as T
 
 from ..kernels import gpu as gpu_kernels
 from ..schedules.fusion import ELEMWISE, PRESET
-from .qweight import binds_gpu_threads, exporting_gpu_forms
+from ..kernels.forms import Forms
 from .norm_rope import rms
 
 F32 = "float32"
@@ -21,14 +21,14 @@ F32 = "float32"
 
 # ---------------------------------------------------------------------------- hyper-connections
 def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: float, hc_eps: float,
-           iters: int, norm: nn.Tensor | None = None):
+           iters: int, norm: nn.Tensor | None = None, *, forms: Forms):
     """X [T, hc, D] -> (sublayer input [T, D], post [T, hc], comb [T, hc(src), hc(dst)]) with the
     combine matrix c[dst, src] made doubly stochastic by Sinkhorn (eps in every divisor); with
     norm, the sublayer input RMS-normalized by it. In the GPU forms with a norm, two kernels: the
     mixing GEMV, which also sums the squares of the streams, and _hc_norm_func."""
     n, _, D = X.shape
-    if norm is not None and exporting_gpu_forms():
-        func = _hc_norm_func(int(hc), int(D), int(iters), float(hc_eps), float(eps), binds_gpu_threads())
+    if norm is not None and forms.gpu:
+        func = _hc_norm_func(int(hc), int(D), int(iters), float(hc_eps), float(eps), forms.binds_threads)
         mix = fn.linear_and_squares(op.reshape(X, (n, hc * D)), name="hc_mix")
         x, post, c = op.tensor_ir_op(func, "hc_pre_norm", args=[mix, scale, base, X, norm],
                                      out=[nn.Tensor.placeholder((n, D), F32), nn.Tensor.placeholder((n, hc), F32),
@@ -36,7 +36,7 @@ def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: fl
         return x, post, c
     flat = rms(op.reshape(X, (n, hc * D)), eps)
     mix = fn.linear(flat, name="hc_mix")
-    if exporting_gpu_forms():   # one kernel: there, a launch costs more than the work
+    if forms.gpu:   # one kernel: there, a launch costs more than the work
         func = _hc_gates_sinkhorn_func(int(hc), int(iters), float(hc_eps))
         pre, post, c = op.tensor_ir_op(func, func.attrs["global_symbol"], args=[mix, scale, base],
                                        out=[nn.Tensor.placeholder((n, hc), F32), nn.Tensor.placeholder((n, hc), F32),
@@ -250,12 +250,12 @@ def sinkhorn(c: nn.Tensor, iters: int, eps: float) -> nn.Tensor:
                            out=nn.Tensor.placeholder(c.shape, c.dtype))
 
 
-def hc_post(out: nn.Tensor, X: nn.Tensor, post: nn.Tensor, comb: nn.Tensor) -> nn.Tensor:
+def hc_post(out: nn.Tensor, X: nn.Tensor, post: nn.Tensor, comb: nn.Tensor, *, forms: Forms) -> nn.Tensor:
     """X'[dst] = post[dst] * out + sum_src c[dst, src]... read as comb[dst + hc*src] = c[src, dst].
     In the GPU forms one kernel (as relax ops: a transpose, then the matmul with its fused
     epilogue); the CPU keeps the separate kernels, whose product and sum LLVM cannot contract
     into one FMA, so its logits stay as they were."""
-    if exporting_gpu_forms():
+    if forms.gpu:
         return op.tensor_expr_op(_hc_post_te, "hc_post", [out, X, post, comb], attrs={PRESET: ELEMWISE})
     n, hc, D = X.shape
     mixed = op.matmul(op.permute_dims(comb, [0, 2, 1]), X)          # [T, dst, D] = sum_src c[src, dst] X[src]
@@ -275,12 +275,12 @@ def _hc_post_te(o, x, p, c):
 
 
 def hc_head(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, eps: float, hc_eps: float,
-            norm: nn.Tensor | None = None) -> nn.Tensor:
+            norm: nn.Tensor | None = None, *, forms: Forms) -> nn.Tensor:
     """X [T, hc, D] -> [T, D]: the streams summed with sigmoid weights of their mix; with norm,
     RMS-normalized by it. In the GPU forms with a norm, two kernels (as hc_pre's)."""
     n, hc, D = X.shape
-    if norm is not None and exporting_gpu_forms():
-        func = _hc_norm_func(int(hc), int(D), 0, float(hc_eps), float(eps), binds_gpu_threads(), head=True)
+    if norm is not None and forms.gpu:
+        func = _hc_norm_func(int(hc), int(D), 0, float(hc_eps), float(eps), forms.binds_threads, head=True)
         mix = fn.linear_and_squares(op.reshape(X, (n, hc * D)), name="hc_head_mix")
         return op.tensor_ir_op(func, "hc_head_norm", args=[mix, scale, base, X, norm],
                                out=nn.Tensor.placeholder((n, D), F32))

@@ -11,6 +11,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 
+from ..kernels.forms import Forms
 from .state import gather_context, ring_write
 
 F32 = "float32"
@@ -142,7 +143,7 @@ def _delta_rule_gpu_func(heads: int, dk: int, dv: int, slots: int, bind: bool = 
 
 
 def delta_rule(q: nn.Tensor, k: nn.Tensor, v: nn.Tensor, g: nn.Tensor, beta: nn.Tensor, slots: nn.Tensor, start,
-               name: str = "delta_rule"):
+               name: str = "delta_rule", *, forms: Forms):
     """The gated delta rule per head over rows q, k [n, H, Dk], v [n, H, Dv] with log-decays g
     [n, H, Dk] (one per key channel) and beta [n, H]: S <- diag(exp g) S; S += k (beta (v - S^T k))^T;
     o = S^T q. S [H, Dk, Dv] starts from the snapshot slot of position start and the state after
@@ -152,10 +153,9 @@ def delta_rule(q: nn.Tensor, k: nn.Tensor, v: nn.Tensor, g: nn.Tensor, beta: nn.
     _, H, Dk = q.shape
     Dv = v.shape[2]
     R = slots.shape[0]
-    from .qweight import binds_gpu_threads, exporting_for_cpu
 
-    func = (_delta_rule_func(int(H), int(Dk), int(Dv), int(R)) if exporting_for_cpu()
-            else _delta_rule_gpu_func(int(H), int(Dk), int(Dv), int(R), bind=binds_gpu_threads()))
+    func = (_delta_rule_func(int(H), int(Dk), int(Dv), int(R)) if forms.for_cpu
+            else _delta_rule_gpu_func(int(H), int(Dk), int(Dv), int(R), bind=forms.binds_threads))
     slots_out, o = op.tensor_ir_inplace_op(
         func, func.attrs["global_symbol"], args=[q, k, v, g, beta, slots, start], inplace_indices=[5, -1],
         out=[nn.Tensor.placeholder(slots.shape, F32), nn.Tensor.placeholder((q.shape[0], H, Dv), F32)])

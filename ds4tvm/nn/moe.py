@@ -11,7 +11,7 @@ from tvm.relax.frontend.nn import op
 
 from ..schedules.fusion import BROADCAST
 from ..kernels import gpu as gpu_kernels
-from .qweight import binds_gpu_threads, exporting_gpu_forms
+from ..kernels.forms import Forms
 
 
 def clamped_swiglu(gate: nn.Tensor, up: nn.Tensor, limit: float) -> nn.Tensor:
@@ -24,16 +24,16 @@ def clamped_swiglu(gate: nn.Tensor, up: nn.Tensor, limit: float) -> nn.Tensor:
 
 
 def choose_experts(scores: nn.Tensor, k: int, bias: nn.Tensor | None = None, denominator=None,
-                   scale: float = 1.0) -> tuple[nn.Tensor, nn.Tensor]:
+                   scale: float = 1.0, *, forms: Forms) -> tuple[nn.Tensor, nn.Tensor]:
     """(experts, weights): the indices of each token's k highest scores (plus bias [E] when given)
     [T, k] int32, highest first (equal scores: the lower index first), and route_weights of the
     unbiased scores for them. In the GPU forms one kernel (gpu_kernels.top_k) where TOPI's sort,
     the bias add and the weights took seven launches."""
     E = int(scores.shape[1])
-    if not exporting_gpu_forms() or E > gpu_kernels.MAX_BLOCK_THREADS:
+    if not forms.gpu or E > gpu_kernels.MAX_BLOCK_THREADS:
         experts = op.topk(scores if bias is None else scores + bias, k=k, axis=-1, ret_type="indices", dtype="int32")
         return experts, route_weights(scores, experts, denominator, scale)
-    func = gpu_kernels.top_k(E, k, bias is not None, denominator, float(scale), binds_gpu_threads())
+    func = gpu_kernels.top_k(E, k, bias is not None, denominator, float(scale), forms.binds_threads)
     absent = nn.Tensor.from_const(np.zeros(1, np.float32))
     experts, weights = op.tensor_ir_op(func, "choose_experts", [scores, bias if bias is not None else absent],
                                        [nn.Tensor.placeholder((scores.shape[0], k), "int32"),
@@ -42,16 +42,16 @@ def choose_experts(scores: nn.Tensor, k: int, bias: nn.Tensor | None = None, den
 
 
 def table_experts(table: nn.Tensor, ids: nn.Tensor, scores: nn.Tensor, denominator=None,
-                  scale: float = 1.0) -> tuple[nn.Tensor, nn.Tensor]:
+                  scale: float = 1.0, *, forms: Forms) -> tuple[nn.Tensor, nn.Tensor]:
     """(experts, weights): each token's row of a token-id table [V, k] and route_weights of the
     scores for them; in the GPU forms one kernel (gpu_kernels.table_experts)."""
-    if not exporting_gpu_forms():
+    if not forms.gpu:
         # "clip" (the ids are range-checked before every call, so it never changes a row): the
         # default "fast" mode makes TVM warn at every compile that it segfaults out of bounds
         experts = nn.core.wrap_nested(relax.op.take(table._expr, ids._expr, axis=0, mode="clip"), "take")
         return experts, route_weights(scores, experts, denominator, scale)
     (V, k), E = [int(d) for d in table.shape], int(scores.shape[1])
-    func = gpu_kernels.table_experts(E, V, k, denominator, float(scale), binds_gpu_threads())
+    func = gpu_kernels.table_experts(E, V, k, denominator, float(scale), forms.binds_threads)
     experts, weights = op.tensor_ir_op(func, "table_experts", [scores, table, ids],
                                        [nn.Tensor.placeholder((scores.shape[0], k), "int32"),
                                         nn.Tensor.placeholder((scores.shape[0], k), "float32")])
@@ -79,7 +79,7 @@ def route_weights(scores: nn.Tensor, experts: nn.Tensor, denominator=None, scale
     return op.tensor_expr_op(f, "route_weights", [scores, experts])
 
 
-def routed_experts(w: dict, h: nn.Tensor, experts: nn.Tensor, weights: nn.Tensor, limit: float) -> nn.Tensor:
+def routed_experts(w: dict, h: nn.Tensor, experts: nn.Tensor, weights: nn.Tensor, limit: float, *, forms: Forms) -> nn.Tensor:
     """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]) [T, D], reading only the chosen experts."""
     n, k = h.shape[0], experts.shape[1]
     gate, up = w["ffn_gate_exps.weight"].expert_linear(h, experts), w["ffn_up_exps.weight"]
@@ -87,7 +87,7 @@ def routed_experts(w: dict, h: nn.Tensor, experts: nn.Tensor, weights: nn.Tensor
     if act is None:
         act = clamped_swiglu(gate, up.expert_linear(h, experts), limit)
     routed = w["ffn_down_exps.weight"].expert_linear(act, experts)            # [T, k, D]
-    if exporting_gpu_forms():   # fused into the next GEMV's epilogue (the shared expert's down projection)
+    if forms.gpu:   # fused into the next GEMV's epilogue (the shared expert's down projection)
         return op.tensor_expr_op(_weighted_slots, "routed_sum", [weights, routed], attrs={"op_pattern": BROADCAST})
     return op.sum(op.reshape(weights, (n, k, 1)) * routed, axis=1)
 

@@ -13,7 +13,7 @@ from tvm.relax.frontend.nn import op
 
 from ..kernels import gpu as gpu_kernels
 from ..schedules.fusion import BROADCAST
-from .qweight import binds_gpu_threads, exporting_gpu_forms
+from ..kernels.forms import Forms
 from .rounding import fp8_round_rows, hadamard_fp4
 
 F32 = "float32"
@@ -94,7 +94,7 @@ def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, i
 
 
 def rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start, inv_freq: np.ndarray,
-             name: str = "rms_rope", fp8: bool = False, fp4: bool = False, **at) -> nn.Tensor:
+             name: str = "rms_rope", fp8: bool = False, fp4: bool = False, *, forms: Forms, **at) -> nn.Tensor:
     """rope(rms(x, eps, weight), positions_start, inv_freq, **at), with fp8 then the E4M3 round
     trip of the channels before the rotated ones (rounding.fp8_round_rows), with fp4 then
     rounding.hadamard_fp4. In the GPU forms one kernel, the rotation reading the normalized pair
@@ -102,7 +102,7 @@ def rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start
     the transform); the CPU keeps its kernels."""
     n_rot = 2 * len(inv_freq)
     assert not (fp8 and fp4)
-    if not exporting_gpu_forms():
+    if not forms.gpu:
         y = rope(rms(x, eps, weight), positions_start, inv_freq, **at)
         y = fp8_round_rows(y, int(x.shape[-1]) - n_rot) if fp8 else y
         return hadamard_fp4(y) if fp4 else y
@@ -116,7 +116,7 @@ def rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start
                                        + ([weight] if weight is not None else []), rotated))
     if fp8:
         func = gpu_kernels.rms_rope_fp8(int(x.shape[-1]), n_rot, float(eps), weight is not None, at.get("offset", 0),
-                                        at.get("stride", 1), binds_gpu_threads())
+                                        at.get("stride", 1), forms.binds_threads)
         w = weight if weight is not None else nn.Tensor.from_const(np.zeros(1, np.float32))
         return op.tensor_ir_op(func, name, [x, nn.Tensor.from_const(inv_freq), positions_start, w],
                                nn.Tensor.placeholder(x.shape, F32))
@@ -130,10 +130,10 @@ def rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start
                              + ([weight] if weight is not None else []), attrs={"op_pattern": 8})
 
 
-def rope_hadamard_fp4(x: nn.Tensor, positions_start, inv_freq: np.ndarray, name: str = "hadamard_fp4") -> nn.Tensor:
+def rope_hadamard_fp4(x: nn.Tensor, positions_start, inv_freq: np.ndarray, name: str = "hadamard_fp4", *, forms: Forms) -> nn.Tensor:
     """hadamard_fp4(rope(x, positions_start, inv_freq)); in the GPU forms one kernel, the
     transform reading the rotated pairs inline."""
-    if not exporting_gpu_forms():
+    if not forms.gpu:
         return hadamard_fp4(rope(x, positions_start, inv_freq), name)
 
     def rotated(x_te, fr, start):
@@ -189,12 +189,12 @@ def rope_neox(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int =
     return op.tensor_expr_op(f, name, [x, freq, positions_start], attrs={"op_pattern": 8})
 
 
-def periodic_rows(table: nn.Tensor, positions_start, n_like: nn.Tensor, period: int, name: str) -> nn.Tensor:
+def periodic_rows(table: nn.Tensor, positions_start, n_like: nn.Tensor, period: int, name: str, *, forms: Forms) -> nn.Tensor:
     """table[(start + t) % period] for each row t of n_like (DeepSeek-V4's compressor position
     bias). In the GPU forms marked a broadcast, which it is as far as fusion cares (a row read by
     index, no reduction), so that it fuses with its consumer's add into the GEMV before it."""
     def f(a, x, s):
         return te.compute((x.shape[0], a.shape[1]), lambda t, d: a[tirx.floormod(s + t, period), d], name=name)
 
-    attrs = {"op_pattern": BROADCAST} if exporting_gpu_forms() else None
+    attrs = {"op_pattern": BROADCAST} if forms.gpu else None
     return op.tensor_expr_op(f, name, [table, n_like, positions_start], attrs=attrs)

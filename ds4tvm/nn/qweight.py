@@ -7,74 +7,19 @@ the same float operations as gguf's numpy dequantizer, so no fp32 copy of a weig
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 from gguf import GGMLQuantizationType as QT
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from . import cpu_kernels, gpu_kernels
-from .dequant import DEQUANT, tables
+from ..kernels import cpu as cpu_kernels
+from ..kernels import gpu as gpu_kernels
+from ..kernels.dequant import DEQUANT, tables
+from ..kernels.forms import TE, Forms
 from ..gguf.quant import TO_F32, plane_format
 from ..schedules.fusion import INJECTIVE, PRESET
 
 F32 = "float32"
-# Set while a module is exported for a CPU target: the number of cores it is compiled for, the
-# register blocking its vectors take (cpu_kernels.blocking_for) and, where inputs are quantized
-# to int8, the dot instruction they feed (nn/cpu_int8.py). Linears whose format nn/cpu_kernels.py
-# covers then use those kernels instead of TE kernels.
-_CPU: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("ds4_cpu", default=None)
-
-
-@contextlib.contextmanager
-def for_cpu(threads: int, blocking: cpu_kernels.Blocking, int8_dot: str | None = None):
-    token = _CPU.set((threads, blocking, int8_dot))
-    try:
-        yield
-    finally:
-        _CPU.reset(token)
-
-
-def exporting_for_cpu() -> bool:
-    """Whether the module is being exported for a CPU target (hand-written kernels pick their form)."""
-    return _CPU.get() is not None
-
-
-# Set while a module is exported in the GPU forms (schedules/gpu.py): every linear a `dequantize`
-# block feeding one reduction over K, the form dlight's GEMV, LowBatchGEMV and Matmul rules take
-# (../shared/reference/gpu-guide.md §1), where the CPU's two-stage partial sums fall to Fallback.
-# The value says whether the kernels are for a GPU (True) or exported in those forms for a CPU,
-# to check their numerics there (False: no thread bindings).
-_GPU: contextvars.ContextVar[bool | None] = contextvars.ContextVar("ds4_gpu", default=None)
-
-
-def exporting_gpu_forms() -> bool:
-    """Whether the module is being exported in the GPU forms (blocks pick their GPU kernels)."""
-    return _GPU.get() is not None
-
-
-def binds_gpu_threads() -> bool:
-    """Whether hand-written GPU kernels bind GPU threads: not when exported in the GPU forms for a
-    CPU (gpu_forms(on_gpu=False)), where the same loops run serially."""
-    return _GPU.get() is not False
-
-
-@contextlib.contextmanager
-def gpu_forms(on_gpu: bool = True):
-    token = _GPU.set(on_gpu)
-    try:
-        yield
-    finally:
-        _GPU.reset(token)
-
-
-def _cpu_mode(qtype: QT, K: int) -> tuple:
-    """(threads, blocking, int8) of the CPU kernels while exporting for a CPU target; threads None
-    otherwise."""
-    threads, blocking, int8 = _CPU.get() or (None, None, None)
-    return threads, blocking, int8 if int8 and cpu_kernels.takes_int8(qtype, K, int8) else None
 
 
 # Block names the CPU schedule looks for (schedules/llvm.py), and the GPU forms' (dlight's
@@ -85,18 +30,18 @@ GPU_DEQUANT, GPU_MATMUL = "dequantize", "matmul"
 LANES = 16  # partial sums per output, a 512-bit vector of float32
 
 
-def _dequantized(P: dict, deq, shape: tuple, row) -> "te.Tensor":
+def _dequantized(P: dict, deq, shape: tuple, row, gpu: bool) -> "te.Tensor":
     """The weight [*shape] as float32 from its planes, row(*i) giving the plane row of index i: a
     block the CPU schedule computes one row at a time (never a whole fp32 weight), which the GPU
     rules inline into the product."""
-    name = DEQUANT_ROW if _GPU.get() is None else GPU_DEQUANT
+    name = GPU_DEQUANT if gpu else DEQUANT_ROW
     return te.compute(shape, lambda *i: deq(P, row(*i[:-1]), i[-1]), name=name)
 
 
-def _product(x_te, w, rows: tuple, K: int, x_at):
+def _product(x_te, w, rows: tuple, K: int, x_at, gpu: bool):
     """y[t, rows...] = sum_k x_at(t, rows, k) * w[rows..., k]: the CPU's two-stage form, or the GPU's
     one reduction over K."""
-    if _GPU.get() is None:
+    if not gpu:
         return _row_matmul(x_te, w, rows, K, x_at)
     k = te.reduce_axis((0, K), name="k")
     return te.compute((x_te.shape[0], *rows), lambda t, *r: te.sum(x_at(t, r, k) * w[(*r, k)], axis=k),
@@ -121,8 +66,9 @@ def _row_matmul(x_te, w, rows: tuple, K: int, x_at):
 class QWeight(nn.Module):
     """A GGUF tensor kept in its format: numpy shape (..., N, K) as planes."""
 
-    def __init__(self, gguf_name: str, qtype: QT, shape: tuple[int, ...]):
+    def __init__(self, gguf_name: str, qtype: QT, shape: tuple[int, ...], forms: Forms = TE):
         self.gguf_name, self.qtype, self.shape = gguf_name, QT(qtype), tuple(shape)
+        self.forms = forms   # the target's (set_forms): which kernels its products take
         fmt = plane_format(self.qtype)
         if self.qtype not in DEQUANT:
             raise ValueError(f"no kernel reads {self.qtype.name} planes")
@@ -162,7 +108,7 @@ class QWeight(nn.Module):
     def linear(self, x: nn.Tensor, name: str = "qlinear") -> nn.Tensor:
         """y[t, n] = sum_k x[t, k] * W[n, k] for x of shape [T, K]."""
         N, K = self.shape
-        threads, blocking, int8 = _cpu_mode(self.qtype, K)
+        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K)
         if threads is not None and cpu_kernels.supports(self.qtype, N, K):
             func = cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, 1, int8)
             return op.tensor_ir_op(func, name, [x, *self._cpu_args(int8)],
@@ -173,8 +119,8 @@ class QWeight(nn.Module):
         def f(x_te, *ps):
             # Row n is dequantized once (schedules/llvm.py computes it inside the n loop, into a
             # K-value buffer) and used by every token: a verify or prefill reads each weight once.
-            w = _dequantized(dict(zip(names, ps)), deq, (N, K), lambda n: (n,))
-            return _product(x_te, w, (N,), K, lambda t, r, k: x_te[t, k])
+            w = _dequantized(dict(zip(names, ps)), deq, (N, K), lambda n: (n,), self.forms.gpu)
+            return _product(x_te, w, (N,), K, lambda t, r, k: x_te[t, k], self.forms.gpu)
 
         return op.tensor_expr_op(f, name, [x, *args])
 
@@ -199,7 +145,7 @@ class QWeight(nn.Module):
         """x [T, G, Kg] -> y [T, G, N/G]: group g uses rows g*N/G.. of W (columns are Kg wide)."""
         N, K = self.shape
         No = N // groups
-        threads, blocking, int8 = _cpu_mode(self.qtype, K)
+        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K)
         if threads is not None and cpu_kernels.supports(self.qtype, N, K, groups):
             func = cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, groups, int8)
             T = x.shape[0]
@@ -210,8 +156,8 @@ class QWeight(nn.Module):
         deq = DEQUANT[self.qtype]
 
         def f(x_te, *ps):
-            w = _dequantized(dict(zip(names, ps)), deq, (groups, No, K), lambda g, o: (g * No + o,))
-            return _product(x_te, w, (groups, No), K, lambda t, r, k: x_te[t, r[0], k])
+            w = _dequantized(dict(zip(names, ps)), deq, (groups, No, K), lambda g, o: (g * No + o,), self.forms.gpu)
+            return _product(x_te, w, (groups, No), K, lambda t, r, k: x_te[t, r[0], k], self.forms.gpu)
 
         return op.tensor_expr_op(f, name, [x, *args])
 
@@ -220,10 +166,10 @@ class QWeight(nn.Module):
         are read. x is [T, K] (shared by the chosen experts) or [T, J, K]."""
         E, N, K = self.shape
         per_expert_input = len(x.shape) == 3
-        (threads, blocking, int8), T, J = _cpu_mode(self.qtype, K), x.shape[0], experts.shape[1]
-        blockized = _GPU.get() is not None and gpu_kernels.takes_blockized(self.qtype, K)
+        (threads, blocking, int8), T, J = self.forms.cpu_linear(self.qtype, K), x.shape[0], experts.shape[1]
+        blockized = self.forms.gpu and gpu_kernels.takes_blockized(self.qtype, K)
         if blockized or (threads is not None and cpu_kernels.takes_experts(self.qtype, N, K, T, int8)):
-            func = (gpu_kernels.expert_gemv(self.qtype, E, N, K, J, per_expert_input, _GPU.get()) if blockized
+            func = (gpu_kernels.expert_gemv(self.qtype, E, N, K, J, per_expert_input, self.forms.on_gpu) if blockized
                     else cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads, blocking,
                                                    int8))
             xs = x if per_expert_input else op.reshape(x, (T, 1, K))
@@ -234,7 +180,7 @@ class QWeight(nn.Module):
 
         def f(x_te, ids, *ps):
             P = dict(zip(names, ps))
-            if _GPU.get() is not None:   # the flat GPU form, one (token, slot) pair per output row
+            if self.forms.gpu:   # the flat GPU form, one (token, slot) pair per output row
                 return self._flat_experts(P, x_te, ids, per_expert_input)
             lanes = LANES if K % LANES == 0 and K > LANES else 1   # one lane block: its loop folds away
             ko = te.reduce_axis((0, K // lanes), name="ko")
@@ -261,7 +207,7 @@ class QWeight(nn.Module):
         reduction over K: schedules/gpu.py's HandGEMV)."""
         E, N, K = self.shape
         J = ids.shape[1]
-        w = _dequantized(P, DEQUANT[self.qtype], (ids.shape[0], J, N, K), lambda t, j, n: (ids[t, j], n))
+        w = _dequantized(P, DEQUANT[self.qtype], (ids.shape[0], J, N, K), lambda t, j, n: (ids[t, j], n), True)
         k = te.reduce_axis((0, K), name="k")
         return te.compute((ids.shape[0], J, N), lambda t, j, n: te.sum(
             (x_te[t, j, k] if per_expert_input else x_te[t, k]) * w[t, j, n, k], axis=k), name=GPU_MATMUL)
@@ -272,7 +218,7 @@ class QWeight(nn.Module):
         expert_linear(x [T, K], experts) as one kernel (the SwiGLU the GEMV's epilogue, in the
         blockized or the flat form); None on the CPU."""
         E, N, K = self.shape
-        if _GPU.get() is None or len(x.shape) != 2:
+        if not self.forms.gpu or len(x.shape) != 2:
             return None
         if not gpu_kernels.takes_blockized(self.qtype, K):
             args, names = self._te_args()
@@ -284,7 +230,7 @@ class QWeight(nn.Module):
 
             return op.tensor_expr_op(f, name, [x, experts, gate, *args])
         T, J = x.shape[0], experts.shape[1]
-        func = gpu_kernels.expert_gemv_swiglu(self.qtype, E, N, K, J, float(limit), _GPU.get())
+        func = gpu_kernels.expert_gemv_swiglu(self.qtype, E, N, K, J, float(limit), self.forms.on_gpu)
         return op.tensor_ir_op(func, name, [op.reshape(x, (T, 1, K)), experts, *self._cpu_args(None), gate],
                                nn.Tensor.placeholder((T, J, N), F32))
 
@@ -299,7 +245,7 @@ class QWeight(nn.Module):
             return te.compute((ids_te.shape[0], K), lambda t, k: deq(P, (ids_te[t],), k), name="qrows")
 
         # a gather, which the pattern analysis calls opaque: injective, it fuses with what follows
-        attrs = {PRESET: INJECTIVE} if _GPU.get() is not None else None
+        attrs = {PRESET: INJECTIVE} if self.forms.gpu else None
         return op.tensor_expr_op(f, name, [ids, *args], attrs=attrs)
 
     def values(self, name: str = "qvalues") -> nn.Tensor:
@@ -356,3 +302,22 @@ def parameter_sources(model: nn.Module, drafter_role: str = "support") -> dict[i
             elif isinstance(v, nn.Module):
                 stack.append((v, sub))
     return out
+
+
+def set_forms(model: nn.Module, forms: Forms) -> nn.Module:
+    """model with `forms` set on it and on every module it holds (as attributes, in module lists,
+    dicts, lists and tuples): what each block reads to pick its kernels for the target."""
+    seen, stack = set(), [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if isinstance(m, nn.Module):
+            m.forms = forms
+            stack.extend(vars(m).values())
+        elif isinstance(m, (list, tuple)):
+            stack.extend(m)
+        elif isinstance(m, dict):
+            stack.extend(m.values())
+    return model

@@ -22,7 +22,7 @@ from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 
 from ..kernels.slots import context_row
-from .qweight import exporting_gpu_forms
+from ..kernels.forms import Forms
 
 F32 = "float32"
 
@@ -37,10 +37,10 @@ def gather_context(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: st
     return op.tensor_expr_op(f, name, [ring, new, start])
 
 
-def context_rows(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: str):
+def context_rows(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: str, *, forms: Forms):
     """gather_context's rows for a reader that takes RingRows: left in the ring in the GPU forms,
     gathered into a tensor on the CPU (whose kernels are scheduled for that tensor)."""
-    if exporting_gpu_forms():
+    if forms.gpu:
         return RingRows(ring, new, before)
     return gather_context(ring, new, start, before, name)
 
@@ -113,10 +113,10 @@ def _ring_write_pair_func(size: int, width: int):
     return ring_write_pair.with_attr("global_symbol", f"ring_write_pair_{size}x{width}")
 
 
-def ring_write_pair(rings: tuple, rows: tuple, start, names: tuple) -> tuple:
+def ring_write_pair(rings: tuple, rows: tuple, start, names: tuple, *, forms: Forms) -> tuple:
     """ring_write of two rings of one shape written at the same positions (a compressor's
     projections and scores); in the GPU forms one kernel."""
-    if not exporting_gpu_forms() or rings[0].shape != rings[1].shape:
+    if not forms.gpu or rings[0].shape != rings[1].shape:
         return tuple(ring_write(r, x, start, name=name) for r, x, name in zip(rings, rows, names))
     size, width = rings[0].shape
     func = _ring_write_pair_func(int(size), int(width))
@@ -152,13 +152,13 @@ def _compressor_write_func(rows: int, row_width: int, size: int, width: int, rat
 
 
 def compressor_writes(table: nn.Tensor, candidates: nn.Tensor, rings: tuple, rows: tuple, start, ratio: int,
-                      compact: bool, names: tuple) -> tuple:
+                      compact: bool, names: tuple, *, forms: Forms) -> tuple:
     """emit_rows of the candidates into the row table and ring_write_pair of the rows into the
     two rings: (table, ring, ring). In the GPU forms a step of one row per candidate (a decode)
     runs them as one kernel."""
-    if not exporting_gpu_forms() or compact or rings[0].shape != rings[1].shape:
+    if not forms.gpu or compact or rings[0].shape != rings[1].shape:
         return (emit_rows(table, candidates, start, ratio, compact, name=names[0]),
-                *ring_write_pair(rings, rows, start, names[1:]))
+                *ring_write_pair(rings, rows, start, names[1:], forms=forms))
     (n_rows, row_width), (size, width) = table.shape, rings[0].shape
     func = _compressor_write_func(int(n_rows), int(row_width), int(size), int(width), ratio)
     out = op.tensor_ir_inplace_op(func, func.attrs["global_symbol"], args=[table, *rings, candidates, *rows, start],

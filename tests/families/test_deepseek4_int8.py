@@ -37,10 +37,9 @@ def test_int8_activations_need_a_cpu_target_with_vnni_or_avx2(tmp_path):
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_int8_activation_logits_near_transformers_and_batching_blind(tmp_path):
-    from ds4tvm.compile.driver import int8_dot
     from ds4tvm.compile.targets import resolve
 
-    if int8_dot(resolve("cpu")) is None:
+    if resolve("cpu").int8_dot() is None:
         pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
     import torch
     from hf_models import hf_model_from_gguf

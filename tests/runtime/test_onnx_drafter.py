@@ -58,7 +58,7 @@ def test_imported_heads_equal_onnxruntime(tmp_path, tokens, dtype, k):
     from tvm import relax
 
     from ds4tvm.compile import onnx_heads
-    from ds4tvm.compile.driver import _compile_module, cpu_kernel_shape
+    from ds4tvm.compile.driver import _compile_module
     from ds4tvm.compile.targets import resolve
 
     rng = np.random.default_rng(7)
@@ -66,7 +66,7 @@ def test_imported_heads_equal_onnxruntime(tmp_path, tokens, dtype, k):
     heads = onnx_heads.read(path, D, V, 8)
     model, keep = onnx_heads.prepare(heads.model)
     mod = onnx_heads.add_to_module(tvm.IRModule(), onnx_heads.import_function(model),
-                                   cpu=cpu_kernel_shape(resolve("llvm")))
+                                   cpu=(resolve("llvm").threads, resolve("llvm").blocking()))
     # the products with a weight run the hand-written linear of the weight's type
     linears = [gv.name_hint for gv in mod.functions if gv.name_hint.startswith("onnx_linear_")]
     kind = {np.float32: "f32", np.float16: "f16"}[dtype]

@@ -47,7 +47,8 @@ def test_linears_take_gemv_rules_not_fallback(qtype, K):
     from tvm.relax import transform
     from tvm.relax.frontend import nn
 
-    from ds4tvm.nn.qweight import gpu_forms
+    from ds4tvm.kernels.forms import Forms
+    from ds4tvm.nn.qweight import set_forms
     from ds4tvm.schedules.gpu import apply_rules, low_batch_specialize, rules
 
     tgt = tvm.target.Target({"kind": "cuda", "arch": "sm_90", "host": {"kind": "llvm"}})
@@ -58,8 +59,7 @@ def test_linears_take_gemv_rules_not_fallback(qtype, K):
             "verify": {"x": nn.spec.Tensor(["k", K], "float32"), "xs": nn.spec.Tensor(["k", J, K], "float32"),
                        "ids": nn.spec.Tensor(["k", J], "int32"), "$": mode}}
     model.decode = model.verify = model.forward
-    with gpu_forms():
-        mod, _ = model.export_tvm(spec=spec)
+    mod, _ = set_forms(model, Forms(gpu=True)).export_tvm(spec=spec)
     log = {}
     with tgt:
         mod = tvm.transform.Sequential([transform.LegalizeOps(), transform.AnnotateTIROpPattern(),

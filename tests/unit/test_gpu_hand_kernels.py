@@ -1,5 +1,5 @@
 """The hand-written GPU kernels of the GPU forms (kernels/gpu.py), run here with their loops
-serial (bind=False, as gpu_forms(on_gpu=False) exports them), against the CPU's kernels for the
+serial (bind=False, as Forms(gpu=True, on_gpu=False) exports them), against the CPU's kernels for the
 same blocks (TE, scheduled by schedules/llvm.py) and against numpy."""
 
 import numpy as np
@@ -16,19 +16,17 @@ def build(fn, specs: dict, gpu: bool):
     from tvm import relax
     from tvm.relax.frontend import nn
 
-    from ds4tvm.nn.qweight import gpu_forms
+    from ds4tvm.kernels.forms import TE, Forms
 
     names = ", ".join(specs)
     scope = {"fn": fn}
-    exec(f"def f(self, {names}, start):\n    return fn({names}, start)", scope)   # the exporter reads the signature
+    exec(f"def f(self, {names}, start):\n    return fn({names}, start, forms=self.forms)", scope)   # the exporter reads the signature
     M = type("M", (nn.Module,), {"f": scope["f"]})
     spec = {name: nn.spec.Tensor(list(shape), dtype) for name, (shape, dtype) in specs.items()}
     spec = {"f": {**spec, "start": int, "$": {"param_mode": "none", "effect_mode": "none"}}}
-    if gpu:
-        with gpu_forms(on_gpu=False):
-            mod, _ = M().export_tvm(spec=spec)
-    else:
-        mod, _ = M().export_tvm(spec=spec)
+    m = M()
+    m.forms = Forms(gpu=True, on_gpu=False) if gpu else TE
+    mod, _ = m.export_tvm(spec=spec)
     vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
 
     def run(*arrays, start):
@@ -51,8 +49,8 @@ def test_rms_rope_rounding_forms_equal_the_cpu_kernels(rounding, at):
     w = rng.uniform(0.5, 1.5, 128).astype(np.float32)
     specs = {"x": ((5, 128), "float32"), "w": ((128,), "float32")}
 
-    def fn(xt, wt, start):
-        return rms_rope(xt, 1e-6, wt, start, freq, **{rounding: True}, **at)
+    def fn(xt, wt, start, forms):
+        return rms_rope(xt, 1e-6, wt, start, freq, **{rounding: True}, **at, forms=forms)
 
     ours = build(fn, specs, gpu=True)(x, w, start=37)
     cpu = build(fn, specs, gpu=False)(x, w, start=37)
@@ -75,8 +73,8 @@ def test_choose_experts_kernel_ranks_like_topk_and_weighs_like_route_weights():
     bias = rng.uniform(-0.05, 0.05, E).astype(np.float32)
     specs = {"scores": ((4, E), "float32"), "bias": ((E,), "float32")}
 
-    def fn(s, b, start):
-        return choose_experts(s, k, b, lambda total: tirx.max(total, tirx.const(6.1e-5, "float32")), 2.5)
+    def fn(s, b, start, forms):
+        return choose_experts(s, k, b, lambda total: tirx.max(total, tirx.const(6.1e-5, "float32")), 2.5, forms=forms)
 
     ids, weights = build(fn, specs, gpu=True)(scores, bias, start=0)
     biased = scores + bias
@@ -112,12 +110,12 @@ def test_window_attention_kernel_equals_the_te_attention(kind):
         + (["sel"] if "selected" in kind else [])
     specs = {name: (arrays[name].shape, str(arrays[name].dtype)) for name in names}
 
-    def fn(q, ring, new, sinks, *rest):
+    def fn(q, ring, new, sinks, *rest, forms):
         *tables, start_ = rest
         comp = tables[0] if tables else None
         sel = tables[1] if len(tables) > 1 else None
-        ctx = context_rows(ring, new, start_, window - 1, name="ctx")
-        return sparse_window_attention(q, ctx, comp, sel, sinks, start_, window, ratio, "attention", rope_back=freq)
+        ctx = context_rows(ring, new, start_, window - 1, name="ctx", forms=forms)
+        return sparse_window_attention(q, ctx, comp, sel, sinks, start_, window, ratio, "attention", rope_back=freq, forms=forms)
 
     args = [arrays[name] for name in names]
     ours = build(fn, specs, gpu=True)(*args, start=start)
@@ -141,10 +139,10 @@ def test_window_attention_kernel_writes_a_decode_steps_row_into_the_ring():
     specs = {"q": ((1, H, D), "float32"), "ring": (ring.shape, "float32"), "new": ((1, D), "float32"),
              "sinks": ((H,), "float32")}
 
-    def fn(q_, ring_, new_, sinks_, start_):
-        ctx = context_rows(ring_, new_, start_, window - 1, name="ctx")
+    def fn(q_, ring_, new_, sinks_, start_, forms):
+        ctx = context_rows(ring_, new_, start_, window - 1, name="ctx", forms=forms)
         return sparse_window_attention(q_, ctx, None, None, sinks_, start_, window, 1, "attention", rope_back=freq,
-                                       write_ring=(ring_, new_))
+                                       write_ring=(ring_, new_), forms=forms)
 
     ours = build(fn, specs, gpu=True)(q, ring.copy(), new, sinks, start=start)
     theirs = build(fn, specs, gpu=False)(q, ring.copy(), new, sinks, start=start)
@@ -166,8 +164,8 @@ def test_table_experts_kernel_reads_the_table_rows_and_weighs_like_route_weights
     scores = rng.uniform(0.1, 1.0, (3, E)).astype(np.float32)
     specs = {"scores": ((3, E), "float32"), "table": ((V, k), "int32"), "ids": ((3,), "int32")}
 
-    def fn(s, tb, i, start):
-        return table_experts(tb, i, s, lambda total: tirx.max(total, tirx.const(6.1e-5, "float32")), 1.5)
+    def fn(s, tb, i, start, forms):
+        return table_experts(tb, i, s, lambda total: tirx.max(total, tirx.const(6.1e-5, "float32")), 1.5, forms=forms)
 
     experts, weights = build(fn, specs, gpu=True)(scores, table, ids, start=0)
     assert np.array_equal(experts, table[ids])

@@ -23,12 +23,12 @@ PLANE_CASES = ([pytest.param(t, 512, False, id=t.name) for t in TYPES]
 
 @pytest.mark.parametrize("qtype,K,gpu", PLANE_CASES)
 def test_plane_kernels_match_gguf_dequantize(qtype, K, gpu):
-    import contextlib
 
     from tvm import relax
     from tvm.relax.frontend import nn
 
-    from ds4tvm.nn.qweight import QWeight, gpu_forms
+    from ds4tvm.kernels.forms import TE, Forms
+    from ds4tvm.nn.qweight import QWeight, set_forms
 
     E, N = 3, 8
     rng = np.random.default_rng(int(qtype))
@@ -43,8 +43,7 @@ def test_plane_kernels_match_gguf_dequantize(qtype, K, gpu):
 
     spec = {"f": {"x": nn.spec.Tensor(["t", K], "float32"), "ids": nn.spec.Tensor(["t"], "int32"),
                   "sel": nn.spec.Tensor(["t", 2], "int32"), "$": {"param_mode": "plain", "effect_mode": "none"}}}
-    with gpu_forms(on_gpu=False) if gpu else contextlib.nullcontext():
-        mod, params = M().export_tvm(spec=spec)
+    mod, params = set_forms(M(), Forms(gpu=True, on_gpu=False) if gpu else TE).export_tvm(spec=spec)
     vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
     raw, raw_e = random_blocks(qtype, (N, K), rng), random_blocks(qtype, (E, N, K), rng)
     W, We = quants.dequantize(raw, qtype), quants.dequantize(raw_e, qtype)
@@ -70,7 +69,8 @@ def test_expert_swiglu_gpu_forms_match_numpy(qtype):
     from tvm import relax
     from tvm.relax.frontend import nn
 
-    from ds4tvm.nn.qweight import QWeight, gpu_forms
+    from ds4tvm.kernels.forms import Forms
+    from ds4tvm.nn.qweight import QWeight, set_forms
 
     E, N, K, J, limit = 3, 8, 512, 2, 1.5
     rng = np.random.default_rng(11)
@@ -84,8 +84,7 @@ def test_expert_swiglu_gpu_forms_match_numpy(qtype):
 
     spec = {"f": {"x": nn.spec.Tensor(["t", K], "float32"), "gate": nn.spec.Tensor(["t", J, N], "float32"),
                   "sel": nn.spec.Tensor(["t", J], "int32"), "$": {"param_mode": "plain", "effect_mode": "none"}}}
-    with gpu_forms(on_gpu=False):
-        mod, params = M().export_tvm(spec=spec)
+    mod, params = set_forms(M(), Forms(gpu=True, on_gpu=False)).export_tvm(spec=spec)
     vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
     raw = random_blocks(qtype, (E, N, K), rng)
     planes = to_planes(raw, qtype, (E, N, K))
@@ -171,7 +170,8 @@ def _check_cpu_kernels(qtype, int8: str | None, blocking=None) -> list:
     from tvm.target import codegen
 
     from ds4tvm.kernels import cpu as cpu_kernels
-    from ds4tvm.nn.qweight import QWeight, for_cpu
+    from ds4tvm.kernels.forms import CpuLinears, Forms
+    from ds4tvm.nn.qweight import QWeight, set_forms
 
     blocking = blocking or cpu_kernels.BLOCKINGS[512]
     from ds4tvm.schedules.llvm import pipeline
@@ -196,8 +196,8 @@ def _check_cpu_kernels(qtype, int8: str | None, blocking=None) -> list:
                 "xe": nn.spec.Tensor([t, J, K], "float32"), "sel": nn.spec.Tensor([t, J], "int32"),
                 "$": {"param_mode": "plain", "effect_mode": "none"}}
 
-    with for_cpu(2, blocking, int8_dot=int8):
-        mod, params = M().export_tvm(spec={"f": inputs("t"), "f1": inputs(1)})
+    forms = Forms(cpu_linears=CpuLinears(2, blocking, int8))
+    mod, params = set_forms(M(), forms).export_tvm(spec={"f": inputs("t"), "f1": inputs(1)})
     script = mod.script()
     assert "row_matmul" not in script   # no TE linear left but one-token experts in one-plane formats
     assert ("expert_matmul" in script) == (qtype in cpu_kernels.ONE_PLANE and not int8)

@@ -25,8 +25,8 @@ def tiny_module(tmp_path_factory):
     path = write_random_deepseek4(tmp_path_factory.mktemp("tune") / "tiny.gguf", tiny_config(), seed=3)
     f = open_gguf(path)
     spec = resolve("llvm")
-    model = build(BuildRequest(tiny_config(), tensor_types(f), Bounds(512, 8, 256))).module
-    mod, _ = _export(model, spec)
+    model = build(BuildRequest(tiny_config(), tensor_types(f), Bounds(512, 8, 256), forms=spec.forms())).module
+    mod, _ = _export(model)
     return mod, tvm.target.Target(spec.tvm), path
 
 
@@ -105,9 +105,10 @@ def test_shipped_tuning_covers_the_benchmark_models_kernels():
     # the model the shipped report was tuned on: expert width 384, what model50m.py wrote before
     # 2026-12-01 (its width-512 variants change the one-token expert kernels: tune again to move)
     cfg = config(n_ff_exp=384)
-    model = build(BuildRequest(cfg, {s.name: type_of(s, "q8_0") for s in tensor_specs(cfg)}, Bounds())).module
     spec = resolve("llvm")
-    mod, _ = _export(model, spec)
+    model = build(BuildRequest(cfg, {s.name: type_of(s, "q8_0") for s in tensor_specs(cfg)}, Bounds(),
+                               forms=spec.forms())).module
+    mod, _ = _export(model)
     have = {str(tvm_ffi.structural_hash(_normalize_mod(f)["main"])): name
             for name, f in tunable_kernels(mod, tvm.target.Target(spec.tvm))}
     assert have

@@ -34,7 +34,7 @@ def build(req: BuildRequest) -> Build:
     else:   # the support file's family extends the target class with its drafter's functions
         cls = load_attr(f"ds4tvm.families.{req.support.name}.model:extend")(DeepSeekV4)
         module = cls(req.config, req.types, req.bounds, req.kv_rounding, req.support_config, req.support_types)
-    return module_build(module)
+    return module_build(module, req.forms)
 
 
 def published() -> BuildRequest:

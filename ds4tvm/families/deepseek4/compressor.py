@@ -9,11 +9,11 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...kernels.slots import F32, NEG_INF
-from ...nn.qweight import exporting_for_cpu
+from ...kernels.forms import Forms
 from ...nn.state import RingRows, args, rows_reader
 
 
-def pooled_window(kv_ctx, sc_ctx, start, ratio: int, width: int, compact: bool, name: str) -> nn.Tensor:
+def pooled_window(kv_ctx, sc_ctx, start, ratio: int, width: int, compact: bool, name: str, *, forms: Forms) -> nn.Tensor:
     """The softmax-pooled row, per channel, of the window ending at each new token (positions
     start .. start + n - 1), or with compact only of the windows that end a compressed row there
     (positions p with (p + 1) % ratio == 0: (start + n) // ratio - start // ratio rows, in order),
@@ -75,7 +75,7 @@ def pooled_window(kv_ctx, sc_ctx, start, ratio: int, width: int, compact: bool, 
         return te.compute((m, width), lambda i, d: tirx.if_then_else(
             tirx.floormod(s + i + 1, ratio) == 0, num[i, d] / den[i, d], tirx.const(0, F32)), name=name)
 
-    if compact or isinstance(kv_ctx, RingRows) or kv_ctx.shape[0] != 2 * ratio + 1 or not exporting_for_cpu():
+    if compact or isinstance(kv_ctx, RingRows) or kv_ctx.shape[0] != 2 * ratio + 1 or not forms.for_cpu:
         return op.tensor_expr_op(f, name, args(kv_ctx) + args(sc_ctx) + [start])
     return op.tensor_ir_op(_pooled_if_window_ends(f, kv_ctx.shape, ratio), name, args=[kv_ctx, sc_ctx, start],
                            out=nn.Tensor.placeholder((1, width), F32))

@@ -76,14 +76,14 @@ class Block(nn.Module):
         """HC pre of the attention sublayer and attn_norm: (N, post, comb)."""
         c, w = self.cfg, self.w
         return hc_pre(X, w["hc_attn_fn.weight"], self.v("hc_attn_scale"), self.v("hc_attn_base"),
-                      c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v("attn_norm"))
+                      c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v("attn_norm"), forms=self.forms)
 
     def kv_rows(self, N, start, freq, kv_rounding: bool):
         """The K=V row of each token: attn_kv, kv_a_norm, RoPE at its position, FP8 rounding (the
         cache keeps FP8 values: the token attends to its rounded row too)."""
         c = self.cfg
         return rms_rope(self.w["attn_kv.weight"].linear(N), c.rms_eps, self.v("attn_kv_a_norm"), start, freq,
-                        fp8=kv_rounding)
+                        fp8=kv_rounding, forms=self.forms)
 
     def attention(self, X, start, states, rope_main, rope_comp, kv_rounding: bool):
         c, r, w = self.cfg, self.ratio, self.w
@@ -92,10 +92,10 @@ class Block(nn.Module):
         N, post, comb = self.attn_input(X)
         QR = rms(w["attn_q_a.weight"].linear(N), c.rms_eps, self.v("attn_q_a_norm"))
         freq = rope_comp if r else rope_main
-        Q = rms_rope(op.reshape(w["attn_q_b.weight"].linear(QR), (n, H, Dh)), c.rms_eps, None, start, freq)
+        Q = rms_rope(op.reshape(w["attn_q_b.weight"].linear(QR), (n, H, Dh)), c.rms_eps, None, start, freq, forms=self.forms)
         KV = self.kv_rows(N, start, freq, kv_rounding)
         ring = states["kv_ring"]
-        ctx = context_rows(ring, KV, start, c.sliding_window - 1, name="kv_context")
+        ctx = context_rows(ring, KV, start, c.sliding_window - 1, name="kv_context", forms=self.forms)
         new_states = {}
         comp_rows = sel = None
         if r:
@@ -106,16 +106,16 @@ class Block(nn.Module):
                                                       c.idx_head_dim, rope_comp, fp4=kv_rounding)
                 new_states.update(idx_states)
                 iq = op.reshape(w["indexer.attn_q_b.weight"].linear(QR), (n, c.idx_n_head, c.idx_head_dim))
-                iq = rope_hadamard_fp4(iq, start, rope_comp) if kv_rounding else rope(iq, start, rope_comp)
+                iq = rope_hadamard_fp4(iq, start, rope_comp, forms=self.forms) if kv_rounding else rope(iq, start, rope_comp)
                 iw = w["indexer.proj.weight"].linear(N) * (1.0 / math.sqrt(c.idx_head_dim * c.idx_n_head))
-                sel = indexer_select(iq, iw, idx_rows, start, r, c.idx_top_k, name="indexer")
+                sel = indexer_select(iq, iw, idx_rows, start, r, c.idx_top_k, name="indexer", forms=self.forms)
         attn, new_states["kv_ring"] = sparse_window_attention(
             Q, ctx, comp_rows, sel, self.v("attn_sinks"), start, c.sliding_window, max(r, 1), name="attention",
-            rope_back=freq, write_ring=(ring, KV))
+            rope_back=freq, write_ring=(ring, KV), forms=self.forms)
         groups = c.o_groups
         low = w["attn_output_a.weight"].grouped_linear(op.reshape(attn, (n, groups, H // groups * Dh)), groups)
         out = w["attn_output_b.weight"].linear(op.reshape(low, (n, groups * c.o_lora_rank)))
-        return hc_post(out, X, post, comb), new_states
+        return hc_post(out, X, post, comb, forms=self.forms), new_states
 
     def _compress(self, N, start, states, wname, sname, width, rope_comp, fp8=False, fp4=False):
         """Projections of the new tokens, the pooled row of every window that ends among them
@@ -123,34 +123,34 @@ class Block(nn.Module):
         into the row table; a call of several tokens pools only those windows (nn/state.compacts)."""
         c, r, w = self.cfg, self.ratio, self.w
         kv = w[f"{wname}_kv.weight"].linear(N)
-        score = w[f"{wname}_gate.weight"].linear(N) + periodic_rows(self.v(f"{wname}_ape"), start, N, r, "ape")
+        score = w[f"{wname}_gate.weight"].linear(N) + periodic_rows(self.v(f"{wname}_ape"), start, N, r, "ape", forms=self.forms)
         kv_front, sc_front = states[f"{sname}_kv_front"], states[f"{sname}_score_front"]
-        kv_ctx = context_rows(kv_front, kv, start, 2 * r, name=f"{sname}_kv_context")
-        sc_ctx = context_rows(sc_front, score, start, 2 * r, name=f"{sname}_score_context")
+        kv_ctx = context_rows(kv_front, kv, start, 2 * r, name=f"{sname}_kv_context", forms=self.forms)
+        sc_ctx = context_rows(sc_front, score, start, 2 * r, name=f"{sname}_score_context", forms=self.forms)
         compact = compacts(N)
-        pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, compact, name=f"{sname}_pool")
+        pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, compact, name=f"{sname}_pool", forms=self.forms)
         # RoPE'd at the window's first position
         cand = rms_rope(pooled, c.rms_eps, self.v(f"{wname}_norm"), start, rope_comp, fp8=fp8, fp4=fp4,
-                        **(dict(stride=r) if compact else dict(offset=1 - r)))
+                        **(dict(stride=r) if compact else dict(offset=1 - r)), forms=self.forms)
         rows, kv_front, sc_front = compressor_writes(states[f"{sname}_rows"], cand, (kv_front, sc_front), (kv, score),
                                                      start, r, compact,
-                                                     (f"{sname}_emit", f"{sname}_kv_write", f"{sname}_score_write"))
+                                                     (f"{sname}_emit", f"{sname}_kv_write", f"{sname}_score_write"), forms=self.forms)
         return rows, {f"{sname}_rows": rows, f"{sname}_kv_front": kv_front, f"{sname}_score_front": sc_front}
 
     def moe(self, X, ids):
         c, w = self.cfg, self.w
         h, post, comb = hc_pre(X, w["hc_ffn_fn.weight"], self.v("hc_ffn_scale"), self.v("hc_ffn_base"),
-                               c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v("ffn_norm"))
+                               c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v("ffn_norm"), forms=self.forms)
         p = op.sqrt(op.softplus(w["ffn_gate_inp.weight"].linear(h)))
         denominator = (lambda total: tirx.max(total, tirx.const(6.1e-5, "float32"))) if c.expert_weights_norm else None
         if self.il < c.n_hash_layers:
-            experts, ps = table_experts(self.tid2eid, ids, p, denominator, c.expert_weights_scale)
+            experts, ps = table_experts(self.tid2eid, ids, p, denominator, c.expert_weights_scale, forms=self.forms)
         else:
             bias = w["exp_probs_b.bias"].values(name="probs_bias") if self.has_bias else None
-            experts, ps = choose_experts(p, c.n_expert_used, bias, denominator, c.expert_weights_scale)
+            experts, ps = choose_experts(p, c.n_expert_used, bias, denominator, c.expert_weights_scale, forms=self.forms)
         limit = c.swiglu_clamp[self.il]
-        y = routed_experts(w, h, experts, ps, limit) + dense_ffn(w, h, limit, "_shexp")
-        return hc_post(y, X, post, comb)
+        y = routed_experts(w, h, experts, ps, limit, forms=self.forms) + dense_ffn(w, h, limit, "_shexp")
+        return hc_post(y, X, post, comb, forms=self.forms)
 
 
 class DeepSeekV4(nn.Module):
@@ -186,7 +186,7 @@ class DeepSeekV4(nn.Module):
         """HC head (streams -> one row) and RMSNorm: what the output head reads."""
         c = self.cfg
         return hc_head(X, head_fn, head_scale.values(name=f"{name}_hc_scale"),
-                       head_base.values(name=f"{name}_hc_base"), c.rms_eps, c.hc_eps, norm.values(name=f"{name}_norm"))
+                       head_base.values(name=f"{name}_hc_base"), c.rms_eps, c.hc_eps, norm.values(name=f"{name}_norm"), forms=self.forms)
 
     def logits_of(self, X, head_fn, head_scale, head_base, norm, name: str):
         """The target's output head over hidden_of."""

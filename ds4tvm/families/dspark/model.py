@@ -134,11 +134,11 @@ class DSparkDrafter(nn.Module):
             low = stage.w["attn_output_a.weight"].grouped_linear(op.reshape(attn, (B, g, H // g * Dh)), g)
             out = stage.w["attn_output_b.weight"].linear(op.reshape(low, (B, g * b.o_lora_rank)))
             post_t, comb_t = _rows(post, 1, B + 1, "post_t"), _rows(comb, 1, B + 1, "comb_t")
-            T = hc_post(out, T, post_t, comb_t)
+            T = hc_post(out, T, post_t, comb_t, forms=self.forms)
             T = stage.moe(T, None)
         return hc_head(T, self.hc_head_fn, self.hc_head_scale.values(name="dspark_hc_scale"),
                        self.hc_head_base.values(name="dspark_hc_base"), b.rms_eps, b.hc_eps,
-                       self.norm.values(name="dspark_norm"))
+                       self.norm.values(name="dspark_norm"), forms=self.forms)
 
     def markov(self, prev: nn.Tensor):
         """m = w1[prev] (rank values) and its vocabulary bias w2 · m."""

@@ -23,7 +23,7 @@ def build(req: BuildRequest) -> Build:
     from .mtp import GLM5NextWithMTP
 
     cls = GLM5NextWithMTP if req.config.n_nextn else GLM5Next   # the nextn layer is in the same GGUF
-    return module_build(cls(req.config, req.types, req.bounds))
+    return module_build(cls(req.config, req.types, req.bounds), req.forms)
 
 
 def published() -> BuildRequest:

@@ -81,7 +81,7 @@ class Layer(nn.Module):
         """HC pre of a sublayer with its RMSNorm (`attn_norm`, `ffn_norm`): (input, post, comb)."""
         c = self.cfg
         return hc_pre(X, self.w[f"hc_{part}_fn.weight"], self.v(f"hc_{part}_scale"), self.v(f"hc_{part}_base"),
-                      c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v(f"{part}_norm"))
+                      c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v(f"{part}_norm"), forms=self.forms)
 
     def attention(self, X, start, states: dict, prev_selection):
         """The attention sublayer with its hyper-connection: (X', new states, the selection a
@@ -91,11 +91,11 @@ class Layer(nn.Module):
             out, new, sel = self.dsa(h, start, states, prev_selection)
         else:
             (out, new), sel = self.kda(h, start, states), prev_selection
-        return hc_post(out, X, post, comb), new, sel
+        return hc_post(out, X, post, comb, forms=self.forms), new, sel
 
     def ffn(self, X):
         h, post, comb = self._hc_pre(X, "ffn")
-        return hc_post(self.ffn_out(h), X, post, comb)
+        return hc_post(self.ffn_out(h), X, post, comb, forms=self.forms)
 
     def ffn_out(self, h):
         c = self.cfg
@@ -107,8 +107,8 @@ class Layer(nn.Module):
         scores = op.sigmoid(w["ffn_gate_inp.weight"].linear(h, name="router"))
         experts, ws = choose_experts(scores, c.n_expert_used, w["exp_probs_b.bias"].values(name="probs_bias"),
                                      (lambda total: total + tirx.const(1e-20, F32)) if c.expert_weights_norm else None,
-                                     c.expert_weights_scale)
-        return routed_experts(w, h, experts, ws, c.swiglu_exp[self.il]) + dense_ffn(w, h, c.swiglu_shexp[self.il],
+                                     c.expert_weights_scale, forms=self.forms)
+        return routed_experts(w, h, experts, ws, c.swiglu_exp[self.il], forms=self.forms) + dense_ffn(w, h, c.swiglu_shexp[self.il],
                                                                                      "_shexp")
 
     # ------------------------------------------------------------------ KDA
@@ -124,7 +124,7 @@ class Layer(nn.Module):
         v = op.reshape(op.split(qkv, 3, axis=1)[2], (n, H, D))
         g = self._decay_log(w["kda_f_b.weight"].linear(w["kda_f_a.weight"].linear(x)) + self.v("kda_dt_bias"))
         beta = op.sigmoid(w["kda_beta.weight"].linear(x, name="kda_beta"))
-        o, slots = delta_rule(q, k, v, g, beta, states["kda_state"], start, name="kda_delta_rule")
+        o, slots = delta_rule(q, k, v, g, beta, states["kda_state"], start, name="kda_delta_rule", forms=self.forms)
         gate = op.sigmoid(w["kda_g_b.weight"].linear(w["kda_g_a.weight"].linear(x)))
         o = rms(o, c.rms_eps, self.v("kda_o_norm")) * op.reshape(gate, (n, H, D))
         out = w["kda_output.weight"].linear(op.reshape(o, (n, inner)))
@@ -203,7 +203,7 @@ class Layer(nn.Module):
         new = self._index_keys(x, start, states)
         iq = op.reshape(w["indexer.attn_q_b.weight"].linear(q_low), (n, IH, ID))
         iw = w["indexer.proj.weight"].linear(x) * (1.0 / math.sqrt(IH * ID))
-        return indexer_select(iq, iw, new["idx_pooled"], start, P, c.idx_top_k // P, name="indexer"), new
+        return indexer_select(iq, iw, new["idx_pooled"], start, P, c.idx_top_k // P, name="indexer", forms=self.forms), new
 
     def _latent_attention(self, q_abs, table, sel, start):
         """Softmax attention of the absorbed queries [n, H, Rkv] over the latent rows of the

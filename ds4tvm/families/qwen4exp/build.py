@@ -23,7 +23,7 @@ def build(req: BuildRequest) -> Build:
     from .mtp import Qwen4ExpWithMTP
 
     cls = Qwen4ExpWithMTP if req.config.n_nextn else Qwen4Exp   # the nextn layer is in the same GGUF
-    return module_build(cls(req.config, req.types, req.bounds))
+    return module_build(cls(req.config, req.types, req.bounds), req.forms)
 
 
 def published() -> BuildRequest:

@@ -133,7 +133,7 @@ class Layer(nn.Module):
         g = self._decay_log(w["ssm_alpha.weight"].linear(x, name="gdn_alpha") + self.v("ssm_dt.bias"))
         beta = op.sigmoid(w["ssm_beta.weight"].linear(x, name="gdn_beta"))
         o, slots = delta_rule(q, k, v, op.broadcast_to(op.reshape(g, (n, Hv, 1)), (n, Hv, D)), beta,
-                              states["gdn_state"], start, name="gdn_delta_rule")
+                              states["gdn_state"], start, name="gdn_delta_rule", forms=self.forms)
         z = op.reshape(w["attn_gate.weight"].linear(x, name="gdn_z"), (n, Hv, D))
         o = rms(o, c.rms_eps, self.v("ssm_norm.weight")) * (op.sigmoid(z) if c.gate_type == "sigmoid" else op.silu(z))
         return w["ssm_out.weight"].linear(op.reshape(o, (n, Hv * D))), {"gdn_conv": conv_ring, "gdn_state": slots}
@@ -197,7 +197,7 @@ class Layer(nn.Module):
         iq = op.reshape(self.w["indexer.q_proj.weight"].linear(x, name="idx_q"), (n, IH, ID))
         iq = rope_neox(rms(iq, c.rms_eps, self.v("indexer.q_norm.weight")), start, self.inv_freq, name="idx_q_rope")
         weights = _constant_rows(x, IH, 1.0 / math.sqrt(ID), "idx_head_weights")
-        return indexer_select(iq, weights, table, start, P, c.idx_top_k // P, name="qsa_indexer")
+        return indexer_select(iq, weights, table, start, P, c.idx_top_k // P, name="qsa_indexer", forms=self.forms)
 
     def _selected_attention(self, q, keys, values, sel, start):
         c = self.cfg
@@ -225,9 +225,9 @@ class Layer(nn.Module):
         sigmoid(ffn_gate_inp_shexp . h)."""
         c, w = self.cfg, self.w
         probs = op.softmax(w["ffn_gate_inp.weight"].linear(h, name="router"), axis=-1)
-        experts, ws = choose_experts(probs, c.n_expert_used, denominator=lambda total: total)
+        experts, ws = choose_experts(probs, c.n_expert_used, denominator=lambda total: total, forms=self.forms)
         shared_gate = op.sigmoid(op.matmul(h, op.reshape(self.v("ffn_gate_inp_shexp.weight"), (c.n_embd, 1))))
-        return routed_experts(w, h, experts, ws, 0.0) + dense_ffn(w, h, 0.0, "_shexp") * shared_gate
+        return routed_experts(w, h, experts, ws, 0.0, forms=self.forms) + dense_ffn(w, h, 0.0, "_shexp") * shared_gate
 
     def ple(self, X, emb, start, ring):
         """R += gated + SiLU(conv(RMSNorm(gated))), gated_s = sigmoid(ssqrt(<key_s, query_s> / sqrt(D))) value:
