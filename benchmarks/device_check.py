@@ -358,10 +358,10 @@ def speculation(engine, model: Path, m: Model, prompt: list[int]) -> dict:
 def _reference(m: Model, model: Path, support: Path | None, cpu_dir: Path, ref: Path) -> None:
     """The CPU artifact's logits and target-only tokens: what `check` compares with."""
     from ds4tvm.artifact import Bounds
-    from ds4tvm.compile.driver import compile_gguf
+    from ds4tvm.compile.driver import CompileRequest, compile_gguf
     from ds4tvm.runtime.engine import Engine
 
-    compile_gguf(model, "cpu", cpu_dir, Bounds(**m.bounds), support=support)
+    compile_gguf(model, cpu_dir, CompileRequest("cpu", Bounds(**m.bounds), support=support))
     cpu = Engine(cpu_dir)
     prompt = spec_prompt(cpu, m)
     logits = all_logits(cpu, tiny_ids(cpu.n_vocab))
@@ -386,7 +386,7 @@ def prepare(work: Path, plan: str, arch: str = "sm_90", only: list[str] | None =
 
         prepare_toolchain("cuda")   # before TVM is first imported
     from ds4tvm.artifact import Bounds
-    from ds4tvm.compile.driver import compile_gguf
+    from ds4tvm.compile.driver import CompileRequest, compile_gguf
 
     target = f"cuda:{arch}" if plan == "cuda" else "llvm"
     models = [m for m in plans()[plan] if not only or m.name in only]
@@ -398,8 +398,9 @@ def prepare(work: Path, plan: str, arch: str = "sm_90", only: list[str] | None =
         if m.compare:
             _reference(m, model, support, d / "cpu-reference", d / "reference.npz")
         shutil.rmtree(d / "artifact", ignore_errors=True)
-        compile_gguf(model, target, d / "artifact", Bounds(**m.bounds), support=support,
-                     report=d / "report.json", gpu_forms=plan == "cpu" or None)
+        compile_gguf(model, d / "artifact", CompileRequest(target, Bounds(**m.bounds), support=support,
+                                                                  report=d / "report.json",
+                                                                  gpu_forms=plan == "cpu" or None))
         if not m.compare:   # large: `check` writes it again from its seed
             _remove(model, support)
         print(f"device_check: prepared {m.name} in {time.perf_counter() - t:.0f} s", flush=True)

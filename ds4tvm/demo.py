@@ -62,7 +62,7 @@ def embedded_artifact(out_dir: Path | None = None, progress: bool = True) -> Pat
     """The artifact of the embedded pair for this CPU, compiled on first use under out_dir (one per
     version of the shipped files)."""
     from .artifact import Bounds, file_sha256
-    from .compile.driver import compile_gguf
+    from .compile.driver import CompileRequest, compile_gguf
 
     model, support = embedded_pair()
     stamp = file_sha256(model)[:12] + file_sha256(support)[:12]
@@ -72,7 +72,7 @@ def embedded_artifact(out_dir: Path | None = None, progress: bool = True) -> Pat
             _echo("ds4: first use of the embedded model: compiling it with its DSpark drafter for this CPU "
                   "(about a minute)", err=True)
         tmp = art.with_name(art.name + f".tmp{os.getpid()}")
-        compile_gguf(model, "cpu", tmp, Bounds(**BOUNDS), progress=progress, support=support)
+        compile_gguf(model, tmp, CompileRequest("cpu", Bounds(**BOUNDS), progress=progress, support=support))
         if not _current(art):   # else another process finished first
             shutil.rmtree(art, ignore_errors=True)   # one an older ds4tvm or TVM compiled
             tmp.replace(art)

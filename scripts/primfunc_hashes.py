@@ -62,7 +62,7 @@ def lowered_hashes(gguf: Path, support: Path | None, target: str, options: dict,
     import tvm_ffi
 
     from ds4tvm.artifact import Bounds
-    from ds4tvm.compile.driver import compile_gguf
+    from ds4tvm.compile.driver import CompileRequest, compile_gguf
 
     real = tvm.compile
 
@@ -71,8 +71,8 @@ def lowered_hashes(gguf: Path, support: Path | None, target: str, options: dict,
 
     tvm.compile = capture
     try:
-        compile_gguf(gguf, target, out, Bounds(max_context=256, max_verify=4, prefill_chunk=32),
-                     support=support, **options)
+        compile_gguf(gguf, out, CompileRequest(target, Bounds(max_context=256, max_verify=4, prefill_chunk=32), support=support,
+                                                    **options))
     except _Lowered as lowered:
         mod = lowered.mod
     finally:

@@ -206,7 +206,7 @@ def default_layers(n_layers: int) -> tuple[int, ...]:
 def capture_artifact(out: Path, target_path: Path, seed: int) -> Path:
     """The target compiled with a DSpark drafter (any: only its layer ids matter), for `captured`."""
     from ds4tvm.artifact import Bounds
-    from ds4tvm.compile.driver import compile_gguf
+    from ds4tvm.compile.driver import CompileRequest, compile_gguf
     from ds4tvm.families.deepseek4.config import Config as V4Config
     from ds4tvm.families.dspark.random_model import write_random_dspark
     from ds4tvm.gguf import open_gguf
@@ -216,7 +216,7 @@ def capture_artifact(out: Path, target_path: Path, seed: int) -> Path:
         cfg = V4Config.from_gguf(open_gguf(target_path))
         support = write_random_dspark(out / "capture-support.gguf", cfg, seed=seed,
                                       target_layer_ids=default_layers(cfg.n_layers), **DRAFTER)
-        compile_gguf(target_path, "cpu", art, Bounds(**BOUNDS), support=support)
+        compile_gguf(target_path, art, CompileRequest("cpu", Bounds(**BOUNDS), support=support))
     return art
 
 

@@ -157,7 +157,7 @@ def main(argv=None):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ds4tvm.artifact import Bounds
-    from ds4tvm.compile.driver import compile_gguf
+    from ds4tvm.compile.driver import CompileRequest, compile_gguf
     from ds4tvm.demo import embedded_artifact, embedded_pair
     from ds4tvm.training import corpus
     from ds4tvm.gguf import open_gguf
@@ -190,8 +190,8 @@ def main(argv=None):
     report = {"examples": len(x), "loss_first": losses[0], "loss_last20": float(np.mean(losses[-20:]))}
     if not a.no_eval:
         with tempfile.TemporaryDirectory() as d:
-            heads_art = compile_gguf(model_path, "cpu", Path(d) / "art", Bounds(512, 8, 256), draft_onnx=a.out,
-                                     progress=True)
+            heads_art = compile_gguf(model_path, Path(d) / "art", CompileRequest("cpu", Bounds(512, 8, 256),
+                                                                                draft_onnx=a.out, progress=True))
             held = corpus.windows(tok, corpus.stdlib_files(True), a.eval_windows, a.prompt_len, a.seed + 1)
             report["held_out"] = evaluate(heads_art, a.out, held, a.continue_len)
         print(json.dumps(report["held_out"]))

@@ -51,7 +51,7 @@ def build_random_demo(out_dir: Path):
     """Writes (once) the model, its support file and the artifact that pairs them. Returns (model
     path, support path, artifact dir, the prompt's token ids)."""
     from ds4tvm.artifact import Bounds
-    from ds4tvm.compile.driver import compile_gguf
+    from ds4tvm.compile.driver import CompileRequest, compile_gguf
     from ds4tvm.families.deepseek4.config import Config
     from ds4tvm.families.dspark.agreeing import write_markov_dspark
     from ds4tvm.gguf import open_gguf
@@ -69,8 +69,8 @@ def build_random_demo(out_dir: Path):
     if not (art / "manifest.json").is_file() or not support.exists():
         plain_art = out_dir / "artifact-target-only"
         if not (plain_art / "manifest.json").is_file():
-            compile_gguf(model, "cpu", plain_art, bounds)
+            compile_gguf(model, plain_art, CompileRequest("cpu", bounds))
         nxt = _successors(Engine(plain_art), prompt, N_TOKENS, cfg.n_vocab)
         write_markov_dspark(support, cfg, nxt, seed=SEED)
-        compile_gguf(model, "cpu", art, bounds, support=support)
+        compile_gguf(model, art, CompileRequest("cpu", bounds, support=support))
     return model, support, art, prompt

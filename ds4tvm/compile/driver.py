@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from ..artifact import MODEL, Manifest, file_identity, file_sha256, width_variant
+from ..artifact import MODEL, Bounds, Manifest, file_identity, file_sha256, width_variant
 from ..errors import Ds4Error
 from ..families import BuildRequest, family_named, load_attr, load_model, tensor_types
 from ..gguf import open_gguf
@@ -97,82 +98,127 @@ def check_bounds(family, cfg, bounds) -> None:
         family.check_bounds(cfg, bounds)
 
 
-def compile_gguf(gguf_path: Path, target: str, out_dir: Path, bounds, kv_rounding: bool = True,
-                 progress: bool = False, support: Path | None = None, tune_trials: int = 0,
-                 records: Path | None = None, draft_onnx: Path | None = None,
-                 int8_activations: bool = False, report: Path | None = None,
-                 gpu_forms: bool | None = None) -> Path:
-    """records: the tuning database to apply (and, with tune_trials > 0, to tune into); by default
-    the one shipped for the target (schedules/tuning.py). draft_onnx: draft heads to compile in
-    (compile/onnx_heads.py). int8_activations: the CPU linears quantize their inputs to int8
-    (kernels/cpu_int8.py). report: where to write what each function's call runs (schedules/report.py).
-    gpu_forms: True exports a CPU target's linears in the GPU forms (their numerics checked here)."""
-    tgt_spec = resolve(target)
-    check_int8_activations(tgt_spec, int8_activations)
-    if tune_trials and tgt_spec.device != "cpu":
+@dataclass
+class CompileRequest:
+    """What a compile is asked for beside the model. records: the tuning database to apply (and,
+    with tune_trials > 0, to tune into); by default the one shipped for the target
+    (schedules/tuning.py). draft_onnx: draft heads to compile in (compile/onnx_heads.py).
+    int8_activations: the CPU linears quantize their inputs to int8 (kernels/cpu_int8.py). report:
+    where to write what each function's call runs (schedules/report.py). gpu_forms: True exports a
+    CPU target's linears in the GPU forms (their numerics checked here)."""
+    target: str
+    bounds: Bounds
+    kv_rounding: bool = True
+    progress: bool = False
+    support: Path | None = None
+    tune_trials: int = 0
+    records: Path | None = None
+    draft_onnx: Path | None = None
+    int8_activations: bool = False
+    report: Path | None = None
+    gpu_forms: bool | None = None
+
+
+@dataclass
+class _Exported:
+    """A family's module built for a target and exported to Relax: its parameters in argument
+    order, whether its functions are recorded (records_functions) and at which widths."""
+    built: Any
+    mod: Any
+    named: list
+    recording: bool
+    widths: dict
+
+
+def _prepared_target(req: CompileRequest):
+    """The Target of req, its flags checked and its toolchain set up (for CUDA, before TVM is imported)."""
+    tgt_spec = resolve(req.target)
+    check_int8_activations(tgt_spec, req.int8_activations)
+    if req.tune_trials and tgt_spec.device != "cpu":
         raise Ds4Error(f"--tune: {tgt_spec.name} kernels can only be tuned on their device; tune cpu targets here "
                        f"(schedules/tuning.py), or compile without --tune")
-    prepare(tgt_spec.device)   # for CUDA, before TVM is imported (toolchains.py)
+    prepare(tgt_spec.device)
+    return tgt_spec
+
+
+def _build_and_export(build: str, build_req: BuildRequest, tgt_spec, req: CompileRequest, phases) -> _Exported:
+    """The family's builder run with the target's kernel forms, then the module exported."""
+    forms = tgt_spec.forms(req.int8_activations, req.gpu_forms)
+    recording = records_functions(tgt_spec, forms)
+    build_req.forms = forms
+    built = load_attr(build)(build_req)
+    phases.next()
+    widths = recorded_widths(built.functions, recording, req.bounds)
+    mod, named = _export(built.module, widths)
+    return _Exported(built, mod, named, recording, widths)
+
+
+def compile_gguf(gguf_path: Path, out_dir: Path, req: CompileRequest) -> Path:
+    """The artifact of a GGUF (and of req.support's drafter) for req.target, written to out_dir."""
+    tgt_spec = _prepared_target(req)
     import tvm
 
-    m, dm, support_cfg = _load_pair(gguf_path, support)
-    check_bounds(m.family, m.config, bounds)
-    heads = onnx_heads.read(draft_onnx, m.config.n_embd, m.config.n_vocab, bounds.max_verify) if draft_onnx else None
-    records_dir = _records(tgt_spec, records)
-    phases = Phases(["validate", "build module", "export", *(["tune"] if tune_trials else []), "compile",
-                     "write artifact"], progress and not tune_trials)
-    tuning = None
+    m, dm, support_cfg = _load_pair(gguf_path, req.support)
+    check_bounds(m.family, m.config, req.bounds)
+    heads = (onnx_heads.read(req.draft_onnx, m.config.n_embd, m.config.n_vocab, req.bounds.max_verify)
+             if req.draft_onnx else None)
+    records_dir = _records(tgt_spec, req.records)
+    phases = Phases(["validate", "build module", "export", *(["tune"] if req.tune_trials else []), "compile",
+                     "write artifact"], req.progress and not req.tune_trials)
+    extra = {}
     try:
         phases.next()
-        forms = tgt_spec.forms(int8_activations, gpu_forms)
-        recording = records_functions(tgt_spec, forms)
-        built = load_attr(m.family.build)(BuildRequest(
-            m.config, tensor_types(m.gguf), bounds, kv_rounding, dm.family if dm else None, support_cfg,
-            tensor_types(dm.gguf) if dm else {}, forms))
-        phases.next()
-        widths = recorded_widths(built.functions, recording, bounds)
-        mod, named = _export(built.module, widths)
-        params = [[name, *built.sources[id(p)]] for name, p in named]
-        functions, weights = built.functions, {MODEL: file_identity(gguf_path),
-                                               **({"support": file_identity(support)} if dm else {})}
-        drafters = dict(built.drafters)
+        x = _build_and_export(m.family.build, BuildRequest(
+            m.config, tensor_types(m.gguf), req.bounds, req.kv_rounding, dm.family if dm else None, support_cfg,
+            tensor_types(dm.gguf) if dm else {}), tgt_spec, req, phases)
+        params = [[name, *x.built.sources[id(p)]] for name, p in x.named]
+        mod, functions, weights = x.mod, x.built.functions, {MODEL: file_identity(gguf_path),
+                                                              **({"support": file_identity(req.support)} if dm else {})}
+        drafters = dict(x.built.drafters)
         out_dir = Path(out_dir)
         if heads is not None:
-            mod, functions = _with_heads(mod, functions, heads, draft_onnx, tgt_spec, out_dir, params, weights,
+            mod, functions = _with_heads(mod, functions, heads, req.draft_onnx, tgt_spec, out_dir, params, weights,
                                          drafters)
         phases.next()
-        if tune_trials:
+        if req.tune_trials:
             from ..schedules.tuning import tune
 
-            tuning = tune(mod, tvm.target.Target(tgt_spec.tvm), records_dir, tune_trials, progress)
+            extra["tuning"] = tune(mod, tvm.target.Target(tgt_spec.tvm), records_dir, req.tune_trials, req.progress)
             phases.next()
         recorded = []
-        ex = _compile_module(mod, tgt_spec, records_dir, report, [f.name for f in functions],
-                             recorded=recorded if recording else None, widths=widths)
-        functions = _with_recorded(functions, recorded, widths)
+        ex = _compile_module(mod, tgt_spec, records_dir, req.report, [f.name for f in functions],
+                             recorded=recorded if x.recording else None, widths=x.widths)
+        functions = _with_recorded(functions, recorded, x.widths)
         phases.next()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        ex.export_library(str(out_dir / tgt_spec.library))
-        (out_dir / "tokenizer.json").write_text(json.dumps(_tokenizer_data(m.gguf, m.family)))
-        manifest = Manifest(
-            family=m.family.name, architecture=m.gguf.architecture, target=tgt_spec.tvm,
-            target_name=tgt_spec.name, device=tgt_spec.device, arches=list(tgt_spec.arches), weights=weights,
-            bounds=asdict(bounds), kv_rounding=kv_rounding, functions=[f.to_json() for f in functions],
-            params=params, states=[s.to_json() for s in built.states], library=tgt_spec.library,
-            n_vocab=m.config.n_vocab, drafters=drafters, tvm_version=tvm.__version__,
-            hashes={name: file_sha256(out_dir / name) for name in (tgt_spec.library, "tokenizer.json")})
-        phases.next()
-        manifest.extra["compile_seconds"] = phases.times
         if _applies(records_dir):
-            manifest.extra["tuning_records"] = str(records_dir)
-        if tuning is not None:
-            manifest.extra["tuning"] = tuning
-        if int8_activations:
-            manifest.extra["int8_activations"] = True
+            extra["tuning_records"] = str(records_dir)
+        if req.int8_activations:
+            extra["int8_activations"] = True
+        manifest = _write_artifact(out_dir, ex, m, tgt_spec, req, functions=[f.to_json() for f in functions],
+                                   params=params, states=[s.to_json() for s in x.built.states], weights=weights,
+                                   drafters=drafters)
+        phases.next()
+        manifest.extra.update(compile_seconds=phases.times, **extra)
         manifest.write(out_dir)
         return out_dir
     finally:
         phases.close()
+
+
+def _write_artifact(out_dir: Path, ex, m, tgt_spec, req: CompileRequest, **contents) -> Manifest:
+    """The library and the tokenizer written to out_dir, and their manifest: `contents` (the
+    functions, parameters, states, weights and drafters) with the model, the target and the hashes."""
+    import tvm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ex.export_library(str(out_dir / tgt_spec.library))
+    (out_dir / "tokenizer.json").write_text(json.dumps(_tokenizer_data(m.gguf, m.family)))
+    return Manifest(
+        **contents, family=m.family.name, architecture=m.gguf.architecture, target=tgt_spec.tvm,
+        target_name=tgt_spec.name, device=tgt_spec.device, arches=list(tgt_spec.arches),
+        bounds=asdict(req.bounds), kv_rounding=req.kv_rounding, library=tgt_spec.library, n_vocab=m.config.n_vocab,
+        tvm_version=tvm.__version__,
+        hashes={name: file_sha256(out_dir / name) for name in (tgt_spec.library, "tokenizer.json")})
 
 
 TARGET_FUNCTIONS = ("prefill", "decode", "verify")   # what the engine calls by name
@@ -323,30 +369,23 @@ def _compile_module(mod, tgt_spec, records: Path | None = None, report: Path | N
         return tvm.compile(lowered, target=tgt, relax_pipeline=None)
 
 
-def compile_shapes(family: str, target: str, bounds, out_dir: Path, progress: bool = False,
-                   int8_activations: bool = False, report: Path | None = None) -> dict:
+def compile_shapes(family: str, out_dir: Path, req: CompileRequest) -> dict:
     """Compiles a family at its published shapes and tensor types (with the drafter its entry
     pairs), without weights; writes the library to out_dir and returns times and sizes."""
     import resource
 
-    tgt_spec = resolve(target)
-    check_int8_activations(tgt_spec, int8_activations)
-    prepare(tgt_spec.device)
+    tgt_spec = _prepared_target(req)
     fam = family_named(family)
     if fam.published is None:
         raise Ds4Error(f"--shapes-only: the {fam.name} family has no published shapes to compile")
-    phases = Phases(["build module", "export", "compile", "write library"], progress)
+    phases = Phases(["build module", "export", "compile", "write library"], req.progress)
     try:
-        req = load_attr(fam.published)()
-        forms = tgt_spec.forms(int8_activations)
-        req.bounds, req.forms = bounds, forms
-        built = load_attr(fam.build)(req)
+        build_req = load_attr(fam.published)()
+        build_req.bounds = req.bounds
+        x = _build_and_export(fam.build, build_req, tgt_spec, req, phases)
         phases.next()
-        widths = recorded_widths(built.functions, records_functions(tgt_spec, forms), bounds)
-        mod, named = _export(built.module, widths)
-        phases.next()
-        ex = _compile_module(mod, tgt_spec, report=report, functions=[f.name for f in built.functions],
-                             widths=widths)
+        ex = _compile_module(x.mod, tgt_spec, report=req.report, functions=[f.name for f in x.built.functions],
+                             widths=x.widths)
         phases.next()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -354,8 +393,8 @@ def compile_shapes(family: str, target: str, bounds, out_dir: Path, progress: bo
         phases.next()
     finally:
         phases.close()
-    return {"model": f"{fam.name} + {', '.join(built.drafters) or 'no drafter'} (published shapes and types)",
-            "target": tgt_spec.name, "n_params_arguments": len(named), "seconds": phases.times,
+    return {"model": f"{fam.name} + {', '.join(x.built.drafters) or 'no drafter'} (published shapes and types)",
+            "target": tgt_spec.name, "n_params_arguments": len(x.named), "seconds": phases.times,
             "total_seconds": round(sum(phases.times.values()), 1),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "library_mb": round((out_dir / tgt_spec.library).stat().st_size / 2**20, 1)}

@@ -302,6 +302,13 @@ def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at
     def row_tile(first, count, tile, x, y, ctx, ws):
         blocks(True, first, count, tile, x, y, ctx, None, ws)
 
+    return _decoded_once(blocks, decoded_chunk, b, K) if apart else row_tile
+
+
+def _decoded_once(blocks, decoded_chunk, b: Blocking, K: int):
+    """The int8 row_tile of the table formats whose signs are apart (IQ2_XXS on AVX2): they cost more
+    to decode than to multiply, so with many tokens a tile is decoded once into buffers (exact codes
+    and scales: the sums are the same bit for bit)."""
     @T.macro
     def row_tile_decoded_once(first, count, tile, x, y, ctx, ws):
         if count > b.tokens:   # more than one token block: decode the tile once, for all of them
@@ -316,10 +323,7 @@ def _int8_row_tiles(qtype: QT, K: int, b: Blocking, dot: str, x_loc, w_row, y_at
         else:
             blocks(True, first, count, tile, x, y, ctx, None, ws)
 
-    # The table formats (signs apart: IQ2_XXS on AVX2) cost more to decode than to multiply: with
-    # many tokens their tiles are decoded once into buffers (exact codes and scales: the sums are
-    # the same bit for bit).
-    return row_tile_decoded_once if apart else row_tile
+    return row_tile_decoded_once
 
 
 def _row_tiles(K: int, b: Blocking, VW: int, HT: int, U: int, x_at, w_at, y_at):
@@ -518,6 +522,27 @@ def _row_of_2d(x, r, k):
     return x[r, k]
 
 
+@T.macro
+def _sort_by_expert(ids, n_tok, J, E, cnt, off, fill, used, slots):
+    """A counting sort of the (token, slot) pairs by expert: slots[off[e] .. off[e] + cnt[e]] hold
+    expert e's; used[:used[E]] the experts chosen at least once."""
+    for e in range(E):
+        cnt[e] = 0
+    for s in range(n_tok * J):
+        cnt[ids[s // J, s % J]] = cnt[ids[s // J, s % J]] + 1
+    off[0] = 0
+    used[E] = 0
+    for e in range(E):
+        off[e + 1] = off[e] + cnt[e]
+        fill[e] = off[e]
+        if cnt[e] > 0:   # experts nobody chose cost nothing
+            used[used[E]] = e
+            used[E] = used[E] + 1
+    for s in range(n_tok * J):
+        slots[fill[ids[s // J, s % J]]] = s
+        fill[ids[s // J, s % J]] = fill[ids[s // J, s % J]] + 1
+
+
 @_parsed_once
 def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool, threads: int,
                   blocking: Blocking, int8: str | None = None):
@@ -577,22 +602,7 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
         fill = T.decl_buffer((E,), "int32")
         used = T.decl_buffer((E + 1,), "int32")   # the experts chosen at least once; their count last
         slots = T.decl_buffer((n_tok * J,), "int32")
-        # counting sort of the (token, slot) pairs by expert: slots[off[e] .. off[e] + cnt[e]]
-        for e in range(E):
-            cnt[e] = 0
-        for s in range(n_tok * J):
-            cnt[ids[s // J, s % J]] = cnt[ids[s // J, s % J]] + 1
-        off[0] = 0
-        used[E] = 0
-        for e in range(E):
-            off[e + 1] = off[e] + cnt[e]
-            fill[e] = off[e]
-            if cnt[e] > 0:   # experts nobody chose cost nothing
-                used[used[E]] = e
-                used[E] = used[E] + 1
-        for s in range(n_tok * J):
-            slots[fill[ids[s // J, s % J]]] = s
-            fill[ids[s // J, s % J]] = fill[ids[s // J, s % J]] + 1
+        _sort_by_expert(ids, n_tok, J, E, cnt, off, fill, used, slots)
         n_used: T.int32 = used[E]
         if int8 is not None:
             xq = T.decl_buffer((n_tok * XJ, K), "int8")

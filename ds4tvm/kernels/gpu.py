@@ -23,6 +23,7 @@ from tvm.script import tirx as T
 from .cpu import arg_types, dequant_of
 from .minifloat import pow2_ceil_scale, round_minifloat
 from .slots import NEG_INF, context_row, window_slots
+from .tags import OPAQUE
 
 # Formats whose dequantization gathers lookup tables by the weight's codes: dlight's GEMV rejects
 # them in any form, so their experts keep the flat form (nn/qweight.py) that schedules/gpu.py's
@@ -132,7 +133,6 @@ def expert_gemv_swiglu(qtype: QT, E: int, N: int, K: int, J: int, limit: float, 
 MAX_SLOTS = 4096   # a block keeps its slots' scores and weights in shared memory: 32 KB
 THREADS = 256   # a hand kernel's thread block
 MAX_BLOCK_THREADS = 1024
-OPAQUE = 8   # the hand kernels' op pattern: scheduled here, never fused (and not TIR that FuseOps' analysis reads)
 
 
 def hand_kernel(func):
@@ -155,7 +155,6 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
     ring is then the kernel's first output), which no block reads while fewer rows are new than
     the ring holds beyond `before` (a decode step, a recorded width). bind=False: the same loops
     serial (a CPU runs them: the numerics check of the GPU forms)."""
-
     size, width = ring_shape
     has_comp, use_sel = comp_shape is not None, sel_width is not None
     CR, CW = comp_shape if has_comp else (1, 1)
@@ -163,25 +162,16 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
     A = window + (sel_width if use_sel else CR if has_comp else 0)
     NT, lo = THREADS, (D - n_rot if n_rot else D)   # channels from lo on are rotated back
     assert D % 2 == 0 and lo % 2 == 0 and NT & (NT - 1) == 0
-    per_thread, pair_steps, scale = (A + NT - 1) // NT, (D // 2 + NT - 1) // NT, 1.0 / math.sqrt(D)
-    ring_steps = (width + NT - 1) // NT
-    rounds = NT.bit_length() - 1   # of the tree reductions: strides NT/2 .. 1
     blocks = (lambda n: T.thread_binding(n, thread="blockIdx.x")) if bind else T.serial
     threads = (lambda: T.thread_binding(NT, thread="threadIdx.x")) if bind else (lambda: T.serial(NT))
 
     def slots(ring, new, comp, sel, s):
         return window_slots(context_row(ring, new, s, before), new.shape[0] + before, comp if has_comp else None,
-                             sel if use_sel else None, s, window, ratio)
+                            sel if use_sel else None, s, window, ratio)
 
-    def key(ring, new, comp, sel, s, t, a, d):
-        return slots(ring, new, comp, sel, s)[2](t, a, d)
-
-    def valid(ring, new, comp, sel, s, t, a):
-        return slots(ring, new, comp, sel, s)[1](t, a)
-
-    def rotated(x0, x1, pos, j, odd: bool):   # rope(..., inverse=True) of the pair (x0, x1)
-        c, s = T.cos(pos.astype("float32") * j), -T.sin(pos.astype("float32") * j)
-        return x0 * s + x1 * c if odd else x0 * c - x1 * s
+    scores, softmax, outputs, write_row = _window_phases(
+        H, D, A, NT, lo, threads, lambda ring, new, comp, sel, s, t, a, d: slots(ring, new, comp, sel, s)[2](t, a, d),
+        lambda ring, new, comp, sel, s, t, a: slots(ring, new, comp, sel, s)[1](t, a), size, width)
 
     @T.prim_func(private=True)
     def main(q_h: T.handle, ring_h: T.handle, new_h: T.handle, sinks: T.Buffer((H,), "float32"), start: T.int64,
@@ -203,69 +193,108 @@ def window_attention(H: int, D: int, ring_shape: tuple, before: int, comp_shape:
             acc = T.alloc_buffer((2,), "float32", scope="local")
             # Each phase writes shared memory it does not read (the sync planner cannot place a
             # barrier inside the slot loop's condition), accumulating in registers.
-            for tx in threads():
-                acc[1] = T.float32(NEG_INF)
-                for i in range(per_thread):
-                    if i * NT + tx < A:
-                        acc[0] = T.float32(0)
-                        for d in range(D):
-                            acc[0] = acc[0] + Q[th // H, th % H, d] * key(Ring, New, Comp, Sel, start, th // H,
-                                                                            i * NT + tx, d)
-                        acc[0] = T.if_then_else(valid(Ring, New, Comp, Sel, start, th // H, i * NT + tx),
-                                                acc[0] * T.float32(scale), T.float32(NEG_INF))
-                        score[i * NT + tx] = acc[0]
-                        acc[1] = T.max(acc[1], acc[0])
-                red[tx] = acc[1]
-            for k in T.unroll(rounds):
-                for tx in threads():
-                    if tx < T.shift_right(NT // 2, k):
-                        red[tx] = T.max(red[tx], red[tx + T.shift_right(NT // 2, k)])
-            for tx in threads():
-                if tx == 0:
-                    stat[0] = T.max(red[0], sinks[th % H])
-            for tx in threads():
-                acc[1] = T.float32(0)
-                for i in range(per_thread):
-                    if i * NT + tx < A:
-                        acc[0] = T.if_then_else(valid(Ring, New, Comp, Sel, start, th // H, i * NT + tx),
-                                                T.exp(score[i * NT + tx] - stat[0]), T.float32(0))
-                        prob[i * NT + tx] = acc[0]
-                        acc[1] = acc[1] + acc[0]
-                red[tx] = acc[1]
-            for k in T.unroll(rounds):
-                for tx in threads():
-                    if tx < T.shift_right(NT // 2, k):
-                        red[tx] = red[tx] + red[tx + T.shift_right(NT // 2, k)]
-            for tx in threads():
-                if tx == 0:
-                    stat[1] = red[0] + T.exp(sinks[th % H] - stat[0])
-            for tx in threads():
-                for i in range(pair_steps):
-                    if i * NT + tx < D // 2:
-                        acc[0] = T.float32(0)
-                        acc[1] = T.float32(0)
-                        for a in range(A):
-                            acc[0] = acc[0] + prob[a] * key(Ring, New, Comp, Sel, start, th // H, a, 2 * (i * NT + tx))
-                            acc[1] = acc[1] + prob[a] * key(Ring, New, Comp, Sel, start, th // H, a,
-                                                             2 * (i * NT + tx) + 1)
-                        acc[0] = acc[0] / stat[1]
-                        acc[1] = acc[1] / stat[1]
-                        if 2 * (i * NT + tx) >= lo:
-                            O[th // H, th % H, 2 * (i * NT + tx)] = rotated(
-                                acc[0], acc[1], start + th // H, Fr[(2 * (i * NT + tx) - lo) // 2], False)
-                            O[th // H, th % H, 2 * (i * NT + tx) + 1] = rotated(
-                                acc[0], acc[1], start + th // H, Fr[(2 * (i * NT + tx) - lo) // 2], True)
-                        else:
-                            O[th // H, th % H, 2 * (i * NT + tx)] = acc[0]
-                            O[th // H, th % H, 2 * (i * NT + tx) + 1] = acc[1]
+            scores(Q, Ring, New, Comp, Sel, start, th, score, red, acc)
+            softmax(Ring, New, Comp, Sel, start, th, sinks, score, prob, red, stat, acc)
+            outputs(Ring, New, Comp, Sel, start, th, Fr, O, prob, stat, acc)
             if write_ring:
-                for tx in threads():
-                    if th % H == 0:
-                        for i in range(ring_steps):
-                            if i * NT + tx < width:
-                                Ring[T.floormod(start + th // H, size), i * NT + tx] = New[th // H, i * NT + tx]
+                write_row(Ring, New, start, th)
 
     return hand_kernel(main)
+
+
+def _window_phases(H: int, D: int, A: int, NT: int, lo: int, threads, key, valid, size: int, width: int):
+    """window_attention's phases, as macros over one (token, head) block th: the slots' scores and
+    their maximum, the softmax's probabilities and sum (with the head's sink), the output channel
+    pairs (rotated back from channel lo on), and the token's row written into the ring."""
+    per_thread, scale = (A + NT - 1) // NT, 1.0 / math.sqrt(D)
+    ring_steps = (width + NT - 1) // NT
+    rounds = NT.bit_length() - 1   # of the tree reductions: strides NT/2 .. 1
+
+    @T.macro
+    def scores(Q, Ring, New, Comp, Sel, start, th, score, red, acc):
+        for tx in threads():
+            acc[1] = T.float32(NEG_INF)
+            for i in range(per_thread):
+                if i * NT + tx < A:
+                    acc[0] = T.float32(0)
+                    for d in range(D):
+                        acc[0] = acc[0] + Q[th // H, th % H, d] * key(Ring, New, Comp, Sel, start, th // H,
+                                                                        i * NT + tx, d)
+                    acc[0] = T.if_then_else(valid(Ring, New, Comp, Sel, start, th // H, i * NT + tx),
+                                            acc[0] * T.float32(scale), T.float32(NEG_INF))
+                    score[i * NT + tx] = acc[0]
+                    acc[1] = T.max(acc[1], acc[0])
+            red[tx] = acc[1]
+
+    @T.macro
+    def softmax(Ring, New, Comp, Sel, start, th, sinks, score, prob, red, stat, acc):
+        for k in T.unroll(rounds):
+            for tx in threads():
+                if tx < T.shift_right(NT // 2, k):
+                    red[tx] = T.max(red[tx], red[tx + T.shift_right(NT // 2, k)])
+        for tx in threads():
+            if tx == 0:
+                stat[0] = T.max(red[0], sinks[th % H])
+        for tx in threads():
+            acc[1] = T.float32(0)
+            for i in range(per_thread):
+                if i * NT + tx < A:
+                    acc[0] = T.if_then_else(valid(Ring, New, Comp, Sel, start, th // H, i * NT + tx),
+                                            T.exp(score[i * NT + tx] - stat[0]), T.float32(0))
+                    prob[i * NT + tx] = acc[0]
+                    acc[1] = acc[1] + acc[0]
+            red[tx] = acc[1]
+        for k in T.unroll(rounds):
+            for tx in threads():
+                if tx < T.shift_right(NT // 2, k):
+                    red[tx] = red[tx] + red[tx + T.shift_right(NT // 2, k)]
+        for tx in threads():
+            if tx == 0:
+                stat[1] = red[0] + T.exp(sinks[th % H] - stat[0])
+
+    @T.macro
+    def write_row(Ring, New, start, th):
+        for tx in threads():
+            if th % H == 0:
+                for i in range(ring_steps):
+                    if i * NT + tx < width:
+                        Ring[T.floormod(start + th // H, size), i * NT + tx] = New[th // H, i * NT + tx]
+
+    return scores, softmax, _output_phase(H, D, A, NT, lo, threads, key), write_row
+
+
+def _output_phase(H: int, D: int, A: int, NT: int, lo: int, threads, key):
+    """window_attention's last phase: each thread sums its output channel pairs over the slots in
+    order, divides by the softmax's sum and, from channel lo on, rotates the pair back by RoPE."""
+    pair_steps = (D // 2 + NT - 1) // NT
+
+    def rotated(x0, x1, pos, j, odd: bool):   # rope(..., inverse=True) of the pair (x0, x1)
+        c, s = T.cos(pos.astype("float32") * j), -T.sin(pos.astype("float32") * j)
+        return x0 * s + x1 * c if odd else x0 * c - x1 * s
+
+    @T.macro
+    def outputs(Ring, New, Comp, Sel, start, th, Fr, O, prob, stat, acc):
+        for tx in threads():
+            for i in range(pair_steps):
+                if i * NT + tx < D // 2:
+                    acc[0] = T.float32(0)
+                    acc[1] = T.float32(0)
+                    for a in range(A):
+                        acc[0] = acc[0] + prob[a] * key(Ring, New, Comp, Sel, start, th // H, a, 2 * (i * NT + tx))
+                        acc[1] = acc[1] + prob[a] * key(Ring, New, Comp, Sel, start, th // H, a,
+                                                         2 * (i * NT + tx) + 1)
+                    acc[0] = acc[0] / stat[1]
+                    acc[1] = acc[1] / stat[1]
+                    if 2 * (i * NT + tx) >= lo:
+                        O[th // H, th % H, 2 * (i * NT + tx)] = rotated(
+                            acc[0], acc[1], start + th // H, Fr[(2 * (i * NT + tx) - lo) // 2], False)
+                        O[th // H, th % H, 2 * (i * NT + tx) + 1] = rotated(
+                            acc[0], acc[1], start + th // H, Fr[(2 * (i * NT + tx) - lo) // 2], True)
+                    else:
+                        O[th // H, th % H, 2 * (i * NT + tx)] = acc[0]
+                        O[th // H, th % H, 2 * (i * NT + tx) + 1] = acc[1]
+
+    return outputs
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,7 +12,7 @@ from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 
 from ..kernels import gpu as gpu_kernels
-from ..schedules.fusion import ELEMWISE, PRESET
+from ..kernels.tags import ELEMWISE, PRESET
 from ..kernels.forms import Forms
 from .norm_rope import rms
 
@@ -20,6 +20,14 @@ F32 = "float32"
 
 
 # ---------------------------------------------------------------------------- hyper-connections
+def embedded_streams(token_embd, ids: nn.Tensor, hc: int, n_embd: int) -> nn.Tensor:
+    """The tokens' embeddings (rows of the QWeight token_embd) copied into the hc residual streams
+    [n, hc, n_embd] the first layer mixes."""
+    n = ids.shape[0]
+    emb = token_embd.rows(ids, name="embedding")
+    return op.broadcast_to(op.reshape(emb, (n, 1, n_embd)), (n, hc, n_embd))
+
+
 def hc_pre(X: nn.Tensor, fn, scale: nn.Tensor, base: nn.Tensor, hc: int, eps: float, hc_eps: float,
            iters: int, norm: nn.Tensor | None = None, *, forms: Forms):
     """X [T, hc, D] -> (sublayer input [T, D], post [T, hc], comb [T, hc(src), hc(dst)]) with the

@@ -9,7 +9,7 @@ from tvm import relax, te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ..schedules.fusion import BROADCAST
+from ..kernels.tags import BROADCAST
 from ..kernels import gpu as gpu_kernels
 from ..kernels.forms import Forms
 

@@ -12,7 +12,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ..kernels import gpu as gpu_kernels
-from ..schedules.fusion import BROADCAST
+from ..kernels.tags import BROADCAST
 from ..kernels.forms import Forms
 from .rounding import fp8_round_rows, hadamard_fp4
 

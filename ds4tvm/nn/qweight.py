@@ -16,17 +16,13 @@ from ..kernels import cpu as cpu_kernels
 from ..kernels import gpu as gpu_kernels
 from ..kernels.dequant import DEQUANT, tables
 from ..kernels.forms import TE, Forms
+from ..kernels.tags import (DEQUANT_ROW, EXPERT_MATMUL, EXPERT_PARTIAL, GPU_DEQUANT, GPU_MATMUL, INJECTIVE, PRESET,
+                           ROW_MATMUL, ROW_PARTIAL)
 from ..gguf.quant import TO_F32, plane_format
-from ..schedules.fusion import INJECTIVE, PRESET
 
 F32 = "float32"
 
 
-# Block names the CPU schedule looks for (schedules/llvm.py), and the GPU forms' (dlight's
-# LowBatchGEMV special-cases blocks named "dequantize").
-DEQUANT_ROW, ROW_PARTIAL, ROW_MATMUL = "dequant_row", "row_partial", "row_matmul"
-EXPERT_PARTIAL, EXPERT_MATMUL = "expert_partial", "expert_matmul"
-GPU_DEQUANT, GPU_MATMUL = "dequantize", "matmul"
 LANES = 16  # partial sums per output, a 512-bit vector of float32
 
 

@@ -82,14 +82,14 @@ def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding
                       file_sha256(Path(heads)) if heads else None])
     out = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24]
     if not (out / MANIFEST).is_file():
-        from ..compile.driver import compile_gguf
+        from ..compile.driver import CompileRequest, compile_gguf
 
         tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")   # its own: two first uses may compile at once
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             t0 = time.perf_counter()
-            compile_gguf(path, target, tmp, bounds, kv_rounding=kv_rounding, progress=progress, support=support,
-                         draft_onnx=heads)
+            compile_gguf(path, tmp, CompileRequest(target, bounds, kv_rounding=kv_rounding, progress=progress,
+                                                   support=support, draft_onnx=heads))
             if progress:   # after: a file refused before compiling gets its one error line alone
                 print(f"ds4: first use of {path.name}: compiled it for {target} in {time.perf_counter() - t0:.0f} s "
                       f"(cached in {out.parent})", file=sys.stderr)

@@ -262,14 +262,7 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
     the target's logits row t was chosen or accepted from (the server's logprobs)."""
     out: list[int] = []
     budget = min(n_tokens, engine.max_context - len(prompt))
-    held = engine.pos
-    if not held < len(prompt) or list(prompt[:held]) != engine.history:
-        raise Ds4Error(f"generate: the engine holds {held} tokens that are not a proper prefix of the prompt")
-    step = engine.prefill(prompt[held:], on_chunk=on_prefill)
-    if drafter is not None:
-        drafter.begin(engine, step, stop_ids)
-    if on_prompt is not None:
-        on_prompt()
+    step = _prefill(engine, prompt, drafter, stop_ids, on_prefill, on_prompt)
     t0 = time.perf_counter()
     logits, current, rejected = step.logits, params, None
 
@@ -331,6 +324,19 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
         drafter.finish(engine)
         stats.counters, stats.drafter = {**drafter.counters(), "cost_skips": skipped}, drafter
     return out, stats
+
+
+def _prefill(engine, prompt: list[int], drafter, stop_ids, on_prefill, on_prompt):
+    """The step after the prompt: what the engine does not hold of it prefilled, the drafter begun."""
+    held = engine.pos
+    if not held < len(prompt) or list(prompt[:held]) != engine.history:
+        raise Ds4Error(f"generate: the engine holds {held} tokens that are not a proper prefix of the prompt")
+    step = engine.prefill(prompt[held:], on_chunk=on_prefill)
+    if drafter is not None:
+        drafter.begin(engine, step, stop_ids)
+    if on_prompt is not None:
+        on_prompt()
+    return step
 
 
 def median_seconds(fn, repeats: int) -> float:

@@ -13,14 +13,7 @@ from __future__ import annotations
 
 import tvm
 
-ELEMWISE = 0   # tvm's kElemWise
-BROADCAST = 1   # tvm's kBroadcast
-INJECTIVE = 2   # tvm's kInjective
-OPAQUE = 8   # tvm's kOpaque op pattern
-# A kernel's op pattern set by nn/ where the analysis would find another: AnnotateTIROpPattern
-# recomputes every op_pattern that is absent or zero (kElemWise), so it travels in this attribute.
-PRESET = "ds4tvm.op_pattern"
-
+from ..kernels.tags import OPAQUE, PRESET
 
 def fusion_passes() -> list:
     from tvm.relax import transform

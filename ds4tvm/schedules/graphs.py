@@ -43,7 +43,8 @@ from __future__ import annotations
 import tvm
 
 from ..artifact import width_variant
-from .fusion import OPAQUE, block_like
+from ..kernels.tags import OPAQUE
+from .fusion import block_like
 from .vmir import GRAPH_CALL, NUM_ARGS, calls_builtin
 
 STATES = "ds4.states"   # [first parameter, count] of the state tensors of a recorded function

@@ -23,7 +23,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from ..errors import Ds4Error
-from ..nn.qweight import DEQUANT_ROW, EXPERT_MATMUL, EXPERT_PARTIAL, ROW_MATMUL, ROW_PARTIAL
+from ..kernels.tags import DEQUANT_ROW, EXPERT_MATMUL, EXPERT_PARTIAL, ROW_MATMUL, ROW_PARTIAL
 
 
 # A linear reading fewer weights than this runs on one core: below it the thread pool's launch

@@ -21,7 +21,7 @@ from pathlib import Path
 import tvm
 from tvm import s_tir, tirx
 
-from ..nn.qweight import EXPERT_MATMUL, ROW_MATMUL
+from ..kernels.tags import EXPERT_MATMUL, ROW_MATMUL
 from .llvm import hand_schedule, legalize_passes
 
 TUNED = Path(__file__).parent / "tuned"

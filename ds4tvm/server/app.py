@@ -129,24 +129,130 @@ def request_logger(log_format: str | None):
     return log
 
 
-def create_app(service, served: str, defaults: Defaults | None = None, keepalive: float = 5.0,
-               api_key: str | None = None, log_format: str | None = None,
-               cors_origins: tuple[str, ...] = ()) -> Starlette:
-    """api_key: when set, every /v1 route needs it (key_checker); /health stays open. log_format:
-    one line per request ("text" | "json"; None: none). cors_origins: origins a browser page may
-    call from ("*": any)."""
-    return_large_buffers()
-    log = request_logger(log_format)
-    defaults = defaults or Defaults()
-    check_key = key_checker(api_key)
+class _Shape:
+    """How one API writes a generation: the answer of a non-streamed request, and a stream's events
+    (its head, each piece of text, the end, an error, the keep-alive)."""
+    ping = ": keep-alive\n\n"
 
-    def guarded(handler):
-        async def route(request: Request):
-            check_key(request)
-            return await handler(request)
-        return route
+    def __init__(self, served: str, tok, opts: dict, job):
+        self.served, self.tok, self.opts, self.job = served, tok, opts, job
 
-    async def read_body(request: Request) -> bytes:
+    def head(self) -> list[str]:
+        return []
+
+    def error(self, e: ApiError) -> str:
+        return _sse(e.openai()) + "data: [DONE]\n\n"
+
+
+class _OpenAIShape(_Shape):
+    """OpenAI's answers: an id of the API's prefix and a creation time, shared by every chunk."""
+    prefix = ""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.rid, self.created = api.new_id(self.prefix), api.now()
+
+
+class _Chat(_OpenAIShape):
+    make_job, prefix = staticmethod(api.chat_job), "chatcmpl-"
+
+    def response(self, r) -> dict:
+        return api.chat_response(r, self.rid, self.created, self.served, self.tok)
+
+    def chunk(self, delta, finish=None) -> str:
+        return _sse(api.chat_chunk(self.rid, self.created, self.served, delta, finish))
+
+    def head(self) -> list[str]:
+        return [self.chunk({"role": "assistant", "content": ""})]
+
+    def text(self, piece: str) -> str:
+        return self.chunk({"content": piece})
+
+    def done(self, r):
+        if r.tool_calls:
+            yield self.chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(api.openai_tool_calls(r))]})
+        yield self.chunk({}, r.finish_reason)
+        if self.opts["include_usage"]:
+            yield _sse(dict(api.chat_chunk(self.rid, self.created, self.served, {}), choices=[],
+                            usage=api.openai_usage(r)))
+        yield "data: [DONE]\n\n"
+
+
+class _Completion(_OpenAIShape):
+    make_job, prefix = staticmethod(api.completion_job), "cmpl-"
+
+    def response(self, r) -> dict:
+        return api.completion_response(r, self.rid, self.created, self.served, self.tok)
+
+    def text(self, piece: str) -> str:
+        return _sse(api.completion_chunk(self.rid, self.created, self.served, piece))
+
+    def done(self, r):
+        yield _sse(api.completion_chunk(self.rid, self.created, self.served, "", r.finish_reason))
+        if self.opts["include_usage"]:
+            yield _sse(dict(api.completion_chunk(self.rid, self.created, self.served, ""), choices=[],
+                            usage=api.openai_usage(r)))
+        yield "data: [DONE]\n\n"
+
+
+class _Message(_Shape):
+    """Anthropic's messages: text in content block 0 (opened by the first piece), then one block per
+    tool call."""
+    make_job = staticmethod(api.messages_job)
+    ping = _sse({"type": "ping"}, "ping")
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.mid, self.text_open = api.new_id("msg_"), False
+
+    def response(self, r) -> dict:
+        return api.message_response(r, self.mid, self.served)
+
+    def error(self, e: ApiError) -> str:
+        return _sse(e.anthropic(), "error")
+
+    def head(self) -> list[str]:
+        return [_sse({"type": "message_start", "message": {
+            "id": self.mid, "type": "message", "role": "assistant", "model": self.served, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": len(self.job.prompt), "output_tokens": 0}}}, "message_start")]
+
+    def text(self, piece: str) -> str:
+        out = ""
+        if not self.text_open:
+            self.text_open = True
+            out = _sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                       "content_block_start")
+        return out + _sse({"type": "content_block_delta", "index": 0,
+                           "delta": {"type": "text_delta", "text": piece}}, "content_block_delta")
+
+    def done(self, r):
+        index = 0
+        if self.text_open:
+            yield _sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+            index = 1
+        for block in api.anthropic_tool_blocks(r):
+            yield _sse({"type": "content_block_start", "index": index,
+                        "content_block": dict(block, input={})}, "content_block_start")
+            yield _sse({"type": "content_block_delta", "index": index,
+                        "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}},
+                       "content_block_delta")
+            yield _sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+            index += 1
+        yield _sse({"type": "message_delta",
+                    "delta": {"stop_reason": api.anthropic_stop_reason(r), "stop_sequence": r.stop_sequence},
+                    "usage": api.anthropic_usage(r)}, "message_delta")
+        yield _sse({"type": "message_stop"}, "message_stop")
+
+
+class _Routes:
+    """The route handlers over one service: generations take one path (generate) whatever API shape
+    they answer in."""
+
+    def __init__(self, service, served: str, defaults: Defaults, keepalive: float, log):
+        self.service, self.served, self.defaults, self.keepalive, self.log = service, served, defaults, keepalive, log
+
+    async def read_body(self, request: Request) -> bytes:
         """The body, refused (413) as soon as it is known to be too large: from its Content-Length,
         or while a chunked one is read, never held whole first."""
         size = request.headers.get("content-length")
@@ -160,14 +266,14 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
             parts.append(chunk)
         return b"".join(parts)
 
-    async def prepare(request: Request, make_job):
+    async def prepare(self, request: Request, make_job):
         """make_job's (job, options) from the request's JSON. Parsing, rendering the template and
         tokenizing take seconds for a long prompt: they run on a worker thread (tokenizers releases
         the GIL), so one request never holds the event loop, other streams or /health."""
-        raw = await read_body(request)
-        return await asyncio.to_thread(lambda: make_job(parse_json(raw), service, served, defaults))
+        raw = await self.read_body(request)
+        return await asyncio.to_thread(lambda: make_job(parse_json(raw), self.service, self.served, self.defaults))
 
-    def start(job) -> _Events:
+    def start(self, job) -> _Events:
         loop, events = asyncio.get_running_loop(), _Events()
 
         def send(kind, payload):
@@ -177,10 +283,19 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
                 job.cancelled.set()
 
         job.send = send
-        service.submit(job)
+        self.service.submit(job)
         return events
 
-    async def result(request: Request, job, events: _Events):
+    async def generate(self, request: Request, shape_of):
+        job, opts = await self.prepare(request, shape_of.make_job)
+        shape = shape_of(self.served, self.service.tok, opts, job)
+        events = self.start(job)
+        if not opts["stream"]:
+            return JSONResponse(shape.response(await self.result(request, job, events)))
+        return StreamingResponse(self.stream(request, job, events, shape), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def result(self, request: Request, job, events: _Events):
         """Waits for a non-streamed job; a client that goes away cancels it."""
         try:
             while True:
@@ -191,7 +306,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
                     continue
                 kind, payload = ev
                 if kind == "done":
-                    log(request, 200, payload)
+                    self.log(request, 200, payload)
                     return payload
                 if kind == "error":
                     status, message = payload
@@ -200,173 +315,112 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
             job.cancelled.set()
             events.close()
 
-    def stream(request, job, events: _Events, head: list[str], on_text, on_done, on_error, ping: str):
-        async def body():
-            try:
-                for h in head:
-                    yield h
-                while True:
-                    ev = await events.next(keepalive)
-                    if ev is None:
-                        yield ping
-                        continue
-                    kind, payload = ev
-                    if kind == "text":
-                        yield on_text(payload)
-                    elif kind == "done":
-                        for part in on_done(payload):
-                            yield part
-                        log(request, 200, payload)
-                        return
-                    else:
-                        status, message = payload
-                        yield on_error(ApiError(status, message, kind="server_error"))
-                        return
-            finally:  # finished, or the client disconnected mid-stream: stop generating
-                job.cancelled.set()
-                events.close()
+    async def stream(self, request: Request, job, events: _Events, shape: _Shape):
+        try:
+            for h in shape.head():
+                yield h
+            while True:
+                ev = await events.next(self.keepalive)
+                if ev is None:
+                    yield shape.ping
+                    continue
+                kind, payload = ev
+                if kind == "text":
+                    yield shape.text(payload)
+                elif kind == "done":
+                    for part in shape.done(payload):
+                        yield part
+                    self.log(request, 200, payload)
+                    return
+                else:
+                    status, message = payload
+                    yield shape.error(ApiError(status, message, kind="server_error"))
+                    return
+        finally:  # finished, or the client disconnected mid-stream: stop generating
+            job.cancelled.set()
+            events.close()
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async def chat_completions(self, request: Request):
+        return await self.generate(request, _Chat)
 
-    # ------------------------------------------------------------------ OpenAI
-    async def chat_completions(request: Request):
-        job, opts = await prepare(request, api.chat_job)
-        rid, created = api.new_id("chatcmpl-"), api.now()
-        events = start(job)
-        if not opts["stream"]:
-            r = await result(request, job, events)
-            return JSONResponse(api.chat_response(r, rid, created, served, service.tok))
+    async def completions(self, request: Request):
+        return await self.generate(request, _Completion)
 
-        def chunk(delta, finish=None):
-            return _sse(api.chat_chunk(rid, created, served, delta, finish))
+    async def messages(self, request: Request):
+        return await self.generate(request, _Message)
 
-        def done(r):
-            if r.tool_calls:
-                calls = [dict(c, index=i) for i, c in enumerate(api.openai_tool_calls(r))]
-                yield chunk({"tool_calls": calls})
-            yield chunk({}, r.finish_reason)
-            if opts["include_usage"]:
-                yield _sse(dict(api.chat_chunk(rid, created, served, {}), choices=[], usage=api.openai_usage(r)))
-            yield "data: [DONE]\n\n"
-
-        return stream(request, job, events, [chunk({"role": "assistant", "content": ""})],
-                      lambda text: chunk({"content": text}), done,
-                      lambda e: _sse(e.openai()) + "data: [DONE]\n\n", ": keep-alive\n\n")
-
-    async def completions(request: Request):
-        job, opts = await prepare(request, api.completion_job)
-        rid, created = api.new_id("cmpl-"), api.now()
-        events = start(job)
-        if not opts["stream"]:
-            r = await result(request, job, events)
-            return JSONResponse(api.completion_response(r, rid, created, served, service.tok))
-
-        def done(r):
-            yield _sse(api.completion_chunk(rid, created, served, "", r.finish_reason))
-            if opts["include_usage"]:
-                yield _sse(dict(api.completion_chunk(rid, created, served, ""), choices=[],
-                                usage=api.openai_usage(r)))
-            yield "data: [DONE]\n\n"
-
-        return stream(request, job, events, [], lambda text: _sse(api.completion_chunk(rid, created, served, text)), done,
-                      lambda e: _sse(e.openai()) + "data: [DONE]\n\n", ": keep-alive\n\n")
-
-    # ------------------------------------------------------------------ Anthropic
-    async def messages(request: Request):
-        job, opts = await prepare(request, api.messages_job)
-        mid = api.new_id("msg_")
-        events = start(job)
-        if not opts["stream"]:
-            r = await result(request, job, events)
-            return JSONResponse(api.message_response(r, mid, served))
-        text_open = [False]
-
-        def text(piece):
-            out = ""
-            if not text_open[0]:
-                text_open[0] = True
-                out = _sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                           "content_block_start")
-            return out + _sse({"type": "content_block_delta", "index": 0,
-                               "delta": {"type": "text_delta", "text": piece}}, "content_block_delta")
-
-        def done(r):
-            index = 0
-            if text_open[0]:
-                yield _sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
-                index = 1
-            for block in api.anthropic_tool_blocks(r):
-                yield _sse({"type": "content_block_start", "index": index,
-                            "content_block": dict(block, input={})}, "content_block_start")
-                yield _sse({"type": "content_block_delta", "index": index,
-                            "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}},
-                           "content_block_delta")
-                yield _sse({"type": "content_block_stop", "index": index}, "content_block_stop")
-                index += 1
-            yield _sse({"type": "message_delta",
-                        "delta": {"stop_reason": api.anthropic_stop_reason(r), "stop_sequence": r.stop_sequence},
-                        "usage": api.anthropic_usage(r)}, "message_delta")
-            yield _sse({"type": "message_stop"}, "message_stop")
-
-        start_event = _sse({"type": "message_start", "message": {
-            "id": mid, "type": "message", "role": "assistant", "model": served, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": len(job.prompt), "output_tokens": 0}}}, "message_start")
-        return stream(request, job, events, [start_event], text, done, lambda e: _sse(e.anthropic(), "error"),
-                      _sse({"type": "ping"}, "ping"))
-
-    # ------------------------------------------------------------------ the rest
-    async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": served, "object": "model", "created": api.now(),
+    async def models(self, request: Request):
+        return JSONResponse({"object": "list", "data": [{"id": self.served, "object": "model", "created": api.now(),
                                                          "owned_by": "ds4tvm"}]})
 
-    async def health(request: Request):
-        return JSONResponse({"status": "ok", "queued": service.jobs.qsize(), "busy": service.busy.locked()})
+    async def health(self, request: Request):
+        return JSONResponse({"status": "ok", "queued": self.service.jobs.qsize(), "busy": self.service.busy.locked()})
 
-    async def props(request: Request):
-        e = service.engine
-        return JSONResponse({"model": served, "family": e.manifest.family, "n_ctx": service.ctx,
-                             "target": e.manifest.target_name, "drafter": service.drafter.NAME
-                             if service.drafter is not None else None,
-                             "default_sampling": {"temperature": defaults.temperature, "top_p": defaults.top_p,
-                                                  "top_k": defaults.top_k, "min_p": defaults.min_p}})
+    async def props(self, request: Request):
+        s, d = self.service, self.defaults
+        return JSONResponse({"model": self.served, "family": s.engine.manifest.family, "n_ctx": s.ctx,
+                             "target": s.engine.manifest.target_name,
+                             "drafter": s.drafter.NAME if s.drafter is not None else None,
+                             "default_sampling": {"temperature": d.temperature, "top_p": d.top_p,
+                                                  "top_k": d.top_k, "min_p": d.min_p}})
 
-    def answered(make):
+    def answered(self, make):
         """A route answered at once (no generation): JSON from make(body, service, served, defaults)."""
         async def route(request: Request):
-            out = await prepare(request, make)
-            log(request, 200)
+            out = await self.prepare(request, make)
+            self.log(request, 200)
             return JSONResponse(out)
         return route
 
-    def error_body(request: Request, e: ApiError) -> JSONResponse:
-        log(request, e.status, message=e.message[:200])
+    def error_body(self, request: Request, e: ApiError) -> JSONResponse:
+        self.log(request, e.status, message=e.message[:200])
         anthropic = request.url.path.startswith("/v1/messages")
         return JSONResponse(e.anthropic() if anthropic else e.openai(), status_code=e.status)
 
-    async def on_api_error(request: Request, e: ApiError):
-        return error_body(request, e)
+    def exception_handlers(self) -> dict:
+        async def on_api_error(request: Request, e: ApiError):
+            return self.error_body(request, e)
 
-    async def on_http_error(request: Request, e: HTTPException):
-        return error_body(request, ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}"))
+        async def on_http_error(request: Request, e: HTTPException):
+            return self.error_body(request, ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}"))
 
-    async def on_client_gone(request: Request, e: _ClientGone):
-        return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+        async def on_client_gone(request: Request, e: _ClientGone):
+            return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
 
-    async def on_crash(request: Request, e: Exception):
-        return error_body(request, ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+        async def on_crash(request: Request, e: Exception):
+            return self.error_body(request, ApiError(500, f"internal error: {type(e).__name__}: {e}",
+                                                     kind="server_error"))
+
+        return {ApiError: on_api_error, HTTPException: on_http_error, _ClientGone: on_client_gone,
+                Exception: on_crash}
+
+
+def create_app(service, served: str, defaults: Defaults | None = None, keepalive: float = 5.0,
+               api_key: str | None = None, log_format: str | None = None,
+               cors_origins: tuple[str, ...] = ()) -> Starlette:
+    """api_key: when set, every /v1 route needs it (key_checker); /health stays open. log_format:
+    one line per request ("text" | "json"; None: none). cors_origins: origins a browser page may
+    call from ("*": any)."""
+    return_large_buffers()
+    r = _Routes(service, served, defaults or Defaults(), keepalive, request_logger(log_format))
+    check_key = key_checker(api_key)
+
+    def guarded(handler):
+        async def route(request: Request):
+            check_key(request)
+            return await handler(request)
+        return route
 
     routes = [
-        Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
-        Route("/v1/completions", guarded(completions), methods=["POST"]),
-        Route("/v1/messages", guarded(messages), methods=["POST"]),
-        Route("/v1/messages/count_tokens", guarded(answered(api.count_tokens)), methods=["POST"]),
-        Route("/tokenize", guarded(answered(api.tokenize)), methods=["POST"]),
-        Route("/detokenize", guarded(answered(api.detokenize)), methods=["POST"]),
-        Route("/props", guarded(props), methods=["GET"]),
+        Route("/v1/models", guarded(r.models), methods=["GET"]),
+        Route("/health", r.health, methods=["GET"]),
+        Route("/v1/chat/completions", guarded(r.chat_completions), methods=["POST"]),
+        Route("/v1/completions", guarded(r.completions), methods=["POST"]),
+        Route("/v1/messages", guarded(r.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", guarded(r.answered(api.count_tokens)), methods=["POST"]),
+        Route("/tokenize", guarded(r.answered(api.tokenize)), methods=["POST"]),
+        Route("/detokenize", guarded(r.answered(api.detokenize)), methods=["POST"]),
+        Route("/props", guarded(r.props), methods=["GET"]),
     ]
     middleware = []
     if cors_origins:
@@ -375,6 +429,4 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
 
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                                      allow_headers=["*"]))
-    return Starlette(routes=routes, middleware=middleware,
-                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
-                                         _ClientGone: on_client_gone, Exception: on_crash})
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=r.exception_handlers())

@@ -180,3 +180,20 @@ class Service:
         self.engine.attach(slot.seq)
         return resume(self.engine, prompt, self.store)
 
+
+
+def build_service(engine, drafter, source: str, exact: bool, ctx: int | None, slots: int, cache_bytes: int,
+                  cache_dir=None) -> Service:
+    """The service over an opened engine: its tokenizer and chat template, its family's tool-call
+    syntax, and a checkpoint store of cache_bytes (on disk in cache_dir, given one)."""
+    from ..families import family_named, load_attr
+    from ..runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(engine.tokenizer_data, source=source)
+    syntax = family_named(engine.manifest.family).tool_syntax
+    try:
+        store = CheckpointStore(engine, drafter_tag(drafter), cache_bytes, cache_dir)
+    except OSError as e:
+        raise Ds4Error(f"--kv-cache-dir {cache_dir}: cannot use it ({e.strerror or e})") from None
+    return Service(engine, tok, drafter, exact=exact, ctx=ctx, tool_syntax=load_attr(syntax) if syntax else None,
+                   slots=slots, store=store)

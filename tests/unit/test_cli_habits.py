@@ -174,15 +174,15 @@ def test_sampling_defaults_are_the_model_familys_and_the_seed_is_random(tiny_art
     flags over them; without -s each run draws a seed, which --json prints and -s repeats."""
     from types import SimpleNamespace
 
-    from ds4tvm.cli import _sampling
+    from ds4tvm.cli.common import sampling_params
 
     def engine(family):
         return SimpleNamespace(manifest=SimpleNamespace(family=family))
 
     for family, want in (("deepseek4", (1.0, 1.0, 0.05)), ("qwen4exp", (1.0, 1.0, 0.05)), ("glm5next", (1.0, 0.95, 0.0))):
-        p = _sampling(engine(family), None, None, 0, None)
+        p = sampling_params(engine(family), None, None, 0, None)
         assert (p.temperature, p.top_p, p.min_p) == want, family
-    p = _sampling(engine("glm5next"), 0.5, 0.8, 40, 0.1)
+    p = sampling_params(engine("glm5next"), 0.5, 0.8, 40, 0.1)
     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.5, 0.8, 40, 0.1)
     base = ("run", "-m", tiny_artifact, "--raw", "-p", "hello there", "-n", 8, "--json")
     first, second = (json.loads(run_ds4(*base).stdout) for _ in range(2))

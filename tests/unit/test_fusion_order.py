@@ -54,7 +54,7 @@ def test_fused_reads_of_old_rows_stay_before_the_in_place_write():
 
 
 def test_without_the_read_dependencies_the_fused_read_sees_the_new_row():
-    from ds4tvm.schedules.fusion import OPAQUE
+    from ds4tvm.kernels.tags import OPAQUE
 
     @tvm.transform.module_pass(opt_level=0)
     def writer_opaque(mod, _ctx):
@@ -72,7 +72,7 @@ def test_without_the_read_dependencies_the_fused_read_sees_the_new_row():
 def _gemv_then_hc_post(n):
     """A GEMV [n, D] and hc_post's GPU form after it: one function of n tokens."""
     from ds4tvm.nn.hyper import _hc_post_te
-    from ds4tvm.schedules.fusion import ELEMWISE, PRESET
+    from ds4tvm.kernels.tags import ELEMWISE, PRESET
 
     D, Kx, hc = 32, 16, 4
     bb = relax.BlockBuilder()

@@ -41,7 +41,7 @@ def test_a_saved_record_changes_the_compiled_kernel_and_others_keep_the_hand_sch
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 
-    from ds4tvm.nn.qweight import ROW_PARTIAL
+    from ds4tvm.kernels.tags import ROW_PARTIAL
     from ds4tvm.schedules.llvm import hand_schedule
     from ds4tvm.schedules.tuning import has_records, tunable_kernels
 

@@ -15,11 +15,12 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...artifact import Bounds, FunctionSpec, StateSpec
+from ...artifact import Bounds, StateSpec
 from ...nn.attention import indexer_select, sparse_window_attention
-from ...nn.hyper import hc_head, hc_post, hc_pre
+from ...nn.hyper import embedded_streams, hc_head, hc_post, hc_pre
 from ...nn.norm_rope import periodic_rows, rms, rms_rope, rope, rope_hadamard_fp4, rope_inv_freq
 from ...nn.moe import choose_experts, dense_ffn, routed_experts, table_experts
+from ...nn.functions import START, Fn, TargetFunctions, target_functions, tokens
 from ...nn.qweight import Weights
 from ...nn.state import compacts, compressor_writes, context_rows
 from .compressor import pooled_window
@@ -153,13 +154,12 @@ class Block(nn.Module):
         return hc_post(y, X, post, comb, forms=self.forms)
 
 
-class DeepSeekV4(nn.Module):
+class DeepSeekV4(TargetFunctions, nn.Module):
     """The target. Every call returns the logits, then the extra outputs a paired drafter reads:
     `hidden` [rows of logits, D] (the output head's input: ONNX draft heads read it),
     `captured` [n, L, D] (the mean of the HC streams after capture_layers: DSpark's input) and
     `hc_state` [n, hc, D] (the final HC streams before the output head: legacy MTP's input)."""
 
-    TARGET_FUNCTIONS = ("prefill", "prefill_all", "decode", "verify")
 
     def __init__(self, cfg: Config, types: dict, bounds: Bounds = Bounds(), kv_rounding: bool = False,
                  capture_layers: tuple[int, ...] = (), hc_state: bool = False):
@@ -196,8 +196,7 @@ class DeepSeekV4(nn.Module):
         c = self.cfg
         n = ids.shape[0]
         named = dict(zip(self.state_names, states))
-        emb = self.token_embd.rows(ids, name="embedding")
-        X = op.broadcast_to(op.reshape(emb, (n, 1, c.n_embd)), (n, c.hc, c.n_embd))
+        X = embedded_streams(self.token_embd, ids, c.hc, c.n_embd)
         out_states = dict(named)
         captured = []
         for il, layer in enumerate(self.layers):
@@ -217,35 +216,11 @@ class DeepSeekV4(nn.Module):
         logits = self.output.linear(hidden, name="output_lm_head")
         return (logits, hidden, *extras, tuple(out_states[k] for k in self.state_names))
 
-    def prefill(self, ids: nn.Tensor, start, states):
-        """A chunk of the prompt; logits of its last token [1, V], extra outputs of every token."""
-        return self._forward(ids, start, states, last_only=True)
-
-    def prefill_all(self, ids: nn.Tensor, start, states):
-        """A chunk with the logits of every token [n, V] (oracle comparisons)."""
-        return self._forward(ids, start, states, last_only=False)
-
-    def decode(self, ids: nn.Tensor, start, states):
-        return self._forward(ids, start, states, last_only=False)
-
-    def verify(self, ids: nn.Tensor, start, states):
-        """k <= max_verify tokens; logits of every row, so any prefix can be committed."""
-        return self._forward(ids, start, states, last_only=False)
-
     def state_specs(self) -> list[StateSpec]:
         return state_specs(self.cfg, self.bounds)
 
-    def function_specs(self) -> list[FunctionSpec]:
-        inputs = (("ids", "tokens"), ("start", "position"))
-        return [FunctionSpec(f, inputs, ("logits", *self.extra_outputs()), states="model", per_width=f == "verify")
-                for f in self.TARGET_FUNCTIONS]
+    def functions(self) -> list[Fn]:
+        return target_functions(lambda rows: (tokens(rows, "ids"), START), ("logits", *self.extra_outputs()))
 
     def drafter_settings(self) -> dict:
         return {}
-
-    def spec(self) -> dict:
-        st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in state_specs(self.cfg, self.bounds)]
-        mode = {"param_mode": "plain", "effect_mode": "none"}
-        rows = {"prefill": "n", "prefill_all": "n", "decode": 1, "verify": "k"}
-        return {f: {"ids": nn.spec.Tensor([rows[f]], "int32"), "start": int, "states": st, "$": mode}
-                for f in self.TARGET_FUNCTIONS}

@@ -18,7 +18,8 @@ from __future__ import annotations
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...artifact import FunctionSpec, StateSpec
+from ...artifact import StateSpec
+from ...nn.functions import START, Arg, Fn, tokens
 from ...nn.norm_rope import rms, rope_inv_freq
 from ...nn.state import ring_write
 from ...nn.qweight import Weights
@@ -90,22 +91,13 @@ def extend(target_cls):
             return super().state_specs() + [StateSpec("mtp.0.kv_ring", shape, group="mtp", ring=shape[0],
                                                       rewind=rewind)]
 
-        def function_specs(self):
-            inputs = (("hc_prev", "float32"), ("tokens", "tokens"), ("start", "position"))
-            return super().function_specs() + [FunctionSpec("mtp_observe", inputs, (), states="mtp", per_width=True),
-                                               FunctionSpec("mtp_step", inputs, ("logits", "hc_state"), states="mtp")]
+        def functions(self):
+            b = self.draft_cfg.block
+            step, observe = ((Arg("hc_prev", "float32", (n, b.hc, b.n_embd)), tokens(n), START) for n in (1, "n"))
+            return super().functions() + [Fn("mtp_observe", observe, (), "mtp", per_width=True, state_arg="rings"),
+                                          Fn("mtp_step", step, ("logits", "hc_state"), "mtp", state_arg="rings")]
 
         def drafter_settings(self) -> dict:
             return {"mtp": {"window": self.draft_cfg.block.sliding_window}}
-
-        def spec(self) -> dict:
-            spec = super().spec()
-            b = self.draft_cfg.block
-            rings = [nn.spec.Tensor(list(ring_shape(self.draft_cfg, self.bounds.max_verify)), "float32")]
-            mode = {"param_mode": "plain", "effect_mode": "none"}
-            for fn, n in (("mtp_observe", "n"), ("mtp_step", 1)):
-                spec[fn] = {"hc_prev": nn.spec.Tensor([n, b.hc, b.n_embd], "float32"),
-                            "tokens": nn.spec.Tensor([n], "int32"), "start": int, "rings": rings, "$": mode}
-            return spec
 
     return TargetWithMTP

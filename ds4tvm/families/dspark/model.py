@@ -25,7 +25,8 @@ from tvm import te, tirx, topi
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...artifact import FunctionSpec, StateSpec
+from ...artifact import StateSpec
+from ...nn.functions import START, Arg, Fn, tokens
 from ...nn.attention import attend_with_sinks
 from ...nn.hyper import hc_head, hc_post
 from ...nn.norm_rope import rms, rope, rope_inv_freq
@@ -193,16 +194,18 @@ def extend(target_cls):
             rings = [StateSpec(n, s, group="dspark", ring=WINDOW, rewind=1) for n, s in ring_shapes(self.draft_cfg)]
             return super().state_specs() + rings
 
-        def function_specs(self):
-            pos, cap = ("start", "position"), ("captured", "float32")
-            return super().function_specs() + [
-                FunctionSpec("dspark_observe", (cap, pos), (), states="dspark", per_width=True),
-                FunctionSpec("dspark_observe_direct", (cap, pos), (), states="dspark"),
-                FunctionSpec("dspark_block", (cap, ("tokens", "tokens"), pos), ("r",), states="dspark"),
-                FunctionSpec("dspark_logits", (("r", "float32"),), ("logits",)),
-                FunctionSpec("dspark_markov", (("prev", "tokens"),), ("m", "bias")),
-                FunctionSpec("dspark_propose", (cap, ("tokens", "tokens"), pos), ("drafts", "confidence"),
-                             states="dspark"),
+        def functions(self):
+            d, b = self.draft_cfg, self.draft_cfg.block
+            L = len(d.target_layer_ids)
+            observed = Arg("captured", "float32", ("n", L, b.n_embd))
+            block = (Arg("captured", "float32", (1, L, b.n_embd)), tokens(d.block_size), START)
+            return super().functions() + [
+                Fn("dspark_observe", (observed, START), (), "dspark", per_width=True, state_arg="rings"),
+                Fn("dspark_observe_direct", (observed, START), (), "dspark", state_arg="rings"),
+                Fn("dspark_block", block, ("r",), "dspark", state_arg="rings"),
+                Fn("dspark_logits", (Arg("r", "float32", ("m", b.n_embd)),), ("logits",)),
+                Fn("dspark_markov", (tokens(1, "prev"),), ("m", "bias")),
+                Fn("dspark_propose", block, ("drafts", "confidence"), "dspark", state_arg="rings"),
             ]
 
         def drafter_settings(self) -> dict:
@@ -210,24 +213,5 @@ def extend(target_cls):
             return {"dspark": {"block_size": d.block_size, "markov_rank": d.markov_rank,
                                "noise_token_id": d.noise_token_id, "target_layer_ids": list(d.target_layer_ids),
                                "n_stages": d.n_stages, "confidence_threshold": d.confidence_threshold}}
-
-        def spec(self) -> dict:
-            spec = super().spec()
-            d, b = self.draft_cfg, self.draft_cfg.block
-            rings = [nn.spec.Tensor(list(shape), "float32") for _, shape in ring_shapes(d)]
-            L = len(d.target_layer_ids)
-            mode = {"param_mode": "plain", "effect_mode": "none"}
-            cap = nn.spec.Tensor(["n", L, b.n_embd], "float32")
-            block = {"captured": nn.spec.Tensor([1, L, b.n_embd], "float32"),
-                     "tokens": nn.spec.Tensor([d.block_size], "int32"), "start": int, "rings": rings, "$": mode}
-            spec.update({
-                "dspark_observe": {"captured": cap, "start": int, "rings": rings, "$": mode},
-                "dspark_observe_direct": {"captured": cap, "start": int, "rings": rings, "$": mode},
-                "dspark_block": block,
-                "dspark_propose": dict(block),
-                "dspark_logits": {"r": nn.spec.Tensor(["m", b.n_embd], "float32"), "$": mode},
-                "dspark_markov": {"prev": nn.spec.Tensor([1], "int32"), "$": mode},
-            })
-            return spec
 
     return TargetWithDSpark

@@ -16,12 +16,13 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...artifact import Bounds, FunctionSpec, StateSpec
+from ...artifact import Bounds, StateSpec
 from ...nn.attention import attend_with_sinks, indexer_select, selected_pool_positions
-from ...nn.hyper import hc_post, hc_pre
+from ...nn.hyper import embedded_streams, hc_post, hc_pre
 from ...nn.norm_rope import layer_norm, rms
 from ...nn.linear_attention import causal_conv_silu, delta_rule, l2_normalized_heads
 from ...nn.moe import choose_experts, dense_ffn, routed_experts
+from ...nn.functions import START, Fn, TargetFunctions, target_functions, tokens
 from ...nn.qweight import QWeight
 from ...nn.state import emit_rows, gather_context, ring_write
 from .config import LLAMA, Config
@@ -242,13 +243,12 @@ def _pooled_keys(kctx: nn.Tensor, gctx: nn.Tensor, ape: nn.Tensor, P: int) -> nn
     return op.tensor_expr_op(f, "idx_pool", [kctx, gctx, ape])
 
 
-class GLM5Next(nn.Module):
+class GLM5Next(TargetFunctions, nn.Module):
     """The target. Every call returns the logits, then `hidden` [rows, D]: the output head's input
     of every row (prefill's logits are its last row's; the MTP layer reads every row's hidden), and
     with `outputs` extended by the MTP subclass, `streams` [rows, hc * D]: the trunk's hc residual
     streams before they collapse."""
 
-    TARGET_FUNCTIONS = ("prefill", "prefill_all", "decode", "verify")
     outputs = ("logits", "hidden")
 
     def __init__(self, cfg: Config, types: dict, bounds: Bounds = Bounds()):
@@ -263,8 +263,7 @@ class GLM5Next(nn.Module):
         c = self.cfg
         n = ids.shape[0]
         named = dict(zip(self.state_names, states))
-        emb = self.token_embd.rows(ids, name="embedding")
-        X = op.broadcast_to(op.reshape(emb, (n, 1, c.n_embd)), (n, c.hc, c.n_embd))
+        X = embedded_streams(self.token_embd, ids, c.hc, c.n_embd)
         out_states, sel = dict(named), None
         for il, layer in enumerate(self.layers):
             p = f"blk.{il}."
@@ -281,30 +280,8 @@ class GLM5Next(nn.Module):
                 "streams": op.reshape(X, (n, c.hc * c.n_embd))}
         return (*(outs[k] for k in self.outputs), tuple(out_states[k] for k in self.state_names))
 
-    def prefill(self, ids: nn.Tensor, start, states):
-        """A chunk of the prompt; logits of its last token [1, V]."""
-        return self._forward(ids, start, states, last_only=True)
-
-    def prefill_all(self, ids: nn.Tensor, start, states):
-        return self._forward(ids, start, states, last_only=False)
-
-    def decode(self, ids: nn.Tensor, start, states):
-        return self._forward(ids, start, states, last_only=False)
-
-    def verify(self, ids: nn.Tensor, start, states):
-        return self._forward(ids, start, states, last_only=False)
-
     def state_specs(self) -> list[StateSpec]:
         return state_specs(self.cfg, self.bounds)
 
-    def function_specs(self) -> list[FunctionSpec]:
-        inputs = (("ids", "tokens"), ("start", "position"))
-        return [FunctionSpec(f, inputs, self.outputs, states="model", per_width=f == "verify")
-                for f in self.TARGET_FUNCTIONS]
-
-    def spec(self) -> dict:
-        st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in state_specs(self.cfg, self.bounds)]
-        mode = {"param_mode": "plain", "effect_mode": "none"}
-        rows = {"prefill": "n", "prefill_all": "n", "decode": 1, "verify": "k"}
-        return {f: {"ids": nn.spec.Tensor([rows[f]], "int32"), "start": int, "states": st, "$": mode}
-                for f in self.TARGET_FUNCTIONS}
+    def functions(self) -> list[Fn]:
+        return target_functions(lambda rows: (tokens(rows, "ids"), START), self.outputs)

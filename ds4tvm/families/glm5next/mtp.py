@@ -26,7 +26,8 @@ from dataclasses import replace
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...artifact import FunctionSpec, StateSpec
+from ...artifact import StateSpec
+from ...nn.functions import START, Arg, Fn, tokens
 from ...nn.norm_rope import rms
 from .config import STREAMS
 from .model import GLM5Next, Layer, layer_states
@@ -97,19 +98,11 @@ class GLM5NextWithMTP(GLM5Next):
     def state_specs(self) -> list[StateSpec]:
         return super().state_specs() + mtp_states(self.cfg, self.bounds)
 
-    def function_specs(self) -> list[FunctionSpec]:
-        inputs = (("hidden_prev", "float32"), ("tokens", "tokens"), ("start", "position"))
-        return super().function_specs() + [FunctionSpec("mtp_observe", inputs, (), states=GROUP, per_width=True),
-                                           FunctionSpec("mtp_step", inputs, ("logits",), states=GROUP)]
+    def functions(self) -> list[Fn]:
+        step, observe = ((Arg("hidden_prev", "float32", (n, self.cfg.mtp_input_width)), tokens(n), START)
+                         for n in (1, "n"))
+        return super().functions() + [Fn("mtp_observe", observe, (), GROUP, per_width=True),
+                                      Fn("mtp_step", step, ("logits",), GROUP)]
 
     def drafter_settings(self) -> dict:
         return {"glm_mtp": {"layer": self.cfg.n_layers, "reads": self.cfg.mtp_input}}
-
-    def spec(self) -> dict:
-        spec = super().spec()
-        st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in mtp_states(self.cfg, self.bounds)]
-        mode = {"param_mode": "plain", "effect_mode": "none"}
-        for fn, n in (("mtp_observe", "n"), ("mtp_step", 1)):
-            spec[fn] = {"hidden_prev": nn.spec.Tensor([n, self.cfg.mtp_input_width], "float32"),
-                        "tokens": nn.spec.Tensor([n], "int32"), "start": int, "states": st, "$": mode}
-        return spec

@@ -18,11 +18,13 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...artifact import Bounds, FunctionSpec, StateSpec
+from ...artifact import Bounds, StateSpec
 from ...nn.attention import indexer_select, selected_pool_positions, softmax_attention
 from ...nn.norm_rope import rms, rope_neox
 from ...nn.linear_attention import causal_conv_silu, delta_rule, l2_normalized_heads
 from ...nn.moe import choose_experts, dense_ffn, routed_experts
+from ...nn.hyper import embedded_streams
+from ...nn.functions import START, Arg, Declared, Fn, target_functions, tokens
 from ...nn.qweight import QWeight
 from ...nn.state import emit_rows, gather_context, ring_write
 from .config import Config
@@ -285,12 +287,11 @@ def last_row(x: nn.Tensor, name: str = "last_row") -> nn.Tensor:
                              name, [x])
 
 
-class Qwen4Exp(nn.Module):
+class Qwen4Exp(Declared, nn.Module):
     """The target: logits of every row (prefill: its last) from the token ids and the PLE rows,
     then `hidden`, the output head's input of every row (and with an MTP layer `streams`, the hc
     residual streams the head mixes, which the layer drafts from)."""
 
-    TARGET_FUNCTIONS = ("prefill", "prefill_all", "decode", "verify")
     OUTPUTS = ("logits", "hidden")
 
     def __init__(self, cfg: Config, types: dict, bounds: Bounds = Bounds()):
@@ -311,8 +312,7 @@ class Qwen4Exp(nn.Module):
         c = self.cfg
         n = ids.shape[0]
         named = dict(zip(self.state_names, states))
-        emb = self.token_embd.rows(ids, name="embedding")
-        X = op.broadcast_to(op.reshape(emb, (n, 1, c.n_embd)), (n, c.hc, c.n_embd))
+        X = embedded_streams(self.token_embd, ids, c.hc, c.n_embd)
         out_states = dict(named)
         for il, layer in enumerate(self.layers):
             p = f"blk.{il}."
@@ -338,16 +338,7 @@ class Qwen4Exp(nn.Module):
     def state_specs(self) -> list[StateSpec]:
         return state_specs(self.cfg, self.bounds)
 
-    def function_specs(self) -> list[FunctionSpec]:
-        inputs = (("ids", "tokens"), ("ple", "host"), ("start", "position"))
-        return [FunctionSpec(f, inputs, self.OUTPUTS, states="model", per_width=f == "verify")
-                for f in self.TARGET_FUNCTIONS]
-
-    def spec(self) -> dict:
-        st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in state_specs(self.cfg, self.bounds)]
-        mode = {"param_mode": "plain", "effect_mode": "none"}
-        rows = {"prefill": "n", "prefill_all": "n", "decode": 1, "verify": "k"}
+    def functions(self) -> list[Fn]:
         width = max(self.cfg.n_embd, 1)
-        return {f: {"ids": nn.spec.Tensor([rows[f]], "int32"), "ple": nn.spec.Tensor([rows[f], width], "float32"),
-                    "start": int, "states": st, "$": mode}
-                for f in self.TARGET_FUNCTIONS}
+        return target_functions(lambda rows: (tokens(rows, "ids"), Arg("ple", "host", (rows, width)), START),
+                                self.OUTPUTS)

@@ -20,7 +20,8 @@ from dataclasses import replace
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ...artifact import FunctionSpec, StateSpec
+from ...artifact import StateSpec
+from ...nn.functions import START, Arg, Fn, tokens
 from ...nn.norm_rope import rms
 from .model import Layer, Qwen4Exp, _inject, _per_stream, hc_mix, last_row, layer_states, layer_weights
 from .tensors import nextn_specs
@@ -100,19 +101,10 @@ class Qwen4ExpWithMTP(Qwen4Exp):
     def state_specs(self) -> list[StateSpec]:
         return super().state_specs() + mtp_states(self.cfg, self.bounds)
 
-    def function_specs(self) -> list[FunctionSpec]:
-        inputs = (("streams_prev", "float32"), ("tokens", "tokens"), ("start", "position"))
-        return super().function_specs() + [FunctionSpec("mtp_observe", inputs, (), states=GROUP, per_width=True),
-                                           FunctionSpec("mtp_step", inputs, ("logits", "streams"), states=GROUP)]
+    def functions(self) -> list[Fn]:
+        inputs = (Arg("streams_prev", "float32", ("n", self.cfg.hc * self.cfg.n_embd)), tokens("n"), START)
+        return super().functions() + [Fn("mtp_observe", inputs, (), GROUP, per_width=True),
+                                      Fn("mtp_step", inputs, ("logits", "streams"), GROUP)]
 
     def drafter_settings(self) -> dict:
         return {"qwen_mtp": {"layer": self.cfg.n_layers}}
-
-    def spec(self) -> dict:
-        spec = super().spec()
-        st = [nn.spec.Tensor(list(s.shape), s.dtype) for s in mtp_states(self.cfg, self.bounds)]
-        mode = {"param_mode": "plain", "effect_mode": "none"}
-        for fn in ("mtp_observe", "mtp_step"):
-            spec[fn] = {"streams_prev": nn.spec.Tensor(["n", self.cfg.hc * self.cfg.n_embd], "float32"),
-                        "tokens": nn.spec.Tensor(["n"], "int32"), "start": int, "states": st, "$": mode}
-        return spec

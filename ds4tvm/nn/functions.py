@@ -1,0 +1,100 @@
+"""A family module's compiled functions, each declared once (`Fn`): its inputs with their kinds and
+shapes, its outputs, the state group it reads and writes, whether it is called with 1..max_verify
+rows. The manifest's FunctionSpecs and the export spec TVM reads both come from the declarations
+(`Declared`), and `TargetFunctions` is the surface every target module shares: prefill,
+prefill_all, decode and verify over one forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.relax.frontend import nn
+
+from ..artifact import FunctionSpec
+
+MODE = {"param_mode": "plain", "effect_mode": "none"}
+# the row count of each target function's token inputs: a prefill chunk, one token, a verify block
+TARGET_ROWS = {"prefill": "n", "prefill_all": "n", "decode": 1, "verify": "k"}
+
+
+@dataclass(frozen=True)
+class Arg:
+    """An input: its name (the method's parameter), its kind in the manifest (tokens, position,
+    host, float32, ...), and for a tensor its shape (ints, or names of symbolic sizes) and dtype;
+    a position is the call's first position, a host int."""
+    name: str
+    kind: str
+    shape: tuple = ()
+    dtype: str = "float32"
+
+    def export(self):
+        return int if self.kind == "position" else nn.spec.Tensor(list(self.shape), self.dtype)
+
+
+def tokens(rows, name: str = "tokens") -> Arg:
+    return Arg(name, "tokens", (rows,), "int32")
+
+
+START = Arg("start", "position")
+
+
+@dataclass(frozen=True)
+class Fn:
+    """A compiled function: its inputs in order, then (with `states`) the state tensors of that
+    group as one argument named `state_arg`; outputs by name, then the updated states."""
+    name: str
+    args: tuple[Arg, ...]
+    outputs: tuple[str, ...]
+    states: str | None = None
+    per_width: bool = False
+    state_arg: str = "states"
+
+    def function_spec(self) -> FunctionSpec:
+        return FunctionSpec(self.name, tuple((a.name, a.kind) for a in self.args), self.outputs, self.states,
+                            per_width=self.per_width)
+
+    def export_spec(self, state_specs: list) -> dict:
+        spec = {a.name: a.export() for a in self.args}
+        if self.states is not None:
+            spec[self.state_arg] = [nn.spec.Tensor(list(s.shape), s.dtype) for s in state_specs
+                                    if s.group == self.states]
+        return {**spec, "$": MODE}
+
+
+def target_functions(args, outputs: tuple[str, ...]) -> list[Fn]:
+    """prefill, prefill_all, decode and verify of a target module: args(rows) gives the inputs of a
+    call of `rows` rows (TARGET_ROWS), the model's states follow; verify is called with 1..max_verify
+    rows."""
+    return [Fn(f, tuple(args(rows)), outputs, "model", per_width=f == "verify") for f, rows in TARGET_ROWS.items()]
+
+
+class Declared:
+    """FunctionSpecs and the export spec of a module from its `functions()` declarations and its
+    `state_specs()`."""
+
+    def function_specs(self) -> list[FunctionSpec]:
+        return [f.function_spec() for f in self.functions()]
+
+    def spec(self) -> dict:
+        states = self.state_specs()
+        return {f.name: f.export_spec(states) for f in self.functions()}
+
+
+class TargetFunctions(Declared):
+    """The target functions of a module whose _forward(ids, start, states, last_only) computes them
+    (prefill returns the logits of its last row only; the others of every row)."""
+
+    def prefill(self, ids: nn.Tensor, start, states):
+        """A chunk of the prompt; logits of its last token [1, V], extra outputs of every token."""
+        return self._forward(ids, start, states, last_only=True)
+
+    def prefill_all(self, ids: nn.Tensor, start, states):
+        """A chunk with the logits of every token [n, V] (oracle comparisons)."""
+        return self._forward(ids, start, states, last_only=False)
+
+    def decode(self, ids: nn.Tensor, start, states):
+        return self._forward(ids, start, states, last_only=False)
+
+    def verify(self, ids: nn.Tensor, start, states):
+        """k <= max_verify tokens; logits of every row, so any prefix can be committed."""
+        return self._forward(ids, start, states, last_only=False)
