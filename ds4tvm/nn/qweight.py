@@ -188,7 +188,7 @@ class QWeight(nn.Module):
 
             part = te.compute((ids.shape[0], ids.shape[1], N, lanes), partial, name=EXPERT_PARTIAL)
 
-            def fold(t, j, n):   # the lanes summed in halves, as the CPU kernels of cpu_kernels.py do
+            def fold(t, j, n):   # the lanes summed in halves, as the CPU kernels of kernels/cpu.py do
                 v = [part[t, j, n, lane] for lane in range(lanes)]
                 while len(v) > 1:
                     v = [a + b for a, b in zip(v[:len(v) // 2], v[len(v) // 2:])]
