@@ -8,9 +8,9 @@ a verify of k tokens relative to one decode step. Two modes:
         DSpark on windows of the held-out standard-library files (ds4tvm/training/corpus.py), by
         default on the embedded demo pair: for each θ, at temperature 0 and at temperature 1
         (opportunistic and exact), the acceptance per position in the block, the accepted tokens
-        per cycle and DSpark vs target-only tok/s (target-only and DSpark alternate per prompt, so
-        the machine's drift hits both alike); one cost gate per row (DS4_SPEC_COST_GATE=0: the drafter's
-        own back-off alone); the gate acts at temperature 0 only."""
+        per cycle and target-only, DSpark asked every cycle and DSpark with the cost model
+        (runtime/costs.py) in tok/s (the three alternate per prompt, so the machine's drift hits
+        them alike); one cost model per row, its costs measured once per artifact and machine."""
 
 import argparse
 import statistics
@@ -21,28 +21,39 @@ import numpy as np
 from ds4tvm.runtime.drafters import SpecOptions, choose_drafter
 from ds4tvm.runtime.engine import Engine
 from ds4tvm.runtime.sampler import SamplingParams
-from ds4tvm.runtime.speculative import CostGate, generate, verify_cost
+from ds4tvm.runtime.speculative import generate, verify_cost
 
 
 def one_prompt(a, engine):
+    from ds4tvm.runtime.costs import CostModel, costs_for
+
     options = SpecOptions(dspark=a.dspark or (a.mtp_draft == 1 and not a.draft_onnx and not a.mtp),
                           mtp_draft=a.mtp_draft, mtp_margin=a.mtp_margin, mtp="" if a.mtp else None,
                           draft_onnx="" if a.draft_onnx else None)
     prompt = [int(x) for x in a.tokens.split(",")]
     greedy = SamplingParams(temperature=0.0)
-    plain, spec, accept = [], [], []
-    for _ in range(a.repeats):  # alternate, so drift on a noisy machine hits both sides alike
-        engine.reset()
-        _, s = generate(engine, prompt, a.n, greedy, np.random.default_rng(0))
-        plain.append(s.tok_s)
-        engine.reset()
-        drafter = choose_drafter(engine, options, Path(a.artifact))
-        _, s = generate(engine, prompt, a.n, greedy, np.random.default_rng(0), drafter=drafter)
-        spec.append(s.tok_s)
-        accept.append(s.counters["accept_rate"])
-    p, s = statistics.median(plain), statistics.median(spec)
-    print(f"target-only {p:.1f} tok/s | {type(drafter).__name__} {s:.1f} tok/s | ratio {s / p:.2f} | "
-          f"accept rate {accept[0]:.2%}")
+
+    def drafter():
+        return choose_drafter(engine, options, Path(a.artifact))
+
+    name = drafter().NAME
+    model = CostModel(costs_for(engine, name, drafter, engine.max_verify), engine.max_verify)
+    rates, accept, skips = {"plain": [], "forced": [], "model": []}, [], []
+    for _ in range(a.repeats):  # alternate, so drift on a noisy machine hits every side alike
+        for kind in rates:
+            engine.reset()
+            _, s = generate(engine, prompt, a.n, greedy, np.random.default_rng(0),
+                            drafter=None if kind == "plain" else drafter(), model=model if kind == "model" else None)
+            rates[kind].append(s.tok_s)
+            if kind == "forced":
+                accept.append(s.counters["accept_rate"])
+            if kind == "model":
+                skips.append(s.counters["cost_skips"])
+    p, f, m = (statistics.median(rates[k]) for k in ("plain", "forced", "model"))
+    print(f"target-only {p:.1f} tok/s | {name} asked every cycle {f:.1f} tok/s (x{f / p:.2f}, accept rate "
+          f"{accept[0]:.2%}) | with the cost model {m:.1f} tok/s (x{m / p:.2f}; x{m / f:.2f} of forced; "
+          f"left out of {skips[-1]} of {a.n} steps in the last run)")
+    print(f"  {model.explain(name)}")
 
 
 MODES = (("T=0 greedy", SamplingParams(temperature=0.0), False),
@@ -51,28 +62,34 @@ MODES = (("T=0 greedy", SamplingParams(temperature=0.0), False),
 
 
 def heldout_row(engine, prompts, n, theta, params, exact, stop_ids):
-    """Target-only and DSpark over every prompt (alternated); the summed counters."""
+    """Target-only, DSpark asked every cycle and DSpark with the cost model, over every prompt
+    (alternated); the forced runs' summed counters."""
+    from ds4tvm.runtime.costs import CostModel, costs_for
     from ds4tvm.runtime.drafters.dspark import DSparkDrafter
 
-    gate = CostGate.from_env()   # one per row, kept over its prompts as an engine keeps its own
-    plain_t = spec_t = generated_plain = generated_spec = 0.0
+    # one model per row, kept over its prompts as an engine keeps its own; the costs measured once
+    model = CostModel(costs_for(engine, DSparkDrafter.NAME, lambda: DSparkDrafter(engine, theta), engine.max_verify),
+                      engine.max_verify)
+    seconds, generated = {"plain": 0.0, "forced": 0.0, "model": 0.0}, {"plain": 0, "forced": 0, "model": 0}
     depth, cycles, accepted, proposed, identical = {}, 0, 0, 0, 0
     for i, prompt in enumerate(prompts):
-        engine.reset()
-        out_plain, s = generate(engine, prompt, n, params, np.random.default_rng(i), stop_ids=stop_ids)
-        plain_t, generated_plain = plain_t + s.seconds, generated_plain + s.generated
-        engine.reset()
-        out, s = generate(engine, prompt, n, params, np.random.default_rng(i), drafter=DSparkDrafter(engine, theta), gate=gate,
-                          exact=exact, stop_ids=stop_ids)
-        spec_t, generated_spec = spec_t + s.seconds, generated_spec + s.generated
-        identical += out == out_plain
-        c = s.counters
-        cycles, accepted, proposed = cycles + c["cycles"], accepted + c["accepted_draft"], proposed + c["proposed"]
-        for k, v in c["depth"].items():
-            depth[int(k)] = depth.get(int(k), 0) + v
+        outs = {}
+        for kind in ("plain", "forced", "model"):
+            engine.reset()
+            drafter = None if kind == "plain" else DSparkDrafter(engine, theta)
+            outs[kind], s = generate(engine, prompt, n, params, np.random.default_rng(i), drafter=drafter,
+                                     model=model if kind == "model" else None, exact=exact, stop_ids=stop_ids)
+            seconds[kind], generated[kind] = seconds[kind] + s.seconds, generated[kind] + s.generated
+            if kind == "forced":
+                c = s.counters
+                cycles, accepted, proposed = cycles + c["cycles"], accepted + c["accepted_draft"], proposed + c["proposed"]
+                for k, v in c["depth"].items():
+                    depth[int(k)] = depth.get(int(k), 0) + v
+        identical += outs["plain"] == outs["forced"] == outs["model"]
     reached = [sum(v for k, v in depth.items() if k >= i) / max(cycles, 1) for i in range(1, 6)]
-    return {"plain": generated_plain / plain_t, "spec": generated_spec / spec_t, "per_cycle": accepted / max(cycles, 1),
-            "accept_rate": accepted / max(proposed, 1), "reached": reached, "cycles": cycles, "identical": identical}
+    return {**{k: generated[k] / seconds[k] for k in seconds}, "per_cycle": accepted / max(cycles, 1),
+            "accept_rate": accepted / max(proposed, 1), "reached": reached, "cycles": cycles, "identical": identical,
+            "explain": model.explain("DSpark")}
 
 
 def heldout(a, engine):
@@ -83,17 +100,20 @@ def heldout(a, engine):
     prompts = corpus.windows(tok, corpus.stdlib_files(True), a.prompts, a.prompt_len, seed=7)
     thetas = [float(t) for t in a.thetas.split(",")]
     print(f"{len(prompts)} held-out windows of {a.prompt_len} tokens, {a.n} new tokens each "
-          f"(stopping at an end of file); accepted per cycle counts the checked guess, as ds4 does")
-    print("| mode | θ | target-only tok/s | DSpark tok/s | ratio | accepted per cycle | accept rate | "
-          "position 1..5 reached | cycles |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"(stopping at an end of file); accepted per cycle counts the checked guess, as ds4 does; 'forced': "
+          f"DSpark asked every cycle, 'cost model': asked as runtime/costs.py decides")
+    print("| mode | θ | target-only tok/s | DSpark forced | DSpark cost model | model / target-only | model / forced | "
+          "accepted per cycle (forced) | accept rate | position 1..5 reached | cycles |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, params, exact in MODES:
         for theta in thetas:
             r = heldout_row(engine, prompts, a.n, theta, params, exact, tok.stop_ids)
             same = f" (identical outputs: {r['identical']}/{len(prompts)})" if params.temperature == 0 else ""
-            print(f"| {name}{same} | {theta} | {r['plain']:.1f} | {r['spec']:.1f} | {r['spec'] / r['plain']:.2f} | "
-                  f"{r['per_cycle']:.2f} | {100 * r['accept_rate']:.1f}% | "
-                  f"{' '.join(f'{x:.2f}' for x in r['reached'])} | {r['cycles']} |", flush=True)
+            print(f"| {name}{same} | {theta} | {r['plain']:.1f} | {r['forced']:.1f} | {r['model']:.1f} | "
+                  f"{r['model'] / r['plain']:.2f} | {r['model'] / r['forced']:.2f} | {r['per_cycle']:.2f} | "
+                  f"{100 * r['accept_rate']:.1f}% | {' '.join(f'{x:.2f}' for x in r['reached'])} | {r['cycles']} |",
+                  flush=True)
+            print(f"  {r['explain']}", flush=True)
 
 
 def main():

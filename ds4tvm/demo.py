@@ -86,7 +86,8 @@ def run_demo(out_dir: Path | None = None) -> None:
     from .runtime.drafters.dspark import DSparkDrafter, default_theta
     from .runtime.engine import Engine
     from .runtime.sampler import SamplingParams
-    from .runtime.speculative import CostGate, generate
+    from .runtime.costs import model_for
+    from .runtime.speculative import generate
     from .runtime.tokenizer import Tokenizer
 
     t_start = time.perf_counter()
@@ -100,23 +101,33 @@ def run_demo(out_dir: Path | None = None) -> None:
           f"+ DSpark drafter {SUPPORT_FILE}")
     ids = tok.encode(PROMPT)
     greedy = SamplingParams(temperature=0.0)
-    gate = CostGate.for_engine(engine)   # measures the plain steps first, so the DSpark run starts informed
-    plain, plain_stats = generate(engine, ids, N_TOKENS, greedy, np.random.default_rng(0), stop_ids=tok.stop_ids,
-                                  gate=gate)
-    engine.reset()
-    drafter = DSparkDrafter(engine, default_theta(engine, exact=False))
-    spec, stats = generate(engine, ids, N_TOKENS, greedy, np.random.default_rng(0), drafter=drafter,
-                           stop_ids=tok.stop_ids, gate=gate)
+    theta = default_theta(engine, exact=False)
+    # measured before any prompt is in the state (the measurement resets it), once per machine
+    model = model_for(engine, DSparkDrafter(engine, theta), lambda: DSparkDrafter(engine, theta))
+
+    def run(drafter=None, cost_model=None):
+        engine.reset()
+        return generate(engine, ids, N_TOKENS, greedy, np.random.default_rng(0), drafter=drafter,
+                        stop_ids=tok.stop_ids, model=cost_model)
+
+    plain, plain_stats = run()
+    if model is not None:   # the forced run's proposals teach the model what this drafter accepts here
+        model.forced = True
+    forced, forced_stats = run(DSparkDrafter(engine, theta), model)
+    if model is not None:
+        model.forced = False
+    spec, stats = run(DSparkDrafter(engine, theta), model)
     rule = "-" * 72
     _echo(f"prompt ({len(ids)} tokens) and its greedy completion ({len(spec)} tokens):\n{rule}\n"
           f"{PROMPT}{tok.decode(spec, skip_special=True)}\n{rule}")
-    same = "identical to" if spec == plain else "DIFFERENT from"
-    c = stats.counters
-    _echo(f"target-only: {plain_stats.tok_s:.1f} tok/s; with DSpark (θ={drafter.theta:g}): {stats.tok_s:.1f} tok/s, "
-          f"{c['avg_accept']:.2f} tokens accepted per cycle ({100 * c['accept_rate']:.0f}% of proposed); "
-          f"the DSpark output is {same} target-only decoding at temperature 0")
-    if c["cost_skips"]:
-        _echo(f"the cost gate decoded {c['cost_skips']} of the {len(spec)} tokens without asking the drafter: on "
-              f"this CPU a proposal and its verify took longer than the plain steps they would save")
+    same = "identical to" if spec == plain == forced else "DIFFERENT from"
+    fc, c = forced_stats.counters, stats.counters
+    _echo(f"target-only: {plain_stats.tok_s:.1f} tok/s; DSpark (θ={theta:g}) asked every cycle: "
+          f"{forced_stats.tok_s:.1f} tok/s, {fc['avg_accept']:.2f} tokens accepted per cycle "
+          f"({100 * fc['accept_rate']:.0f}% of proposed); with the cost model: {stats.tok_s:.1f} tok/s "
+          f"(the drafter left out of {c['cost_skips']} of {len(spec)} steps); the outputs are {same} target-only "
+          f"decoding at temperature 0")
+    if model is not None:
+        _echo(model.explain("DSpark"))
     print(stats.line(), file=sys.stderr)
     _echo(f"ds4 demo: done in {time.perf_counter() - t_start:.1f} s")

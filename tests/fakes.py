@@ -62,7 +62,7 @@ class TableEngine(Sequences):
     def __init__(self, vocab: int = 6, seed: int = 0, max_context: int = 64, max_verify: int = 8, sharp: float = 1.0):
         rng = np.random.default_rng(seed)
         self.table = rng.standard_normal((vocab, vocab, vocab)) * sharp
-        self.max_context, self.max_verify = max_context, max_verify
+        self.max_context, self.max_verify, self.n_vocab = max_context, max_verify, vocab
         self.attach(self.new_sequence())
         self._pending_tokens: list[int] = []
 

@@ -144,7 +144,9 @@ def spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confiden
 
 
 def speculative_engine(model: Path, options, target: str, ctx: int, progress: bool):
-    """The engine, and the drafter the speculation flags ask for (None: target-only decoding)."""
+    """The engine, the drafter the speculation flags ask for (None: target-only decoding) and the
+    cost model that says when to ask it (runtime/costs.py; measured here, before any prompt)."""
+    from ..runtime.costs import model_for
     from ..runtime.drafters import check_support_given, choose_drafter
     from ..runtime.loader import open_engine
 
@@ -157,7 +159,8 @@ def speculative_engine(model: Path, options, target: str, ctx: int, progress: bo
     if ctx is not None and ctx > engine.max_context:
         raise Ds4Error(f"--ctx {ctx}: {model} is compiled for a context of {engine.max_context} "
                        f"(ds4-compile --max-context)")
-    return engine, choose_drafter(engine, options, model)
+    drafter = choose_drafter(engine, options, model)
+    return engine, drafter, model_for(engine, drafter, lambda: choose_drafter(engine, options, model))
 
 
 def check_target(model: Path, family, target: str) -> str:

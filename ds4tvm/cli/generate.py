@@ -82,10 +82,10 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
     options = spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
                             quality, exact_sampling, draft_onnx)
     model = model_or_embedded(model, progress=not as_json)
-    engine, drafter = speculative_engine(model, options, target, ctx, progress=not as_json)
+    engine, drafter, cost_model = speculative_engine(model, options, target, ctx, progress=not as_json)
     params = sampling_params(engine, temp, top_p, top_k, min_p)
     if interactive:
-        return _chat(engine, drafter, model, params, seed, n_predict, exact_sampling, prompt)
+        return _chat(engine, drafter, cost_model, model, params, seed, n_predict, exact_sampling, prompt)
     from ..runtime.session import Session
 
     conversation = Session(session, engine, drafter, session_overwrite) if session is not None else None
@@ -98,8 +98,8 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
 
     stream, at_prompt = TextStream(tok, tok.stop_ids), []
     t0 = time.perf_counter()
-    out, stats = _generate_streaming(engine, drafter, ids, n_predict, params, seed, exact_sampling, constraint, stream,
-                                     as_json, at_prompt if conversation is not None else None)
+    out, stats = _generate_streaming(engine, drafter, cost_model, ids, n_predict, params, seed, exact_sampling,
+                                     constraint, stream, as_json, at_prompt if conversation is not None else None)
     prefill_s = max(time.perf_counter() - t0 - stats.seconds, 1e-9)
     rest = stream.finish()
     if conversation is not None:
@@ -114,14 +114,14 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="artifa
     _report(len(ids), cached, prefill_s, len(out), stats, drafter is not None, verify_depth)
 
 
-def _generate_streaming(engine, drafter, ids, n_predict: int, params, seed: int, exact: bool, constraint, stream,
+def _generate_streaming(engine, drafter, cost_model, ids, n_predict: int, params, seed: int, exact: bool, constraint, stream,
                         quiet: bool, at_prompt: list | None):
     """generate()'s (tokens, stats), each piece of text written to standard output as it is decoded
     (not when quiet), with a prefill bar for long prompts; at_prompt, given, gets the snapshot
     taken after the prompt."""
     import numpy as np
 
-    from ..runtime.speculative import CostGate, generate
+    from ..runtime.speculative import generate
 
     def on_token(t):
         piece = stream.push(t)
@@ -132,7 +132,7 @@ def _generate_streaming(engine, drafter, ids, n_predict: int, params, seed: int,
     with _prefill_progress(len(ids), engine.chunk, enabled=not quiet) as on_prefill:
         return generate(engine, ids, n_predict, params, np.random.default_rng(seed), drafter=drafter, exact=exact,
                         stop_ids=stream.tok.stop_ids, on_token=on_token, on_prefill=on_prefill,
-                        gate=CostGate.for_engine(engine), constraint=constraint,
+                        model=cost_model, constraint=constraint,
                         on_prompt=None if at_prompt is None else lambda: at_prompt.append(engine.snapshot()))
 
 
@@ -189,7 +189,7 @@ def _prefill_progress(n: int, chunk: int, enabled: bool):
         yield on_chunk
 
 
-def _chat(engine, drafter, model: Path, params, seed: int, n_predict: int, exact: bool, first: str | None) -> None:
+def _chat(engine, drafter, cost_model, model: Path, params, seed: int, n_predict: int, exact: bool, first: str | None) -> None:
     """`ds4 run -i`: a conversation on standard input, one user turn per line. Each turn is rendered
     with the chat template after the ones before and continues the state they left (only the new
     tokens are prefilled); a turn that does not fit the compiled context ends the chat."""
@@ -199,7 +199,7 @@ def _chat(engine, drafter, model: Path, params, seed: int, n_predict: int, exact
     from ..runtime.checkpoint import CheckpointStore
     from ..runtime.drafters import drafter_tag
     from ..runtime.prefix import resume
-    from ..runtime.speculative import CostGate, generate
+    from ..runtime.speculative import generate
     from ..runtime.textstream import TextStream
     from ..runtime.tokenizer import Tokenizer
 
@@ -229,7 +229,7 @@ def _chat(engine, drafter, model: Path, params, seed: int, n_predict: int, exact
             sys.stdout.flush()
 
         out, _ = generate(engine, ids, room if n_predict < 0 else min(n_predict, room), params, rng, drafter=drafter,
-                          exact=exact, stop_ids=tok.stop_ids, on_token=on_token, gate=CostGate.for_engine(engine),
+                          exact=exact, stop_ids=tok.stop_ids, on_token=on_token, model=cost_model,
                           on_prompt=lambda: store.add(engine.snapshot()))
         store.add(engine.snapshot())
         sys.stdout.write(stream.finish() + "\n")
@@ -333,7 +333,7 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
         raise Ds4Error(f"--verify-k {verify_k}: expected 1..16")
     options = spec_options(mtp, mtp_draft, mtp_margin, False, dspark, dspark_confidence, False, False, False,
                             draft_onnx)
-    engine, drafter = speculative_engine(model, options, target, ctx, progress=not as_json)
+    engine, drafter, _ = speculative_engine(model, options, target, ctx, progress=not as_json)
     if prompt_len + 16 >= engine.max_context:
         raise Ds4Error(f"--prompt-len {prompt_len} leaves no room in the compiled context of {engine.max_context}")
     factory = None

@@ -54,14 +54,15 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
     options = spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
                            quality, exact_sampling, draft_onnx)
     model = model_or_embedded(model, progress=True)
-    engine, drafter = speculative_engine(model, options, target, ctx, progress=True)
+    engine, drafter, cost_model = speculative_engine(model, options, target, ctx, progress=True)
     import uvicorn
 
     from ..server.api import Defaults
     from ..server.app import create_app
     from ..server.service import build_service
 
-    service = build_service(engine, drafter, str(model), exact_sampling, ctx, slots, cache_bytes, kv_cache_dir)
+    service = build_service(engine, drafter, cost_model, str(model), exact_sampling, ctx, slots, cache_bytes,
+                            kv_cache_dir)
     served = alias or engine.gguf.get("general.name", "str", default=None) or \
         (model.name if model.is_dir() else model.stem)
     p = sampling_params(engine, temp, top_p, top_k, min_p)

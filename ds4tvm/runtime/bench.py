@@ -10,7 +10,8 @@ import time
 import numpy as np
 
 from .sampler import SamplingParams, argmax
-from .speculative import CostGate, generate, verify_cost
+from .costs import model_for
+from .speculative import generate, verify_cost
 
 
 def _median_rate(n: int, seconds: list[float]) -> float:
@@ -43,13 +44,14 @@ def bench(engine, prompt_len: int = 128, gen: int = 64, verify_k: int = 6, repea
     if drafter_factory is not None:
         greedy = SamplingParams(temperature=0.0)
         plain_tps, spec_tps, rates = [], [], []
+        model = model_for(engine, drafter_factory(engine), lambda: drafter_factory(engine))
         for _ in range(repeats):
             engine.reset()
             _, s = generate(engine, prompt, gen, greedy, np.random.default_rng(0), stop_ids=stop_ids)
             plain_tps.append(s.generated / s.seconds)
             engine.reset()
             _, s = generate(engine, prompt, gen, greedy, np.random.default_rng(0), drafter=drafter_factory(engine),
-                            stop_ids=stop_ids, gate=CostGate.for_engine(engine))
+                            stop_ids=stop_ids, model=model)
             spec_tps.append(s.generated / s.seconds)
             rates.append(s.as_dict()["accept_rate"])
         out["speculative"] = {"plain_tok_s": round(statistics.median(plain_tps), 2),

@@ -24,16 +24,14 @@ parameters after any emitted token (the server switches to greedy inside tool-ca
 t itself crosses such a boundary its drafts are dropped; when an accepted draft does, the block is
 cut back to it (commit of the tokens up to the boundary) and the next token is evaluated under the
 new mode from the verifier row after the boundary token. The drafter owns its policy (DSpark's
-back-off, MTP's margin skip) and its statistics line; at temperature 0 a cost gate (`CostGate`)
-may also leave it out of cycles where speculating has been slower than plain steps here.
+back-off, MTP's margin skip) and its statistics line; a cost model (runtime/costs.py) says how
+many tokens each cycle may propose, and leaves the drafter out where speculating does not pay.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -134,66 +132,6 @@ class SpecStats:
         return self.drafter.stats_line(self.tok_s) + (f" cost_skips={skipped}" if skipped else "")
 
 
-@dataclass
-class CostGate:
-    """Speculation only while it pays here: over every `window` cycles that proposed, the seconds
-    per committed token (the drafter's calls, the verify or the decode after a wrong guess, the
-    drafter's state writes) against a running mean of plain steps; when proposing was slower the
-    drafter is not asked for `min_pause` plain steps, doubling while it stays slower (at most
-    `max_pause`), and an unmeasured plain side is probed with `min_pause` plain steps. One gate
-    serves every generation of an engine (`for_engine`): what it measured carries over. It acts at
-    temperature 0 only, where the output is target-only's whatever it decides (wall-clock times
-    would make seeded sampling differ from run to run); the counters vary. DS4_SPEC_COST_GATE=0
-    turns it off (the drafter's own back-off alone)."""
-
-    enabled: bool = True
-    window: int = 2
-    min_pause: int = 4
-    max_pause: int = 256
-    pause: int = 0            # plain steps still to take
-    last_pause: int = 0
-    plain_s: float | None = None     # running mean: seconds per plain step
-    spent: float = 0.0               # this window's proposing cycles: seconds and tokens
-    tokens: int = 0
-    cycles: int = 0
-
-    @classmethod
-    def from_env(cls) -> "CostGate":
-        return cls(enabled=os.environ.get("DS4_SPEC_COST_GATE", "1") not in ("0", "off", "false"))
-
-    @classmethod
-    def for_engine(cls, engine) -> "CostGate":
-        gate = _GATES.get(engine)
-        if gate is None:
-            gate = _GATES[engine] = cls.from_env()
-        return gate
-
-    def open(self) -> bool:
-        if not self.enabled or self.pause <= 0:
-            return True
-        self.pause -= 1
-        return False
-
-    def record(self, proposed: bool, seconds: float, tokens: int) -> None:
-        if not proposed:
-            self.plain_s = seconds / tokens if self.plain_s is None else 0.8 * self.plain_s + 0.2 * seconds / tokens
-            return
-        self.spent, self.tokens, self.cycles = self.spent + seconds, self.tokens + tokens, self.cycles + 1
-        if self.cycles < self.window:
-            return
-        if self.plain_s is None:
-            self.pause = self.min_pause   # measure the other side first
-        elif self.spent / self.tokens > self.plain_s:
-            self.last_pause = min(self.max_pause, max(self.min_pause, 2 * self.last_pause))
-            self.pause = self.last_pause
-        else:
-            self.last_pause = 0
-        self.spent, self.tokens, self.cycles = 0.0, 0, 0
-
-
-_GATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # engine -> its CostGate
-
-
 def _accept(draft: int, logits: np.ndarray, params: SamplingParams, exact: bool, rng) -> bool:
     if not exact:  # greedy and opportunistic: the draft must be the target's argmax
         return draft == argmax(logits)
@@ -247,16 +185,17 @@ def _masked(constraint, logits: np.ndarray) -> np.ndarray:
 
 def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, rng: np.random.Generator,
              drafter: Drafter | None = None, exact: bool = False, stop_ids=frozenset(), on_token=None, mode=None,
-             on_prefill=None, on_prompt=None, gate: CostGate | None = None,
+             on_prefill=None, on_prompt=None, model=None,
              constraint=None, on_choice=None) -> tuple[list[int], SpecStats]:
     """Generates up to n_tokens after `prompt`, of which the engine may hold a prefix already
     (runtime/prefix.py; the rest is prefilled); stops after a token in stop_ids, or when on_token(t)
     returns True. With a drafter, speculates as described above; without one, plain decoding.
     mode(out) -> SamplingParams, when given, is asked for the parameters after every emitted token;
     on_prefill(done, total) after every prefill chunk (True cancels); on_prompt() once the prompt is
-    in the state (and the drafter's), before the first token (the server checkpoints there); gate:
-    at temperature 0, the drafter is asked only while it pays (CostGate; `ds4 run`, `serve`, `bench`
-    and `demo` pass the engine's); given without a drafter, it measures the plain steps. constraint:
+    in the state (and the drafter's), before the first token (the server checkpoints there); model:
+    how many tokens to ask the drafter for each cycle, none where speculating does not pay
+    (runtime/costs.CostModel; `ds4 run`, `serve`, `bench` and `demo` pass the engine's; without one
+    the drafter is asked every cycle). constraint:
     a grammar (runtime/grammar.Constraint) that masks every distribution the loop samples from or
     checks a draft against, and follows the emitted tokens. on_choice(t, row): before on_token, with
     the target's logits row t was chosen or accepted from (the server's logprobs)."""
@@ -283,21 +222,20 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
     done, skipped = budget <= 0, 0
     while not done:
         exact_now, chosen_under = exact and current.temperature > 0, current
-        started, emitted = time.perf_counter(), len(out)
-        gated = gate is not None and current.temperature == 0   # without a drafter: plain steps measured
-        ask = drafter is not None and (not gated or gate.open())
-        skipped += drafter is not None and not ask
+        planned = 0 if drafter is None else engine.max_verify if model is None else model.plan()
+        skipped += drafter is not None and planned == 0
         # 1. choose t
-        guess = drafter.guess(engine, budget - len(out)) if ask and rejected is None else None
+        guess = drafter.guess(engine, budget - len(out)) if planned and rejected is None else None
         t, rejected = _choose(_masked(constraint, logits), guess, rejected, current, exact_now, rng), None
         if guess is not None and t != guess:
             drafter.result(0)
         if emit(t, logits):
             break
         # 2. drafts after t, unless a guess was wrong or t crossed a mode boundary
-        drafts, kept = [], 0
-        if ask and guess in (None, t) and current == chosen_under:
-            room = min(budget - len(out), engine.max_context - engine.pos - 1, engine.max_verify - 1)
+        drafts, kept, k = [], 0, 0
+        if planned and guess in (None, t) and current == chosen_under:
+            room = min(budget - len(out), engine.max_context - engine.pos - 1, engine.max_verify - 1,
+                       planned - (guess is not None))
             drafts = _until_stop(drafter.draft(engine, t, room), stop_ids) if room > 0 else []
         if not drafts and guess != t:
             step = engine.decode(t)
@@ -316,9 +254,9 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
                 rejected = drafts[k]
         if drafter is not None:
             drafter.observe(engine, step, [t, *drafts[:kept]])
+            if model is not None:
+                model.record(guess is not None, planned, (guess is not None) + len(drafts), (guess == t) + k)
         logits = step.logits[kept] if step.logits.ndim == 2 else step.logits
-        if gated:
-            gate.record(guess is not None or bool(drafts), time.perf_counter() - started, len(out) - emitted)
     stats = SpecStats(len(out), time.perf_counter() - t0)
     if drafter is not None:
         drafter.finish(engine)

@@ -27,7 +27,7 @@ from ..runtime.drafters import drafter_tag
 from ..runtime.grammar import Grammars
 from ..runtime.prefix import resume, reusable
 from ..runtime.sampler import SamplingParams
-from ..runtime.speculative import CostGate, generate
+from ..runtime.speculative import generate
 from ..runtime.textstream import TextStream
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -84,11 +84,11 @@ def token_logprobs(t: int, row: np.ndarray, top: int) -> tuple:
 
 class Service:
     def __init__(self, engine, tokenizer, drafter=None, exact: bool = False, ctx: int | None = None,
-                 tool_syntax=None, slots: int = 2, store: CheckpointStore | None = None):
-        """tool_syntax: the class of the model family's tool-call syntax (families.Family.tool_syntax);
+                 tool_syntax=None, slots: int = 2, store: CheckpointStore | None = None, model=None):
+        """model: the drafter's cost model (runtime/costs.py; None: asked every cycle). tool_syntax: the class of the model family's tool-call syntax (families.Family.tool_syntax);
         None: tool definitions are rendered into the prompt, replies are not parsed for calls.
         slots: sequences kept in memory; store: where checkpoints go (default: in memory)."""
-        self.engine, self.tok, self.drafter, self.exact = engine, tokenizer, drafter, exact
+        self.engine, self.tok, self.drafter, self.exact, self.model = engine, tokenizer, drafter, exact, model
         self.grammars = Grammars(tokenizer)
         self.tool_syntax = tool_syntax
         self.slots = [Slot(engine.seq)] + [Slot(engine.new_sequence()) for _ in range(slots - 1)]
@@ -152,7 +152,7 @@ class Service:
                                   stop_ids=self.tok.stop_ids, on_token=on_token,
                                   mode=mode if tools is not None else None,
                                   on_prefill=lambda done, total: job.cancelled.is_set(),
-                                  gate=CostGate.for_engine(self.engine),
+                                  model=self.model,
                                   on_prompt=lambda: after_prompt.append(self.engine.snapshot()),
                                   constraint=job.constraint, on_choice=None if chosen is None else on_choice)
         finally:  # stored after the answer: writing a file must not delay its first token
@@ -182,10 +182,11 @@ class Service:
 
 
 
-def build_service(engine, drafter, source: str, exact: bool, ctx: int | None, slots: int, cache_bytes: int,
+def build_service(engine, drafter, model, source: str, exact: bool, ctx: int | None, slots: int, cache_bytes: int,
                   cache_dir=None) -> Service:
-    """The service over an opened engine: its tokenizer and chat template, its family's tool-call
-    syntax, and a checkpoint store of cache_bytes (on disk in cache_dir, given one)."""
+    """The service over an opened engine and its drafter (with the cost model that says when to ask
+    it): its tokenizer and chat template, its family's tool-call syntax, and a checkpoint store of
+    cache_bytes (on disk in cache_dir, given one)."""
     from ..families import family_named, load_attr
     from ..runtime.tokenizer import Tokenizer
 
@@ -195,5 +196,5 @@ def build_service(engine, drafter, source: str, exact: bool, ctx: int | None, sl
         store = CheckpointStore(engine, drafter_tag(drafter), cache_bytes, cache_dir)
     except OSError as e:
         raise Ds4Error(f"--kv-cache-dir {cache_dir}: cannot use it ({e.strerror or e})") from None
-    return Service(engine, tok, drafter, exact=exact, ctx=ctx, tool_syntax=load_attr(syntax) if syntax else None,
+    return Service(engine, tok, drafter, model=model, exact=exact, ctx=ctx, tool_syntax=load_attr(syntax) if syntax else None,
                    slots=slots, store=store)

@@ -159,76 +159,107 @@ def test_scheduler_backoff_rules():
     assert off.should_propose(100)
 
 
-def test_cost_gate_pauses_proposals_while_they_are_slower_than_plain_steps():
-    from ds4tvm.runtime.speculative import CostGate
+def _costs(propose: float, per_row: float, rows: int = 8):
+    from ds4tvm.runtime.costs import SpecCosts
 
-    def closed_for(g):
-        n = 0
-        while not g.open():
-            n += 1
-        return n
-
-    g = CostGate(window=4)
-    for _ in range(4):                      # 4 cycles of 3 tokens in 9 ms; no plain step measured yet
-        assert g.open()
-        g.record(True, 0.009, 3)
-    assert closed_for(g) == 4               # a probe of plain steps first
-    for _ in range(4):
-        g.record(False, 0.002, 1)           # plain: 2 ms per token, faster than 3 ms
-    for pause in (4, 8, 16):                # slower every window: the pause doubles
-        for _ in range(4):
-            g.record(True, 0.009, 3)
-        assert closed_for(g) == pause
-    for _ in range(4):                      # 1.5 ms per token: faster than plain, no pause
-        g.record(True, 0.0045, 3)
-    assert closed_for(g) == 0 and g.last_pause == 0
-    for _ in range(4):
-        g.record(True, 0.009, 3)
-    assert closed_for(g) == 4
-    off = CostGate(enabled=False, plain_s=0.001)
-    for _ in range(8):
-        off.record(True, 1.0, 1)
-    assert closed_for(off) == 0
+    return SpecCosts(decode_s=0.001, verify={w: 1 + per_row * (w - 1) for w in range(1, rows + 1)}, propose=propose)
 
 
-def test_loop_leaves_a_slow_drafter_out_at_temperature_zero_only(monkeypatch):
-    """A drafter that agrees but takes 20 ms per proposal is slower per token than this table
-    engine's plain steps: at T=0 the gate stops asking it (output unchanged); at T=1 it never acts,
-    so seeded sampling does not depend on the machine's timing. The loop's clock is a fake one
-    (each reading 1 ms later, each proposal 20 ms more), so the costs the gate learns are the same on
-    any machine, however busy."""
-    from ds4tvm.runtime import speculative
-    from ds4tvm.runtime.speculative import CostGate
+def test_cost_model_rates_each_length_from_costs_and_per_position_acceptance():
+    """Tokens per unit of cost, written out for one case: p_i = (accepted_i + 1) / (offered_i + 1)
+    (optimistic by one); without a guess, L drafts give 1 + p0 + p0 p1 + ... tokens for propose +
+    verify(L + 1); with a guess (position 0), a right one costs the verify of the guess and the
+    rest, a wrong one a decode."""
+    from ds4tvm.runtime.costs import CostModel
 
-    class Clock:
-        now = 0.0
+    m = CostModel(_costs(0.5, 0.2, 4), max_tokens=4, offered=[10, 6, 0, 0], accepted=[6, 3, 0, 0])
+    p0, p1, p2 = 7 / 11, 4 / 7, 1.0
+    assert m.tokens_per_cost(0) == 1.0
+    assert m.tokens_per_cost(1) == pytest.approx((1 + p0) / (0.5 + 1.2))
+    assert m.tokens_per_cost(2) == pytest.approx((1 + p0 + p0 * p1) / (0.5 + 1.4))
+    assert m.tokens_per_cost(3) == pytest.approx((1 + p0 + p0 * p1 + p0 * p1 * p2) / (0.5 + 1.6))
+    assert m.tokens_per_cost(4) == 0.0   # t and four drafts do not fit a verify of 4 rows
+    m.guesses = True
+    assert m.tokens_per_cost(3) == pytest.approx((1 + p0 * p1 + p0 * p1 * p2) / (0.5 + p0 * 1.4 + (1 - p0)))
+    m.record(True, 3, 3, 2)    # the guess and the first draft accepted, the second not
+    assert (m.offered[:3], m.accepted[:3]) == ([11, 7, 1], [7, 4, 0])
+    m.record(True, 4, 2, 2)    # the drafter proposed 2 of 4: position 2 counts as not taken
+    assert (m.offered, m.accepted) == ([12, 8, 2, 0], [8, 5, 0, 0])
+    m.record(False, 2, 2, 2)   # all the plan allowed was accepted: nothing is known of position 2
+    assert (m.offered, m.accepted) == ([13, 9, 2, 0], [9, 6, 0, 0])
 
-        def __call__(self):
-            self.now += 0.001
-            return self.now
 
-    clock = Clock()
-    monkeypatch.setattr(speculative.time, "perf_counter", clock)
+def test_cost_model_stops_asking_where_proposals_do_not_pay_and_probes_at_a_bounded_cost():
+    from ds4tvm.runtime.costs import OVERHEAD, CostModel
 
-    class Slow(ScriptedDrafter):
-        def guess(self, engine, remaining):
-            clock.now += 0.02
-            return super().guess(engine, remaining)
+    cheap = CostModel(_costs(0.1, 0.05), max_tokens=8)
+    assert cheap.plan() > 0                          # a drafter not seen yet is tried
+    for _ in range(50):
+        cheap.record(False, 7, 7, 7)                 # every draft accepted: the longest proposal
+    assert cheap.plan() == 7
+    wrong = CostModel(_costs(0.1, 0.05), max_tokens=8)
+    for _ in range(200):
+        wrong.record(False, 1, 1, 0)                 # the first draft never accepted: no length pays
+    assert wrong.best_length() == 0
+    dear = CostModel(_costs(3.0, 0.3), max_tokens=8)
+    dear.record(False, 8, 8, 0)                      # one proposal, refused
+    assert dear.best_length() == 0                   # then an expensive drafter is not asked
+    probes = []
+    for step in range(20000):
+        n = dear.plan()
+        if n:
+            probes.append(step)
+            dear.record(False, n, n, 0)              # never accepted
+    first = probes[0]
+    assert first >= (3.0 + 0.3 - 1) / OVERHEAD      # the first probe waits as the later ones do
+    assert [b - a for a, b in zip(probes, probes[1:4])] == [2 * first + 1, 4 * first + 1, 8 * first + 1]
+    assert len(probes) < 10 and dear.skips == 20000 - len(probes)
+
+
+def test_loop_with_a_cost_model_keeps_target_only_output_and_seeded_sampling():
+    """An agreeing drafter with a cost table that says it pays is asked every cycle; with one that
+    says it does not, it is left out (the output unchanged at T=0); at T=1 two seeded runs give the
+    same tokens (the model decides from costs and counts, not the clock)."""
+    from ds4tvm.runtime.costs import CostModel
 
     eng = TableEngine(vocab=6, seed=3, max_context=128)
     eng.reset()
     want, _ = generate(eng, [1, 2], 80, GREEDY, np.random.default_rng(0))
-    eng.reset()
-    got, stats = generate(eng, [1, 2], 80, GREEDY, np.random.default_rng(0), drafter=Slow(want), gate=CostGate())
-    assert got == want and stats.counters["cost_skips"] > 20 and "cost_skips=" in stats.line()
+    for costs, asked in ((_costs(0.1, 0.05), True), (_costs(4.0, 0.5), False)):
+        eng.reset()
+        model = CostModel(costs, eng.max_verify)
+        got, stats = generate(eng, [1, 2], 80, GREEDY, np.random.default_rng(0), drafter=ScriptedDrafter(want),
+                              model=model)
+        assert got == want
+        assert (stats.counters["cost_skips"] == 0) if asked else (stats.counters["cost_skips"] > 70)
+        assert ("cost_skips=" in stats.line()) != asked
     hot = SamplingParams(temperature=1.0)
     runs = []
     for _ in range(2):
         eng.reset()
-        out, stats = generate(eng, [1, 2], 40, hot, np.random.default_rng(5), drafter=Slow(want), gate=CostGate())
+        out, _ = generate(eng, [1, 2], 40, hot, np.random.default_rng(5), drafter=ScriptedDrafter(want),
+                          model=CostModel(_costs(0.6, 0.2), eng.max_verify))
         runs.append(out)
-        assert stats.counters["cost_skips"] == 0
     assert runs[0] == runs[1]
+
+
+def test_costs_are_measured_once_and_kept(monkeypatch, tmp_path):
+    """measure() on the engine's sequence (reset after), then read back from the cache while the
+    artifact and the machine are the same."""
+    from ds4tvm.runtime import costs
+
+    monkeypatch.setenv("DS4TVM_CACHE", str(tmp_path))
+    eng = TableEngine(vocab=6, seed=3, max_context=128)
+    eng.identity = "ab" * 32
+    want = list(range(60))
+    measured = costs.measure(eng, ScriptedDrafter(want), 4)
+    assert eng.pos == 0 and measured.decode_s > 0 and set(measured.verify) == {1, 2, 3, 4, 5}
+    calls = []
+    real = costs.measure
+    monkeypatch.setattr(costs, "measure", lambda *a: calls.append(1) or real(*a))
+    first = costs.costs_for(eng, "Scripted", lambda: ScriptedDrafter(want), 4)
+    again = costs.costs_for(eng, "Scripted", lambda: ScriptedDrafter(want), 4)
+    assert calls == [1] and again == first
 
 
 def test_drafter_owns_its_stats():

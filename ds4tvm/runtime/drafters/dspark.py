@@ -7,7 +7,7 @@ one call (families/dspark/model.py); the cut is made here.
 In the loop's terms the block's first token is a guess for the token the target chooses next
 (checked for free against the target's logits); when it is right the rest of the block is the
 drafts after it. The count-based back-off of ds4 (`Scheduler`, DS4_DSPARK_*) decides when to
-propose at all (and at temperature 0 the loop's cost gate, runtime/speculative.py).
+propose at all (and the loop's cost model, runtime/costs.py).
 
 Plain decode steps feed the rings through ds4's direct path in batches: their rows are kept on the
 host and written in one call before the next proposal (or every FLUSH_ROWS rows, or when the

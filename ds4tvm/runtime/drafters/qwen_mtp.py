@@ -28,7 +28,7 @@ from ...errors import Ds4Error
 from ..speculative import DraftCounters, stats_line
 
 DEPTH_ENV = "DS4_QWEN4_MTP_DEPTH"
-FLUSH_ROWS = 32     # committed rows left unwritten (plain steps while the cost gate pauses) before a write
+FLUSH_ROWS = 32     # committed rows left unwritten (plain steps while the cost model leaves the drafter out) before a write
 
 
 def pinned_depth() -> int | None:
