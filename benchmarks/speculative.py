@@ -113,7 +113,8 @@ def heldout(a, engine):
                   f"{r['model'] / r['plain']:.2f} | {r['model'] / r['forced']:.2f} | {r['per_cycle']:.2f} | "
                   f"{100 * r['accept_rate']:.1f}% | {' '.join(f'{x:.2f}' for x in r['reached'])} | {r['cycles']} |",
                   flush=True)
-            print(f"  {r['explain']}", flush=True)
+            if params.temperature == 0:   # a sampled generation plans from its own tokens: the row's model is unused
+                print(f"  {r['explain']}", flush=True)
 
 
 def main():

@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / ".bench"
 GEN = 32
-PPL_CHUNK = 128
+PPL_CHUNK = 512   # ik_llama.cpp asserts in its DeepSeek-V4 flash attention with a context of 128
 
 
 def build_ik(src: Path) -> Path:
@@ -89,7 +89,7 @@ def perplexities(bins: Path, gguf: Path, art: Path, text: Path, threads: int) ->
     """Per-chunk perplexity from ik_llama.cpp's llama-perplexity (its [i]x.xx lines) and from ds4tvm's
     logits of the same tokens (llama.cpp scores the second half of each chunk)."""
     out = subprocess.run([str(bins / "llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", str(PPL_CHUNK),
-                          "-t", str(threads), "--chunks", "4"], capture_output=True, text=True)
+                          "-t", str(threads), "--chunks", "2"], capture_output=True, text=True, errors="replace")
     import re
 
     theirs = [float(x) for x in re.findall(r"\[\d+\]([0-9.]+)", out.stdout + out.stderr)]
@@ -100,7 +100,7 @@ def perplexities(bins: Path, gguf: Path, art: Path, text: Path, threads: int) ->
     tok = Tokenizer.from_metadata(e.tokenizer_data)
     ids = tok.encode(text.read_text(), add_bos=False)
     ours, running = [], []
-    for c in range(min(4, len(ids) // PPL_CHUNK)):
+    for c in range(min(2, len(ids) // PPL_CHUNK)):
         chunk = ([tok.bos_id] if tok.bos_id is not None else []) + ids[c * PPL_CHUNK:(c + 1) * PPL_CHUNK - 1]
         e.reset()
         logits = e.prefill(chunk, all_logits=True).logits.astype(np.float64)
@@ -122,39 +122,42 @@ def main():
     ap.add_argument("--skip-ppl", action="store_true")
     a = ap.parse_args()
     bins = build_ik(a.ik_src)
-    rows = []
+    print("| type | mode | prefill 64 ours / ik | ratio | prefill 512 ours / ik | ratio | decode ours / ik | ratio "
+          "| decode ratio over runs |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for kind in a.types.split(","):
         gguf = BENCH / f"model50m-{kind}.gguf"
         if not gguf.exists():
-            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model50m.py"), str(gguf), kind], check=True)
+            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model50m.py"), str(gguf), kind], check=True,
+                           stdout=subprocess.DEVNULL)
         arts = {m: BENCH / f"model50m-{kind}-{m}.ds4tvm" for m in a.modes.split(",")}
         for m, art in arts.items():
             if not (art / "manifest.json").exists():
                 subprocess.run([sys.executable, "-c", "from ds4tvm.cli import compile_main; compile_main()",
                                 str(gguf), "--target", "cpu", "-o", str(art), "--quiet", "--max-context", "1024",
-                                *(["--int8-activations"] if m == "int8" else [])], check=True)
+                                *(["--int8-activations"] if m == "int8" else [])], check=True,
+                               stdout=subprocess.DEVNULL)
         mine, theirs = {m: [] for m in arts}, []
         for _ in range(a.repeats):   # alternated, each in a fresh process
             theirs.append(ik_bench(bins, gguf, a.threads))
             for m, art in arts.items():
                 mine[m].append(our_bench(art, a.threads))
         for m in arts:
-            rows.append((kind, m, {k: [r[k] for r in mine[m]] for k in mine[m][0]},
-                         {k: [r[k] for r in theirs] for k in theirs[0]}))
+            print_row(kind, m, mine[m], theirs)
         if not a.skip_ppl:
             text = BENCH / "ppl.txt"
             text.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ds4tvm" / "runtime").glob("*.py"))[:4]))
             ours, ik = perplexities(bins, gguf, next(iter(arts.values())), text, a.threads)
-            print(f"{kind}: perplexity per chunk of {PPL_CHUNK}, ds4tvm {['%.2f' % x for x in ours]} vs "
+            print(f"  {kind}: perplexity per chunk of {PPL_CHUNK}, ds4tvm {['%.2f' % x for x in ours]} vs "
                   f"ik_llama.cpp {['%.2f' % x for x in ik]}", flush=True)
-    print("| type | mode | prefill 64 ours / ik | ratio | prefill 512 ours / ik | ratio | decode ours / ik | ratio "
-          "| decode ratio over runs |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for kind, m, ours, ik in rows:
-        med = {k: (statistics.median(ours[k]), statistics.median(ik[k])) for k in ("prefill64", "prefill512", "decode")}
-        spread = [o / i for o, i in zip(ours["decode"], ik["decode"])]
-        print(f"| {kind} | {m} | " + " | ".join(f"{o:.0f} / {i:.0f} | {o / i:.2f}" for o, i in med.values())
-              + f" | {min(spread):.2f}-{max(spread):.2f} |")
+
+
+def print_row(kind: str, mode: str, ours: list[dict], ik: list[dict]) -> None:
+    med = {k: (statistics.median(r[k] for r in ours), statistics.median(r[k] for r in ik))
+           for k in ("prefill64", "prefill512", "decode")}
+    spread = [o["decode"] / i["decode"] for o, i in zip(ours, ik)]
+    print(f"| {kind} | {mode} | " + " | ".join(f"{o:.0f} / {i:.0f} | {o / i:.2f}" for o, i in med.values())
+          + f" | {min(spread):.2f}-{max(spread):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ the observation of the rows it verified), in units of a plain decode step; and w
 costs in a plain step (it still observes the committed row). The loop then asks, every cycle, how
 many tokens to propose (`CostModel.plan`): the length whose expected tokens per unit of cost is
 highest, from the acceptance seen so far at each position of a proposal, or none when no length
-beats a plain step. The decision follows from the cost table and the tokens alone, so it is the
-same at every temperature and a seeded run gives the same text every time. A drafter the model
+beats a plain step. The decision follows from the cost table and the tokens alone (a sampled
+generation's from its own tokens: `fresh`), so it acts at every temperature and a seeded run gives
+the same text every time, whatever ran before it. A drafter the model
 turned off is asked again after a number of plain steps that doubles while asking keeps not
 paying, so a drafter that starts agreeing is found again, at a cost that fades.
 """
@@ -65,6 +66,11 @@ class CostModel:
     def __post_init__(self):
         self.offered = self.offered or [0] * self.max_tokens
         self.accepted = self.accepted or [0] * self.max_tokens
+
+    def fresh(self) -> "CostModel":
+        """The same costs with nothing seen yet: a sampled generation plans from its own tokens only,
+        so that a seeded one gives the same text whatever came before it (a server's other requests)."""
+        return CostModel(self.costs, self.max_tokens)
 
     def p(self, i: int) -> float:
         """Position i's acceptance, optimistic by one: as if the next proposal reaching it were

@@ -201,6 +201,8 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
     the target's logits row t was chosen or accepted from (the server's logprobs)."""
     out: list[int] = []
     budget = min(n_tokens, engine.max_context - len(prompt))
+    if model is not None and params.temperature > 0:
+        model = model.fresh()   # its decisions then follow from this generation alone: seeds repeat
     step = _prefill(engine, prompt, drafter, stop_ids, on_prefill, on_prompt)
     t0 = time.perf_counter()
     logits, current, rejected = step.logits, params, None

@@ -234,13 +234,16 @@ def test_loop_with_a_cost_model_keeps_target_only_output_and_seeded_sampling():
         assert (stats.counters["cost_skips"] == 0) if asked else (stats.counters["cost_skips"] > 70)
         assert ("cost_skips=" in stats.line()) != asked
     hot = SamplingParams(temperature=1.0)
+    shared = CostModel(_costs(0.6, 0.2), eng.max_verify)   # as a server keeps one over its requests
     runs = []
-    for _ in range(2):
+    for prompt in ([1, 2], [3, 4], [1, 2]):
         eng.reset()
-        out, _ = generate(eng, [1, 2], 40, hot, np.random.default_rng(5), drafter=ScriptedDrafter(want),
-                          model=CostModel(_costs(0.6, 0.2), eng.max_verify))
+        out, _ = generate(eng, prompt, 40, hot, np.random.default_rng(5), drafter=ScriptedDrafter(want),
+                          model=shared)
         runs.append(out)
-    assert runs[0] == runs[1]
+        for _ in range(30):                          # what the model saw before changes nothing at T=1
+            shared.record(False, 7, 7, 0)
+    assert runs[0] == runs[2] != runs[1]
 
 
 def test_costs_are_measured_once_and_kept(monkeypatch, tmp_path):
