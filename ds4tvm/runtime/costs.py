@@ -175,17 +175,6 @@ class _Calibration:
         self.asked: list[float] = []
         self.plain: list[float] = []
 
-    def explain(self, name: str) -> str:
-        """One line: whether speculating pays here, and why (the costs and the acceptance so far)."""
-        best = max(range(1, self.max_tokens + 1), key=self.tokens_per_cost)
-        gain = self.tokens_per_cost(best) / self.tokens_per_cost(0)
-        rows = best if self.guesses else best + 1
-        c = self.costs
-        return (f"speculation {'pays' if gain > 1 else 'does not pay'} here: {name}'s calls for a proposal cost "
-                f"{c.propose:.2f} decode steps and a verify of {rows} rows {c.verify_of(rows):.2f}; at the "
-                f"acceptance seen so far ({', '.join(f'{self.p(i):.2f}' for i in range(best))} by position) a "
-                f"proposal of {best} gives {gain:.2f}x the tokens per second of plain steps")
-
     def plan(self) -> int:
         self.timed.seconds = 0.0
         self.cycle += 1

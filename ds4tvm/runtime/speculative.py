@@ -185,20 +185,18 @@ def _masked(constraint, logits: np.ndarray) -> np.ndarray:
 
 def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, rng: np.random.Generator,
              drafter: Drafter | None = None, exact: bool = False, stop_ids=frozenset(), on_token=None, mode=None,
-             on_prefill=None, on_prompt=None, model=None,
-             constraint=None, on_choice=None) -> tuple[list[int], SpecStats]:
-    """Generates up to n_tokens after `prompt`, of which the engine may hold a prefix already
-    (runtime/prefix.py; the rest is prefilled); stops after a token in stop_ids, or when on_token(t)
-    returns True. With a drafter, speculates as described above; without one, plain decoding.
-    mode(out) -> SamplingParams, when given, is asked for the parameters after every emitted token;
-    on_prefill(done, total) after every prefill chunk (True cancels); on_prompt() once the prompt is
-    in the state (and the drafter's), before the first token (the server checkpoints there); model:
-    how many tokens to ask the drafter for each cycle, none where speculating does not pay
-    (runtime/costs.CostModel; `ds4 run`, `serve`, `bench` and `demo` pass the engine's; without one
-    the drafter is asked every cycle). constraint:
-    a grammar (runtime/grammar.Constraint) that masks every distribution the loop samples from or
-    checks a draft against, and follows the emitted tokens. on_choice(t, row): before on_token, with
-    the target's logits row t was chosen or accepted from (the server's logprobs)."""
+             on_prefill=None, on_prompt=None, model=None, constraint=None,
+             on_choice=None) -> tuple[list[int], SpecStats]:
+    """Generates up to n_tokens after `prompt`, of which the engine may hold a prefix already (runtime/prefix.py;
+    the rest is prefilled); stops after a token in stop_ids, or when on_token(t) returns True. With a drafter,
+    speculates as described above; without one, plain decoding. mode(out) -> SamplingParams, when given, is asked
+    for the parameters after every emitted token; on_prefill(done, total) after every prefill chunk (True
+    cancels); on_prompt() once the prompt is in the state (and the drafter's), before the first token (the server
+    checkpoints there); model: how many tokens to ask the drafter for each cycle, none where speculating does not
+    pay (runtime/costs.CostModel; `ds4 run`, `serve`, `bench` and `demo` pass the engine's; without one the
+    drafter is asked every cycle). constraint: a grammar (runtime/grammar.Constraint) that masks every
+    distribution the loop samples from or checks a draft against, and follows the emitted tokens.
+    on_choice(t, row): before on_token, with the target's logits row t was chosen or accepted from (logprobs)."""
     out: list[int] = []
     budget = min(n_tokens, engine.max_context - len(prompt))
     if model is not None and params.temperature > 0:
