@@ -187,46 +187,21 @@ class _Calibration:
             self.asked.append(self.timed.seconds)
 
 
-def _median_seconds(fn, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def measure(engine, drafter, max_tokens: int) -> SpecCosts:
     """The cost table, from calls on a short prompt of the engine's current sequence (reset
     before and after): decodes and verifies timed directly, then a generation in which every
     other cycle proposes, the drafter's calls timed. `drafter` must be one made for this (its
     counters change)."""
-    from .sampler import SamplingParams
-    from .speculative import generate
-
     import numpy as np
 
-    prompt = [i % engine.n_vocab for i in range(1, 9)]
-    engine.reset()
-    engine.prefill(prompt)
+    from .sampler import SamplingParams
+    from .speculative import generate, step_seconds
 
-    def decode():
-        engine.decode(prompt[0])
-        engine.rewind(1)
-
-    def verify(w):
-        engine.verify(prompt[:1] * w)
-        engine.rollback()
-
-    decode()   # the first call of each function pays for its setup
-    decode_s = _median_seconds(decode)
-    rows = range(1, min(engine.max_verify, max_tokens + 1) + 1)
-    for w in rows:
-        verify(w)
-    ratios = {w: _median_seconds(lambda w=w: verify(w)) / decode_s for w in rows}
+    decode_s, ratios = step_seconds(engine, min(engine.max_verify, max_tokens + 1))
     engine.reset()
     timed = _Timed(drafter)
     cal = _Calibration(timed, max_tokens)
+    prompt = [i % engine.n_vocab for i in range(1, 9)]
     generate(engine, prompt, CALIBRATION_TOKENS, SamplingParams(temperature=0.0), np.random.default_rng(0),
              drafter=timed, model=cal)
     engine.reset()

@@ -286,23 +286,31 @@ def median_seconds(fn, repeats: int) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
-def verify_cost(engine, max_k: int = 6, repeats: int = 5) -> dict[int, float]:
-    """Median time of verify(k) relative to one decode step, for k = 1..max_k."""
-    def timed(fn):
-        return median_seconds(fn, repeats)
-
+def step_seconds(engine, max_k: int, repeats: int = 5) -> tuple[float, dict[int, float]]:
+    """Median seconds of one decode step, and the median time of verify(k) relative to it for
+    k = 1..max_k, on a short prompt in the engine's sequence (reset first; it holds the prompt
+    after). Each call runs once untimed first: the first call of a function pays for its setup."""
+    prompt = [i % engine.n_vocab for i in range(1, 9)]
     engine.reset()
-    engine.prefill([1, 2, 3, 4])
+    engine.prefill(prompt)
 
     def one_decode():
-        engine.decode(5)
+        engine.decode(prompt[0])
         engine.rewind(1)  # keep the position: the same row is rewritten each time
 
-    base = timed(one_decode)
+    def one_verify(k):
+        engine.verify(prompt[:1] * k)
+        engine.rollback()
+
+    one_decode()
+    base = median_seconds(one_decode, repeats)
     out = {}
     for k in range(1, max_k + 1):
-        def one_verify(k=k):
-            engine.verify([5] * k)
-            engine.rollback()
-        out[k] = timed(one_verify) / base if base > 0 else math.nan
-    return out
+        one_verify(k)
+        out[k] = median_seconds(lambda k=k: one_verify(k), repeats) / base if base > 0 else math.nan
+    return base, out
+
+
+def verify_cost(engine, max_k: int = 6, repeats: int = 5) -> dict[int, float]:
+    """Median time of verify(k) relative to one decode step, for k = 1..max_k."""
+    return step_seconds(engine, max_k, repeats)[1]
