@@ -62,8 +62,8 @@ def ik_bench(bins: Path, gguf: Path, threads: int) -> dict:
 OURS = r"""
 import json, sys, time
 import numpy as np
-from ds4tvm.runtime.engine import Engine
-e = Engine(sys.argv[1])
+from ds4tvm.runtime.loader import open_engine
+e = open_engine(sys.argv[1], progress=False, lean=True)   # as ds4 run and ds4 bench load it
 prompt = [i * 7 % 30000 + 5 for i in range(512)]
 out = {}
 for n in (64, 512):

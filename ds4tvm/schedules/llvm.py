@@ -10,7 +10,9 @@ strided lanes) and sum them at the end. On a Q8_0 4096x4096 GEMV this took one c
 9.4 GB/s. Linears reading at least PARALLEL_MIN_WEIGHTS split their rows over the cores;
 parallelising every kernel's outer loops made decode slower (hundreds of tiny kernels per token pay
 the thread-pool launch). Attention (softmax with sinks) computes q.k as 16-lane partial sums and
-p.v with the key slot outside the channel loop. Norms and elementwise kernels run as written.
+p.v with the key slot outside the channel loop. The kernels' loops over a run-time number of rows
+(prefill chunks, verify) run on the cores when their iterations touch only their own rows (norms,
+elementwise, attention: _rows_on_cores); decode's one-row kernels run as written.
 Tuning records (schedules/tuning.py) are applied first; the hand schedules skip what they schedule.
 Operator fusion is left out on purpose: TVM's own CPU default omits it because it may drop
 side-effecting calls (the in-place state writes here), and the schedules below match unfused kernels."""
@@ -144,6 +146,79 @@ def _schedule_hadamard(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     return sch
 
 
+def _realizes(stmt):
+    """The SBlockRealize nodes in a loop nest, outer first."""
+    if isinstance(stmt, s_tir.stmt.SBlockRealize):
+        yield stmt
+        stmt = stmt.block.body
+    if isinstance(stmt, tirx.For):
+        yield from _realizes(stmt.body)
+    elif isinstance(stmt, tirx.SeqStmt):
+        for s in stmt.seq:
+            yield from _realizes(s)
+    elif isinstance(stmt, tirx.IfThenElse):
+        yield from _realizes(stmt.then_case)
+        if stmt.else_case is not None:
+            yield from _realizes(stmt.else_case)
+
+
+def _rows_apart(loop: tirx.For) -> bool:
+    """Whether every iteration of `loop` touches its own rows only: each block under it binds the
+    loop as one of its spatial variables and writes, and reads what any of them writes, at [that
+    variable, ...] (so the iterations can run on different cores in any order, bit for bit as in
+    one)."""
+    realizes = list(_realizes(loop.body))
+    rows, written = [], []
+    for r in realizes:
+        row = next((iv.var for iv, value in zip(r.block.iter_vars, r.iter_values)
+                    if value.same_as(loop.loop_var) and iv.iter_type == tirx.IterVar.DataPar), None)
+        if row is None:
+            return False
+        rows.append(row)
+        written += [w.source for w in r.block.writes]
+    for r, row in zip(realizes, rows):
+        for region in [*r.block.writes, *(x for x in r.block.reads if any(x.source.same_as(w) for w in written))]:
+            first = region.region[0]
+            if not (first.min.same_as(row) and isinstance(first.extent, tirx.IntImm) and first.extent.value == 1):
+                return False
+    return bool(realizes)
+
+
+def _top_loops(func: tirx.PrimFunc) -> list:
+    body = func.body.block.body
+    return list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+
+
+def _rows_on_cores(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc | None:
+    """The kernel with each top-level loop over a number of rows known only at run time (the
+    tokens of a prefill chunk or of verify), whose iterations are apart, put on the cores; None
+    where it has no such loop or is written by hand. Decode's kernels have one row, a constant,
+    and stay on one core, where the pool's launch would cost more than the second core saves; a
+    verify of 6 rows gained a little (23.4 -> 21.8 ms on the benchmark model, BENCHMARKS.md). The
+    loop's kind is set here rather than by the schedule's `parallel`, which refuses a reduction
+    split into init and update blocks (attention's p.v); a condition on the row count would need
+    the loop nest twice, which TVM's analysis refuses (one variable bound to two ranges)."""
+    if threads < 2 or (func.attrs is not None and func.attrs.get("ds4.schedule") == "hand"):
+        return None
+
+    def on_cores(stmt):
+        if not isinstance(stmt, tirx.For) or stmt.kind != tirx.ForKind.SERIAL or \
+                isinstance(stmt.extent, tirx.IntImm) or not _rows_apart(stmt):
+            return stmt
+        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, tirx.ForKind.PARALLEL, stmt.body,
+                        stmt.thread_binding, stmt.annotations)
+
+    top = _top_loops(func)
+    body = [on_cores(st) for st in top]
+    if all(a.same_as(b) for a, b in zip(body, top)):
+        return None
+    root, block = func.body, func.body.block
+    block = s_tir.stmt.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint,
+                              tirx.SeqStmt(body) if len(body) > 1 else body[0], block.init, block.alloc_buffers,
+                              block.match_buffers, block.annotations)
+    return func.with_body(s_tir.stmt.SBlockRealize(root.iter_values, root.predicate, block))
+
+
 def _hand_schedules(threads: int):
     return (("llvm:row_matmul", lambda f: _schedule_row_matmul(f, threads)),
             ("llvm:expert_matmul", lambda f: _schedule_expert_matmul(f, threads)),
@@ -177,12 +252,16 @@ def schedule_kernels(threads: int, log: dict | None = None):
             kind = []
             try:
                 sch = hand_schedule(func, threads, kind)
+                rows = _rows_on_cores(sch.mod["main"] if sch is not None else func, threads)
             except Exception as e:  # noqa: BLE001 - unscheduled, this kernel would write a whole fp32 weight
                 raise Ds4Error(f"could not schedule {gv.name_hint}: {e}") from None
-            if sch is not None:
+            if rows is not None:
+                mod[gv] = rows
+                kind.append("llvm:rows")
+            elif sch is not None:
                 mod[gv] = sch.mod["main"]
-                if log is not None:
-                    log[gv.name_hint] = kind[0]
+            if log is not None and kind:
+                log[gv.name_hint] = "+".join(kind)
         return mod
 
     return _pass
