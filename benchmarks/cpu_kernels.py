@@ -9,7 +9,10 @@ the experts a call uses, or of the whole matrix) at one token (decode) and at --
 --shape is E,N,K,J: E experts of N x K weights, J chosen per token (the benchmark model's routed
 gate/up by default); the dense linear is one N*E/4 x K matrix. --blockings times the hand kernels in each register
 blocking given (ROWSxTOKENS, kernels/cpu.Blocking) side by side; by default the one this CPU
-takes. The int8 kernels take the CPU's dot instruction (AVX-512 VNNI's or AVX2's)."""
+takes. The int8 kernels take the CPU's dot instruction (AVX-512 VNNI's or AVX2's). The one-token
+columns time the kernels decode exports (a static token count of 1: rows one at a time,
+kernels/forms.py), the others those of any token count. Weights are read from the cache here (one
+matrix, called again and again); decode reads them from memory."""
 
 from __future__ import annotations
 
@@ -42,9 +45,12 @@ def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, kernel: str, 
         def experts(self, x, sel):
             return self.we.expert_linear(x, sel)
 
+        dense1, experts1 = dense, experts   # one token, as decode exports them (kernels/forms.py: rows=1)
+
     mode = {"param_mode": "plain", "effect_mode": "none"}
-    spec = {"dense": {"x": nn.spec.Tensor(["t", K], "float32"), "$": mode},
-            "experts": {"x": nn.spec.Tensor(["t", K], "float32"), "sel": nn.spec.Tensor(["t", J], "int32"), "$": mode}}
+    spec = {f"dense{s}": {"x": nn.spec.Tensor([t, K], "float32"), "$": mode} for s, t in (("", "t"), ("1", 1))}
+    spec.update({f"experts{s}": {"x": nn.spec.Tensor([t, K], "float32"), "sel": nn.spec.Tensor([t, J], "int32"),
+                                 "$": mode} for s, t in (("", "t"), ("1", 1))})
     target = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": threads})
     forms = TE if kernel == "TE" else Forms(cpu_linears=CpuLinears(
         threads, blocking or cpu_kernels.blocking_for(target), cpu_kernels.int8_dot_for(target) if kernel == "int8" else None))
@@ -92,8 +98,9 @@ def main():
             x = tvm.runtime.tensor(rng.standard_normal((T, K)).astype(np.float32))
             sel_np = np.stack([rng.choice(E, J, replace=False) for _ in range(T)]).astype(np.int32)
             used = len(np.unique(sel_np))
-            cases += [("dense", [x], nbytes["w"]),
-                      ("experts", [x, tvm.runtime.tensor(sel_np)], nbytes["we"] * used / E)]
+            one = "1" if T == 1 else ""
+            cases += [(f"dense{one}", [x], nbytes["w"]),
+                      (f"experts{one}", [x, tvm.runtime.tensor(sel_np)], nbytes["we"] * used / E)]
         samples = {label: [[] for _ in cases] for label in built}
         for _ in range(a.repeat):   # the kernels alternate, so the machine's drift falls on all of them
             for label, (vm, args) in built.items():

@@ -467,6 +467,14 @@ def _prefetch_tile(qtype: QT, K: int):
     return prefetch
 
 
+def _one_stream(blocking: Blocking) -> bool:
+    """Whether a kernel reads its rows one after another (rows=1: one-token calls, kernels/forms.py),
+    a sequential stream per core that the hardware prefetcher follows alone: asking for the next
+    tile as well made such a call slower (a Q8_0 2048 x 512 int8 GEMV from memory: 34 us without,
+    49 us with; routed experts dealt round-robin 83 us, as contiguous runs 41 us; BENCHMARKS.md)."""
+    return blocking.rows == 1
+
+
 @_parsed_once
 def dense_linear(qtype: QT, N: int, K: int, threads: int, blocking: Blocking, groups: int = 1,
                  int8: str | None = None):
@@ -487,13 +495,14 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, blocking: Blocking, gr
         return [i, rt * RB + r]
 
     row_tile = _tiles(qtype, K, blocking, int8, x_at, x_loc, lambda rt, r: (rt * RB + r,), y_at)
-    prefetch = _prefetch_tile(qtype, K)
+    prefetch, one_stream = _prefetch_tile(qtype, K), _one_stream(blocking)
 
     @T.macro
     def tiles(n_tok, x, y, ws):
         if parallel:
             for rt in T.parallel(N // RB):   # each core takes a run of tiles: prefetch its next
-                prefetch(ws, lambda r, c: (T.min(rt + 1, N // RB - 1) * RB + r, c))
+                if not one_stream:
+                    prefetch(ws, lambda r, c: (T.min(rt + 1, N // RB - 1) * RB + r, c))
                 row_tile(0, n_tok, rt, x, y, None, ws)
         else:
             for rt in T.serial(N // RB):
@@ -572,7 +581,7 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
     def used_tile(ut, x, y, slots, cnt, off, used, ws):
         row_tile(off[used[ut // NT]], cnt[used[ut // NT]], used[ut // NT] * NT + ut % NT, x, y, slots, ws)
 
-    prefetch = _prefetch_tile(qtype, K)
+    prefetch, one_stream = _prefetch_tile(qtype, K), _one_stream(blocking)
 
     def next_row(used, ut, r):   # row r of the tile after used tile ut, as [expert, row]
         et = used[ut // NT] * NT + ut % NT
@@ -581,10 +590,16 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
     @T.macro
     def tiles(n_used, x, y, slots, cnt, off, used, ws):
         if parallel:
-            for p in T.parallel(threads):   # tiles dealt round-robin: balanced whatever the experts
-                for i in range((n_used * NT - p + threads - 1) // threads):
-                    prefetch(ws, lambda r, c: (*next_row(used, T.min(p + (i + 1) * threads, n_used * NT - 1), r), c))
-                    used_tile(p + i * threads, x, y, slots, cnt, off, used, ws)
+            if one_stream:   # one token: every tile costs the same, so a contiguous run each
+                for p in T.parallel(threads):
+                    for ut in range(p * n_used * NT // threads, (p + 1) * n_used * NT // threads):
+                        used_tile(ut, x, y, slots, cnt, off, used, ws)
+            else:
+                for p in T.parallel(threads):   # tiles dealt round-robin: balanced whatever the experts
+                    for i in range((n_used * NT - p + threads - 1) // threads):
+                        prefetch(ws, lambda r, c: (*next_row(used, T.min(p + (i + 1) * threads, n_used * NT - 1), r),
+                                                   c))
+                        used_tile(p + i * threads, x, y, slots, cnt, off, used, ws)
         else:
             for ut in T.serial(n_used * NT):
                 used_tile(ut, x, y, slots, cnt, off, used, ws)

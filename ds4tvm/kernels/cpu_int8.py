@@ -147,10 +147,10 @@ def _e8m0_half(e):
     return tirx.reinterpret(f"float32x{n}", tirx.Select(e < _bc(2, "uint32", n), small, big))
 
 
-def _mxfp4(P, r, s, _dot):
+def _mxfp4(P, r, s, dot):
     """MXFP4's 4-bit codes looked up in its doubled e2m1 values (-12 .. 12) with vpshufb, 32 at
     a time: a chunk's 64 codes are two 32-weight blocks, each 16 low nibbles then 16 high ones.
-    Signed codes (vpmaddubsw; AVX-512 VNNI's biased form is not built: not tested on such a CPU)."""
+    Signed codes for vpmaddubsw, biased by 128 for vpdpbusd (as Q8_0's)."""
     half = _e8m0_half(_vec(P["e"], r, s * 8, 8))
     values = _vec(P["mxfp4_values"], (), 0, 32)
     codes = []
@@ -159,14 +159,17 @@ def _mxfp4(P, r, s, _dot):
         lo, hi = (tirx.reinterpret("int8x32", n) for n in (v & _bc(15, "uint8", 32), v >> _bc(4, "uint8", 32)))
         L, H = (T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b", values, n) for n in (lo, hi))
         codes.append(tirx.Shuffle([L, H], [*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]))
-    return codes, [_spread(half, 2 * j, 8) for j in range(4)], None
+    scales = [_spread(half, 2 * j, 8) for j in range(4)]
+    if signed_codes(QT.MXFP4, dot):
+        return codes, scales, None
+    codes = [tirx.reinterpret("uint8x64", c) ^ _bc(128, "uint8", 64) for c in codes]
+    return codes, scales, _spread(half, 0, 2) * _bc(128.0, F32, 16)
 
 
 BLOCKS = {QT.Q4_K: _q4_k, QT.Q2_K: _q2_k, QT.Q8_0: _q8_0, QT.IQ2_XXS: _iq2_xxs, QT.MXFP4: _mxfp4}
 # IQ2_XXS on AVX2 reads its grid and sign rows with scalar indices: with its combined table
 # gathered (two 4-row gathers, or a vector of indices) it was no faster than the float kernel.
-# MXFP4 (a vpshufb lookup) is built for AVX2 only: its biased VNNI form has not run on such a CPU.
-FORMATS = {VPDPBUSD: (QT.Q4_K, QT.Q2_K, QT.Q8_0, QT.IQ2_XXS),
+FORMATS = {VPDPBUSD: (QT.Q4_K, QT.Q2_K, QT.Q8_0, QT.IQ2_XXS, QT.MXFP4),
            VPMADDUBSW: (QT.Q4_K, QT.Q2_K, QT.Q8_0, QT.MXFP4, QT.IQ2_XXS)}
 
 

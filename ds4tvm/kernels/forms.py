@@ -5,7 +5,7 @@ its one dispatch point, from the module (`self.forms`) or its `forms` argument."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # this module is read by the families' contract, which loads without TVM's compiler
@@ -49,16 +49,22 @@ class Forms:
         """Whether the module is exported for a CPU target with its hand-written linears."""
         return self.cpu_linears is not None
 
-    def cpu_linear(self, qtype: QT, K: int) -> tuple:
+    def cpu_linear(self, qtype: QT, K: int, tokens=None) -> tuple:
         """(threads, blocking, int8 dot) of a linear of this format and width on the CPU's
         hand-written kernels (int8 None where the int8 path does not take it); threads None when
-        the module is not exported for a CPU."""
+        the module is not exported for a CPU. A call of one token (tokens the int 1: decode) takes
+        its rows one after another (rows=1): a core then reads one sequential stream, which the
+        hardware prefetcher follows, where rows read side by side (512 bytes apart at K = 512)
+        left one-token calls at half the memory's speed (a Q8_0 linear read from memory: int8
+        13 -> 24 GB/s, experts 14 -> 27 GB/s; BENCHMARKS.md). A token's sums do not depend on the
+        blocking, so decode and verify still round alike."""
         c = self.cpu_linears
         if c is None:
             return None, None, None
         from .cpu import takes_int8
 
-        return c.threads, c.blocking, c.int8_dot if c.int8_dot and takes_int8(qtype, K, c.int8_dot) else None
+        blocking = replace(c.blocking, rows=1) if isinstance(tokens, int) and tokens == 1 else c.blocking
+        return c.threads, blocking, c.int8_dot if c.int8_dot and takes_int8(qtype, K, c.int8_dot) else None
 
 
 TE = Forms()

@@ -104,7 +104,7 @@ class QWeight(nn.Module):
     def linear(self, x: nn.Tensor, name: str = "qlinear") -> nn.Tensor:
         """y[t, n] = sum_k x[t, k] * W[n, k] for x of shape [T, K]."""
         N, K = self.shape
-        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K)
+        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, x.shape[0])
         if threads is not None and cpu_kernels.supports(self.qtype, N, K):
             func = cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, 1, int8)
             return op.tensor_ir_op(func, name, [x, *self._cpu_args(int8)],
@@ -141,7 +141,7 @@ class QWeight(nn.Module):
         """x [T, G, Kg] -> y [T, G, N/G]: group g uses rows g*N/G.. of W (columns are Kg wide)."""
         N, K = self.shape
         No = N // groups
-        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K)
+        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, x.shape[0])
         if threads is not None and cpu_kernels.supports(self.qtype, N, K, groups):
             func = cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, groups, int8)
             T = x.shape[0]
@@ -162,7 +162,8 @@ class QWeight(nn.Module):
         are read. x is [T, K] (shared by the chosen experts) or [T, J, K]."""
         E, N, K = self.shape
         per_expert_input = len(x.shape) == 3
-        (threads, blocking, int8), T, J = self.forms.cpu_linear(self.qtype, K), x.shape[0], experts.shape[1]
+        T, J = x.shape[0], experts.shape[1]
+        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, T)
         blockized = self.forms.gpu and gpu_kernels.takes_blockized(self.qtype, K)
         if blockized or (threads is not None and cpu_kernels.takes_experts(self.qtype, N, K, T, int8)):
             func = (gpu_kernels.expert_gemv(self.qtype, E, N, K, J, per_expert_input, self.forms.on_gpu) if blockized
