@@ -46,11 +46,12 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                   records: Optional[Path] = typer.Option(None, "--records",
                                                          help="tuning database directory to apply and tune into "
                                                               "(default: ds4tvm/schedules/tuned/<target>)"),
-                  int8_activations: bool = typer.Option(False, "--int8-activations",
-                                                        help="CPU: quantize the inputs of the Q8_0/Q4_K/Q2_K/IQ2_XXS "
-                                                             "(and on AVX2 MXFP4) linears to int8 and use "
-                                                             "integer dot products (AVX-512 VNNI or AVX2; faster "
-                                                             "decode; logits change by the 8-bit rounding)"),
+                  int8_activations: Optional[bool] = typer.Option(
+                      None, "--int8-activations/--float-activations",
+                      help="CPU: quantize the inputs of the Q8_0/Q4_K/Q2_K/IQ2_XXS (and on AVX2 MXFP4) linears "
+                           "to int8 and use integer dot products (AVX-512 VNNI or AVX2; the default on CPUs that "
+                           "have one: faster, logits within the 8-bit rounding), or keep them float32 (logits as "
+                           "transformers computes them, to ~1e-5)"),
                   report: Optional[Path] = typer.Option(None, "--report", metavar="FILE.json",
                                                         help="write, for each compiled function, the kernels a "
                                                              "call runs and the rule that scheduled each"),
@@ -87,7 +88,7 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
         _compile_package(model, package, targets, req)
 
 
-def _check_targets(targets: list[str], model, package, out, report, shapes_only: bool, int8_activations: bool):
+def _check_targets(targets: list[str], model, package, out, report, shapes_only: bool, int8_activations: bool | None):
     """The --target values (`auto`, `cuda`, `rocm`: this machine's device) checked with the flags they
     go with, before any work; CUDA's toolchain set up before anything imports TVM."""
     if any(t in ("auto", "cuda", "rocm") for t in targets):

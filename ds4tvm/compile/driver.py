@@ -103,7 +103,8 @@ class CompileRequest:
     """What a compile is asked for beside the model. records: the tuning database to apply (and,
     with tune_trials > 0, to tune into); by default the one shipped for the target
     (schedules/tuning.py). draft_onnx: draft heads to compile in (compile/onnx_heads.py).
-    int8_activations: the CPU linears quantize their inputs to int8 (kernels/cpu_int8.py). report:
+    int8_activations: the CPU linears quantize their inputs to int8 (kernels/cpu_int8.py); None: the
+    target's default (Target.int8_by_default: yes on CPUs with an int8 dot instruction). report:
     where to write what each function's call runs (schedules/report.py). gpu_forms: True exports a
     CPU target's linears in the GPU forms (their numerics checked here)."""
     target: str
@@ -114,7 +115,7 @@ class CompileRequest:
     tune_trials: int = 0
     records: Path | None = None
     draft_onnx: Path | None = None
-    int8_activations: bool = False
+    int8_activations: bool | None = None
     report: Path | None = None
     gpu_forms: bool | None = None
 
@@ -131,14 +132,17 @@ class _Exported:
 
 
 def _prepared_target(req: CompileRequest):
-    """The Target of req, its flags checked and its toolchain set up (for CUDA, before TVM is imported)."""
+    """The Target of req and req with the target's defaults filled in, its flags checked and its
+    toolchain set up (for CUDA, before TVM is imported)."""
     tgt_spec = resolve(req.target)
     check_int8_activations(tgt_spec, req.int8_activations)
+    if req.int8_activations is None:
+        req = replace(req, int8_activations=tgt_spec.int8_by_default())
     if req.tune_trials and tgt_spec.device != "cpu":
         raise Ds4Error(f"--tune: {tgt_spec.name} kernels can only be tuned on their device; tune cpu targets here "
                        f"(schedules/tuning.py), or compile without --tune")
     prepare(tgt_spec.device)
-    return tgt_spec
+    return tgt_spec, req
 
 
 def _build_and_export(build: str, build_req: BuildRequest, tgt_spec, req: CompileRequest, phases) -> _Exported:
@@ -155,7 +159,7 @@ def _build_and_export(build: str, build_req: BuildRequest, tgt_spec, req: Compil
 
 def compile_gguf(gguf_path: Path, out_dir: Path, req: CompileRequest) -> Path:
     """The artifact of a GGUF (and of req.support's drafter) for req.target, written to out_dir."""
-    tgt_spec = _prepared_target(req)
+    tgt_spec, req = _prepared_target(req)
     import tvm
 
     m, dm, support_cfg = _load_pair(gguf_path, req.support)
@@ -374,7 +378,7 @@ def compile_shapes(family: str, out_dir: Path, req: CompileRequest) -> dict:
     pairs), without weights; writes the library to out_dir and returns times and sizes."""
     import resource
 
-    tgt_spec = _prepared_target(req)
+    tgt_spec, req = _prepared_target(req)
     fam = family_named(family)
     if fam.published is None:
         raise Ds4Error(f"--shapes-only: the {fam.name} family has no published shapes to compile")
