@@ -496,6 +496,7 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, blocking: Blocking, gr
 
     row_tile = _tiles(qtype, K, blocking, int8, x_at, x_loc, lambda rt, r: (rt * RB + r,), y_at)
     prefetch, one_stream = _prefetch_tile(qtype, K), _one_stream(blocking)
+    quantize = cpu_int8.quantizer(threads > 1 and not one_stream)
 
     @T.macro
     def tiles(n_tok, x, y, ws):
@@ -519,7 +520,7 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, blocking: Blocking, gr
             xq = T.decl_buffer((n_tok, groups * K), "int8")
             D = T.decl_buffer((n_tok, groups * K // 4), "float32")
             X = T.decl_buffer((n_tok, groups * K // 16), "float32")
-            cpu_int8.quantize(x, _row_of_2d, n_tok, groups * K, xq, D, X)
+            quantize(x, _row_of_2d, n_tok, groups * K, xq, D, X)
             tiles(n_tok, (xq, D, X), y, (w0, w1, w2, w3, w4, w5, w6))
         else:
             tiles(n_tok, x, y, (w0, w1, w2, w3, w4, w5, w6))
@@ -582,6 +583,7 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
         row_tile(off[used[ut // NT]], cnt[used[ut // NT]], used[ut // NT] * NT + ut % NT, x, y, slots, ws)
 
     prefetch, one_stream = _prefetch_tile(qtype, K), _one_stream(blocking)
+    quantize = cpu_int8.quantizer(threads > 1 and not one_stream)
 
     def next_row(used, ut, r):   # row r of the tile after used tile ut, as [expert, row]
         et = used[ut // NT] * NT + ut % NT
@@ -623,7 +625,7 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
             xq = T.decl_buffer((n_tok * XJ, K), "int8")
             D = T.decl_buffer((n_tok * XJ, K // 4), "float32")
             X = T.decl_buffer((n_tok * XJ, K // 16), "float32")
-            cpu_int8.quantize(x, x_row, n_tok * XJ, K, xq, D, X)
+            quantize(x, x_row, n_tok * XJ, K, xq, D, X)
             tiles(n_used, (xq, D, X), y, slots, cnt, off, used, (w0, w1, w2, w3, w4, w5, w6))
         else:
             tiles(n_used, x, y, slots, cnt, off, used, (w0, w1, w2, w3, w4, w5, w6))

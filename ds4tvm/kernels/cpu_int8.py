@@ -224,12 +224,9 @@ def _roundf(v):
 
 
 @T.macro
-def quantize(x, x2, rows, Kx, xq, D, X):
-    """xq[r, k] int8, D[r, k/4] each dot-product lane's input scale, X[r, k/16] the scale times
-    the sum of 16 inputs' codes: rows x2(x, r, k) in blocks of 32 as gguf's Q8_0 quantizer rounds
-    them."""
+def _quantize_row(x, x2, r, Kx, xq, D, X):
     amax = T.decl_buffer((1,), F32, scope="local")
-    for r, b in T.grid(rows, Kx // ACT_BLOCK):
+    for b in range(Kx // ACT_BLOCK):
         amax[0] = T.float32(0)
         for i in range(ACT_BLOCK):
             amax[0] = T.max(amax[0], T.fabs(x2(x, r, b * ACT_BLOCK + i)))
@@ -244,6 +241,24 @@ def quantize(x, x2, rows, Kx, xq, D, X):
             for i in range(16):
                 X[r, b * 2 + h] = X[r, b * 2 + h] + T.Cast(F32, xq[r, b * ACT_BLOCK + h * 16 + i])
             X[r, b * 2 + h] = d * X[r, b * 2 + h]
+
+
+def quantizer(parallel: bool):
+    """A macro quantize(x, x2, rows, Kx, xq, D, X): xq[r, k] int8, D[r, k/4] each dot-product
+    lane's input scale, X[r, k/16] the scale times the sum of 16 inputs' codes, of rows x2(x, r, k)
+    in blocks of 32 as gguf's Q8_0 quantizer rounds them. parallel: the rows on the cores (a
+    prefill's hundreds of rows; the routed experts' down inputs are four per token), where on one
+    core it took ~1 ms of a 256-token call; a decode's one row stays on the calling core."""
+    @T.macro
+    def quantize(x, x2, rows, Kx, xq, D, X):
+        if parallel:
+            for r in T.parallel(rows):
+                _quantize_row(x, x2, r, Kx, xq, D, X)
+        else:
+            for r in range(rows):
+                _quantize_row(x, x2, r, Kx, xq, D, X)
+
+    return quantize
 
 
 def _lanes16(buf, i0: tuple, start):
