@@ -1,13 +1,14 @@
 """ds4tvm against ik_llama.cpp, the fastest CPU engine, on the same DeepSeek-V4-shaped GGUFs, in one run.
 
     python benchmarks/vs_ik_llama.py --ik-src DIR [--types q8_0,q4_k,q2,mxfp4] [--repeats 3]
-        [--modes default,int8] [--threads 2] [--skip-ppl]
+        [--modes default,float] [--threads 2] [--skip-ppl]
 
 DIR: a source checkout of ik_llama.cpp (github.com/ikawrakow/ik_llama.cpp; nothing is fetched
 here). It is built once with CMake (CPU only, -DGGML_NATIVE=ON) into .bench/ik_llama-<commit> and
 reused. For each type the benchmark model of benchmarks/model50m.py is written (154M parameters,
 every DeepSeek-V4 layer kind) and compiled by ds4-compile for this CPU in each --modes
-(`default`: as ds4-compile builds it; `int8`: with --int8-activations); then, alternated
+(`default`: as ds4-compile builds it, int8 activations on a CPU with an int8 dot instruction;
+`float`: with --float-activations; `int8`: with --int8-activations); then, alternated
 --repeats times, each engine in a fresh process: `llama-bench -p 64,512 -n 32 -t THREADS` for
 ik_llama.cpp, and for ds4tvm a prefill of 64 and of 512 tokens and a decode of 32 (one token at a
 time, greedy), the medians side by side with the ratio ours / theirs. A perplexity cross-check
@@ -29,6 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / ".bench"
 GEN = 32
+MODES = {"default": [], "int8": ["--int8-activations"], "float": ["--float-activations"]}   # ds4-compile flags
 PPL_CHUNK = 512   # ik_llama.cpp asserts in its DeepSeek-V4 flash attention with a context of 128
 
 
@@ -116,7 +118,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ik-src", type=Path, required=True, help="ik_llama.cpp source checkout")
     ap.add_argument("--types", default="q8_0,q4_k,q2,mxfp4")
-    ap.add_argument("--modes", default="default,int8")
+    ap.add_argument("--modes", default="default,float", help=f"of {', '.join(MODES)}")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-ppl", action="store_true")
@@ -135,7 +137,7 @@ def main():
             if not (art / "manifest.json").exists():
                 subprocess.run([sys.executable, "-c", "from ds4tvm.cli import compile_main; compile_main()",
                                 str(gguf), "--target", "cpu", "-o", str(art), "--quiet", "--max-context", "1024",
-                                *(["--int8-activations"] if m == "int8" else [])], check=True,
+                                *MODES[m]], check=True,
                                stdout=subprocess.DEVNULL)
         mine, theirs = {m: [] for m in arts}, []
         for _ in range(a.repeats):   # alternated, each in a fresh process
