@@ -4,20 +4,21 @@ linear, in one run. Prints ms per call and the weight bytes read per second (GB/
 the experts a call uses, or of the whole matrix) at one token (decode) and at --tokens (prefill).
 
     python benchmarks/cpu_kernels.py [--types q8_0,q4_k,q2_k,iq2_xxs,mxfp4] [--shape 16,512,512,4]
-        [--tokens 64] [--threads 2] [--no-int8] [--blockings 4x6,2x2]
+        [--tokens 64] [--threads 2] [--no-int8] [--blockings 4x6,2x2] [--cold 40]
 
 --shape is E,N,K,J: E experts of N x K weights, J chosen per token (the benchmark model's routed
 gate/up by default); the dense linear is one N*E/4 x K matrix. --blockings times the hand kernels in each register
 blocking given (ROWSxTOKENS, kernels/cpu.Blocking) side by side; by default the one this CPU
-takes. The int8 kernels take the CPU's dot instruction (AVX-512 VNNI's or AVX2's). The one-token
+takes. --cold COPIES reads the weights from memory, as decode does (the default reads them from
+the cache). The int8 kernels take the CPU's dot instruction (AVX-512 VNNI's or AVX2's). The one-token
 columns time the kernels decode exports (a static token count of 1: rows one at a time,
-kernels/forms.py), the others those of any token count. Weights are read from the cache here (one
-matrix, called again and again); decode reads them from memory."""
+kernels/forms.py), the others those of any token count."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import numpy as np
 import tvm
@@ -58,6 +59,21 @@ def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, kernel: str, 
     return relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu()), params
 
 
+def _seconds_per_call(vm, fn: str, inputs: list, copies: list) -> float:
+    """One copy of the weights: TVM's time_evaluator (warm caches); several: each in turn, so that
+    every call finds its weights evicted by the others."""
+    for args in copies:
+        vm[fn](*inputs, *args)   # warm: thread pool, first-touch pages
+    if len(copies) == 1:
+        return vm.time_evaluator(fn, tvm.cpu(), number=20, repeat=1)(*inputs, *copies[0]).mean
+    f, rounds = vm[fn], max(1, 60 // len(copies))
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for args in copies:
+            f(*inputs, *args)
+    return (time.perf_counter() - t0) / (rounds * len(copies))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="q8_0,q4_k,q2_k,q6_k,q4_1,mxfp4,iq2_xxs")
@@ -68,6 +84,9 @@ def main():
     ap.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
                     help="also the int8-activation kernels (--int8-activations; AVX-512 VNNI or AVX2)")
     ap.add_argument("--blockings", default="", help="register blockings ROWSxTOKENS of the hand kernels, e.g. 4x6,2x2")
+    ap.add_argument("--cold", type=int, default=0, metavar="COPIES",
+                    help="call each kernel on COPIES copies of its weights in turn (more than the last-level "
+                         "cache holds): weights read from memory, as in a model's decode")
     a = ap.parse_args()
     system = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
     dot = cpu_kernels.int8_dot_for(system)
@@ -91,8 +110,8 @@ def main():
         built = {}
         for label, kernel, blocking in kernels:
             vm, params = build(qtype, E, N, K, J, a.threads, kernel, blocking)
-            built[label] = vm, [tvm.runtime.tensor(np.ascontiguousarray(planes[n.split(".")[0]].fields[
-                n.split("plane_")[1]])) for n, _ in params]
+            built[label] = vm, [[tvm.runtime.tensor(np.ascontiguousarray(planes[n.split(".")[0]].fields[
+                n.split("plane_")[1]])) for n, _ in params] for _ in range(max(1, a.cold))]
         cases = []   # (function, inputs, bytes read)
         for T in (1, a.tokens):
             x = tvm.runtime.tensor(rng.standard_normal((T, K)).astype(np.float32))
@@ -103,10 +122,9 @@ def main():
                       (f"experts{one}", [x, tvm.runtime.tensor(sel_np)], nbytes["we"] * used / E)]
         samples = {label: [[] for _ in cases] for label in built}
         for _ in range(a.repeat):   # the kernels alternate, so the machine's drift falls on all of them
-            for label, (vm, args) in built.items():
+            for label, (vm, copies) in built.items():
                 for i, (fn, inputs, _) in enumerate(cases):
-                    vm[fn](*inputs, *args)   # warm: thread pool, first-touch pages
-                    samples[label][i].append(vm.time_evaluator(fn, tvm.cpu(), number=20, repeat=1)(*inputs, *args).mean)
+                    samples[label][i].append(_seconds_per_call(vm, fn, inputs, copies))
         times = {label: [float(np.median(s)) for s in rows] for label, rows in samples.items()}
         for label in built:
             cells = " | ".join(f"{t * 1e3:.3f} ({c[2] / t / 1e9:.1f})" for t, c in zip(times[label], cases))

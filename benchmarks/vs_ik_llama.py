@@ -91,7 +91,8 @@ def perplexities(bins: Path, gguf: Path, art: Path, text: Path, threads: int) ->
     """Per-chunk perplexity from ik_llama.cpp's llama-perplexity (its [i]x.xx lines) and from ds4tvm's
     logits of the same tokens (llama.cpp scores the second half of each chunk)."""
     out = subprocess.run([str(bins / "llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", str(PPL_CHUNK),
-                          "-t", str(threads), "--chunks", "2"], capture_output=True, text=True, errors="replace")
+                          "-t", str(threads), "--chunks", "2"], capture_output=True, text=True, errors="replace",
+                         cwd=BENCH)   # its llama.log lands there, not in the checkout
     import re
 
     theirs = [float(x) for x in re.findall(r"\[\d+\]([0-9.]+)", out.stdout + out.stderr)]
