@@ -20,15 +20,17 @@ Routed experts sort the (token, slot) pairs by expert first (a counting sort in 
 the experts in use, and deal those experts' row tiles round-robin to the cores (TVM splits a
 parallel loop of dynamic extent badly): an expert used by 30 tokens of a prefill is read and
 dequantized once instead of 30 times, experts nobody chose cost nothing, and a decode's few
-experts keep every core busy (one-token calls in the one-plane formats keep the TE kernel, which
-is faster there: takes_experts).
+experts keep every core busy (one-token calls in the one-plane formats with float inputs keep the
+TE kernel, which is faster there: takes_experts). One-token calls (decode) are built with one row
+at a time and deal contiguous runs of tiles, without software prefetch: one sequential stream per
+core (_one_stream).
 
 Accumulators are global-scope buffers: TVM keeps one under 1 KB on the stack, where LLVM holds it
 in registers, while a "local" one came from the workspace pool at every micro-kernel call (and the
 products went through memory).
 
-With int8 set (ds4-compile --int8-activations: the target's int8 dot instruction, vpdpbusd or
-vpmaddubsw) the Q8_0/Q4_K/Q2_K/IQ2_XXS kernels (and MXFP4's with vpmaddubsw) quantize their
+With int8 set (the default on CPUs with an int8 dot instruction, vpdpbusd or vpmaddubsw;
+ds4-compile --float-activations clears it) the Q8_0/Q4_K/Q2_K/IQ2_XXS/MXFP4 kernels quantize their
 inputs to int8 first and run kernels/cpu_int8.py's integer micro-kernel in the same tiles and token
 blocks.
 
