@@ -123,13 +123,19 @@ def takes_int8(qtype: QT, K: int, dot: str) -> bool:
     return qtype in cpu_int8.FORMATS[dot] and K % cpu_int8.BLOCK == 0
 
 
+def one_token(tokens) -> bool:
+    """Whether a linear's token count is the static 1 of decode (an int; prefill's and verify's are
+    symbolic)."""
+    return isinstance(tokens, int) and tokens == 1
+
+
 def takes_experts(qtype: QT, N: int, K: int, tokens, int8: str | None = None) -> bool:
     """Whether expert_linear serves a routed-expert call of `tokens` tokens. A one-token call in
     a one-plane format keeps the TE kernel: there it is faster (Q8_0 0.065 against 0.089 ms per
     call, benchmarks/cpu_kernels.py; decode 0.89x before this was kept), and it sums each output in
     the same order as these kernels, so decode and verify still round alike (tests/unit/test_kernels.py).
     With int8 inputs every call takes the hand kernel: the TE kernel has no int8 path."""
-    one_token_te = isinstance(tokens, int) and tokens == 1 and qtype in ONE_PLANE and not int8
+    one_token_te = one_token(tokens) and qtype in ONE_PLANE and not int8
     return supports(qtype, N, K) and not one_token_te
 
 

@@ -61,9 +61,9 @@ class Forms:
         c = self.cpu_linears
         if c is None:
             return None, None, None
-        from .cpu import takes_int8
+        from .cpu import one_token, takes_int8
 
-        blocking = replace(c.blocking, rows=1) if isinstance(tokens, int) and tokens == 1 else c.blocking
+        blocking = replace(c.blocking, rows=1) if one_token(tokens) else c.blocking
         return c.threads, blocking, c.int8_dot if c.int8_dot and takes_int8(qtype, K, c.int8_dot) else None
 
 
