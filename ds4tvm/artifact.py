@@ -28,10 +28,15 @@ _FINGERPRINT_SPAN = 8 << 20
 
 @dataclass(frozen=True)
 class Bounds:
-    """The shapes an artifact is compiled for: context length, widest verify, prefill chunk."""
+    """The shapes an artifact is compiled for: context length, widest verify, prefill chunk, and
+    the most sequences one batched call decodes (1: no batched functions)."""
     max_context: int = 4096
     max_verify: int = 16
     prefill_chunk: int = 256
+    max_batch: int = 1
+
+
+BATCH_DEFAULT = 1   # max_batch of a manifest written before batched functions existed
 
 
 def read_json_object(path: Path, what: str) -> dict:
@@ -133,7 +138,12 @@ class StateSpec:
 # call), a float32 or int32 tensor, the start position (a shape value), or a host input that the
 # family's provider computes from the call's inputs and the engine's token history
 # (families.Family.host_inputs).
-INPUT_KINDS = ("tokens", "float32", "int32", "position", "host")
+INPUT_KINDS = ("tokens", "float32", "int32", "position", "positions", "host")
+
+
+def batch_name(sequences: int) -> str:
+    """The name of the target's batched decode of that many sequences (FunctionSpec.sequences)."""
+    return f"decode_batch{sequences}"
 
 
 def width_variant(fn: str, width: int) -> str:
@@ -154,7 +164,9 @@ class FunctionSpec:
     accepted), so that where functions are recorded a copy of it is compiled per width. widths:
     the widths at which such a copy, recorded, was compiled (a FunctionSpec of its own, named
     width_variant(name, width)): `Engine.call` runs that copy for a call of that many rows (CUDA
-    graphs replay static shapes only)."""
+    graphs replay static shapes only). sequences: a batched function's count of sequences, one row
+    each: its inputs hold a value per sequence (a "positions" input: each one's first position) and
+    the state tensors of the group follow once per sequence."""
     name: str
     inputs: tuple[tuple[str, str], ...]     # (name, kind)
     outputs: tuple[str, ...]
@@ -163,19 +175,22 @@ class FunctionSpec:
     recorded: bool = False
     per_width: bool = False
     widths: tuple[int, ...] = ()
+    sequences: int = 1
 
     def to_json(self) -> dict:
         return {"name": self.name, "inputs": [list(i) for i in self.inputs], "outputs": list(self.outputs),
                 "states": self.states, "params": list(self.params) if self.params is not None else None,
                 **({"recorded": True} if self.recorded else {}), **({"per_width": True} if self.per_width else {}),
-                **({"widths": list(self.widths)} if self.widths else {})}
+                **({"widths": list(self.widths)} if self.widths else {}),
+                **({"sequences": self.sequences} if self.sequences != 1 else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> "FunctionSpec":
         params = d.get("params")
         return cls(d["name"], tuple(tuple(i) for i in d["inputs"]), tuple(d["outputs"]), d.get("states"),
                    tuple(params) if params is not None else None, bool(d.get("recorded", False)),
-                   bool(d.get("per_width", False)), tuple(int(w) for w in d.get("widths", ())))
+                   bool(d.get("per_width", False)), tuple(int(w) for w in d.get("widths", ())),
+                   int(d.get("sequences", 1)))
 
 
 @dataclass
@@ -247,9 +262,11 @@ class Manifest:
                 bad(f"{name!r}: a file name inside the artifact is expected")
         if not isinstance(self.n_vocab, int) or not 0 < self.n_vocab < 1 << 31:
             bad(f"'n_vocab' is {self.n_vocab!r}, expected a vocabulary size")
+        if isinstance(self.bounds, dict):
+            self.bounds.setdefault("max_batch", BATCH_DEFAULT)
         if not isinstance(self.bounds, dict) or not all(
                 isinstance(self.bounds.get(k), int) and 0 < self.bounds[k] < 1 << 31 for k in asdict(Bounds())):
-            bad("'bounds' lacks max_context, max_verify or prefill_chunk as positive integers")
+            bad("'bounds' lacks max_context, max_verify, prefill_chunk or max_batch as positive integers")
         for name, kind in (("weights", dict), ("functions", list), ("params", list), ("states", list),
                            ("drafters", dict), ("hashes", dict), ("extra", dict)):
             if not isinstance(getattr(self, name), kind):

@@ -23,7 +23,7 @@ SUPPORT_FILE = "ds4-demo-dspark.gguf"
 PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n    with open(path) as f:\n'
 N_TOKENS = 64
 ROUNDS = 9      # runs of each kind (forced first; then target-only and cost model alternated): medians
-BOUNDS = dict(max_context=2048, max_verify=8, prefill_chunk=256)
+BOUNDS = dict(max_context=2048, max_verify=8, prefill_chunk=256, max_batch=4)   # ds4 serve: 4 at once
 
 
 def _echo(message: str, err: bool = False) -> None:
@@ -54,10 +54,11 @@ def _current(art: Path) -> bool:
     if not (art / "manifest.json").is_file():
         return False
     try:
-        Manifest.read(art).check_runtime(art)
+        m = Manifest.read(art)
+        m.check_runtime(art)
     except Ds4Error:
         return False
-    return True
+    return all(m.bounds.get(k) == v for k, v in BOUNDS.items())
 
 
 def embedded_artifact(out_dir: Path | None = None, progress: bool = True) -> Path:

@@ -71,14 +71,14 @@ def _tiny_artifact(d: Path) -> Path:
         d.mkdir(parents=True, exist_ok=True)
         model = write_random_deepseek4(d / "tiny.gguf", tiny_config(), seed=21)
         compile_here(model, "--target", "llvm", "-o", d / "art", "--max-context", "512", "--max-verify", "8",
-                     "--quiet")
+                     "--max-batch", "3", "--quiet")
     return d / "art"
 
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory):
-    """A small random DeepSeek-V4 (every layer kind) compiled for llvm, shared by runtime tests
-    (and by the test workers)."""
+    """A small random DeepSeek-V4 (every layer kind) compiled for llvm with batched decodes of 2
+    and 3 sequences, shared by runtime tests (and by the test workers)."""
     return _once_per_run(tmp_path_factory, "tiny-art", _tiny_artifact)
 
 

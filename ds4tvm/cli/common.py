@@ -84,7 +84,7 @@ def gguf_family(model: Path | None):
 
 
 def bounds_for(family, max_context: int | None = None, max_verify: int | None = None,
-            prefill_chunk: int | None = None):
+               prefill_chunk: int | None = None, max_batch: int | None = None):
     """The bounds to compile with: what the flags say, the rest as the family prefers (a recurrent
     family keeps max_verify small). Artifacts and packages keep theirs (family None)."""
     from dataclasses import replace
@@ -92,7 +92,8 @@ def bounds_for(family, max_context: int | None = None, max_verify: int | None = 
     from ..artifact import Bounds
 
     default = family.default_bounds if family is not None else Bounds()
-    given = {"max_context": max_context, "max_verify": max_verify, "prefill_chunk": prefill_chunk}
+    given = {"max_context": max_context, "max_verify": max_verify, "prefill_chunk": prefill_chunk,
+             "max_batch": max_batch}
     return replace(default, **{k: v for k, v in given.items() if v is not None})
 
 
@@ -143,9 +144,10 @@ def spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confiden
                        exact_sampling=exact_sampling, quality=quality, draft_onnx=draft_onnx)
 
 
-def speculative_engine(model: Path, options, target: str, ctx: int, progress: bool):
+def speculative_engine(model: Path, options, target: str, ctx: int, progress: bool, batch: int = 1):
     """The engine, the drafter the speculation flags ask for (None: target-only decoding) and the
-    cost model that says when to ask it (runtime/costs.py; measured here, before any prompt)."""
+    cost model that says when to ask it (runtime/costs.py; measured here, before any prompt). batch:
+    sequences one call decodes, where a GGUF is compiled on first use by a family that batches."""
     from ..runtime.costs import model_for
     from ..runtime.drafters import check_support_given, choose_drafter
     from ..runtime.loader import open_engine
@@ -154,7 +156,8 @@ def speculative_engine(model: Path, options, target: str, ctx: int, progress: bo
     target = check_target(model, family, target)
     if family is not None:   # a GGUF, compiled on first use
         check_support_given(family, options, model)
-    engine = open_engine(model, target=target, bounds=bounds_for(family, ctx), progress=progress,
+    batch = batch if family is not None and family.batches else None
+    engine = open_engine(model, target=target, bounds=bounds_for(family, ctx, max_batch=batch), progress=progress,
                          support=options.support, lean=True, heads=options.heads)
     if ctx is not None and ctx > engine.max_context:
         raise Ds4Error(f"--ctx {ctx}: {model} is compiled for a context of {engine.max_context} "

@@ -27,6 +27,9 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
                                                            help="widest verify (default: the family's, 16 for "
                                                                 "DeepSeek-V4)"),
                   prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="default 256"),
+                  max_batch: Optional[int] = typer.Option(None, "--max-batch",
+                                                          help="most sequences one call decodes (ds4 serve "
+                                                               "--parallel; default 1: none batched)"),
                   no_kv_rounding: bool = typer.Option(False, "--no-kv-rounding",
                                                       help="skip the FP8/FP4 round trips (for oracle comparisons)"),
                   mtp: Optional[Path] = typer.Option(None, "--mtp", "--mtp-model",
@@ -72,7 +75,7 @@ def compile_model(model: Optional[Path] = typer.Argument(None, help="GGUF model"
     from ..families import family_named
 
     fam = family_named(family) if shapes_only else gguf_family(model)
-    bounds = bounds_for(fam, max_context, max_verify, prefill_chunk)
+    bounds = bounds_for(fam, max_context, max_verify, prefill_chunk, max_batch)
     if not 0 <= tune <= 100000:
         raise Ds4Error(f"--tune {tune}: expected a number of trials per kernel, 0..100000")
     if records is not None and records.exists() and not records.is_dir():

@@ -33,6 +33,9 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
           dspark_strict: DSparkStrictOpt = False, draft_onnx: DraftOnnxOpt = None, quality: QualityOpt = False,
           exact_sampling: ExactOpt = False,
           keepalive: float = typer.Option(5.0, "--keepalive", help="seconds between SSE keep-alives"),
+          parallel: int = typer.Option(4, "--parallel", "-np", help="requests generated at once, their decode "
+                                                                   "steps batched in one call (a GGUF compiled on first "
+                                                                   "use gets batched functions of up to this many)"),
           slots: int = typer.Option(2, "--slots", help="conversations kept in memory; a request continues the one "
                                                        "that holds the longest prefix of its prompt"),
           kv_cache_dir: Optional[Path] = typer.Option(None, "--kv-cache-dir", help="keep state checkpoints in this "
@@ -50,19 +53,23 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
     set_threads(threads)
     sampling_params(None, temp, top_p, top_k, min_p)
     cache_bytes = _check_flags(port, ctx, keepalive, slots, log_format, kv_cache_size, kv_cache_dir, api_key)
+    if not 1 <= parallel <= 64:
+        raise Ds4Error(f"--parallel {parallel}: expected 1..64")
     _check_listen(host, port)
     options = spec_options(mtp, mtp_draft, mtp_margin, mtp_timing, dspark, dspark_confidence, dspark_strict,
                            quality, exact_sampling, draft_onnx)
     model = model_or_embedded(model, progress=True)
-    engine, drafter, cost_model = speculative_engine(model, options, target, ctx, progress=True)
+    engine, drafter, cost_model = speculative_engine(model, options, target, ctx, progress=True, batch=parallel)
     import uvicorn
 
     from ..server.api import Defaults
     from ..server.app import create_app
     from ..server.service import build_service
 
+    from ..runtime.drafters import choose_drafter
+
     service = build_service(engine, drafter, cost_model, str(model), exact_sampling, ctx, slots, cache_bytes,
-                            kv_cache_dir)
+                            kv_cache_dir, parallel, lambda: choose_drafter(engine, options, model))
     served = alias or engine.gguf.get("general.name", "str", default=None) or \
         (model.name if model.is_dir() else model.stem)
     p = sampling_params(engine, temp, top_p, top_k, min_p)
@@ -72,9 +79,12 @@ def serve(model: Optional[Path] = typer.Option(None, "-m", "--model", help="arti
     if api_key is None and not _loopback(host):
         print(f"ds4 serve: warning: listening on {host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr, flush=True)
+    batched = (f"decode batched up to {min(parallel, engine.max_batch)}" if engine.max_batch > 1 and parallel > 1
+               else "decode steps one by one: compiled without batched functions (ds4-compile --max-batch)"
+               if parallel > 1 else "one at a time")
     print(f"ds4 serve: {served} on http://{host}:{port}/v1 (context {service.ctx}, "
-          f"{drafter.NAME + ' speculative' if drafter is not None else 'target-only'} decoding)", file=sys.stderr,
-          flush=True)
+          f"{drafter.NAME + ' speculative' if drafter is not None else 'target-only'} decoding; "
+          f"{parallel} requests at once, {batched})", file=sys.stderr, flush=True)
     uvicorn.run(application, host=host, port=port, log_level="warning")
 
 

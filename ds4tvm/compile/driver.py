@@ -94,6 +94,8 @@ def check_bounds(family, cfg, bounds) -> None:
         raise Ds4Error(f"--max-verify {bounds.max_verify}: expected 1..64")
     if not 1 <= bounds.prefill_chunk <= bounds.max_context:
         raise Ds4Error(f"--prefill-chunk {bounds.prefill_chunk}: expected 1..max-context")
+    if not 1 <= bounds.max_batch <= 64:
+        raise Ds4Error(f"--max-batch {bounds.max_batch}: expected 1..64")
     if family.check_bounds is not None:
         family.check_bounds(cfg, bounds)
 
@@ -152,6 +154,9 @@ def _build_and_export(build: str, build_req: BuildRequest, tgt_spec, req: Compil
     build_req.forms = forms
     built = load_attr(build)(build_req)
     phases.next()
+    if req.bounds.max_batch > 1 and not any(f.sequences > 1 for f in built.functions):
+        raise Ds4Error(f"--max-batch {req.bounds.max_batch}: the {build.split('.')[2]} family has no batched "
+                       f"functions yet; compile with --max-batch 1")
     widths = recorded_widths(built.functions, recording, req.bounds)
     mod, named = _export(built.module, widths)
     return _Exported(built, mod, named, recording, widths)

@@ -110,6 +110,8 @@ class Family:
     title: str = ""                                 # the model's published name, for users (`ds4 inspect`)
     # ds4's sampling defaults for this family's models: (temperature, top-p, min-p)
     sampling: tuple[float, float, float] = (1.0, 1.0, 0.05)
+    # whether its module exports batched decodes (Bounds.max_batch > 1: nn/functions.target_functions)
+    batches: bool = False
 
     def drafter_for_support(self, support: "Family") -> DraftSpec | None:
         return next((d for d in self.drafters if d.support == support.name), None)

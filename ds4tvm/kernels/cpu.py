@@ -129,6 +129,12 @@ def one_token(tokens) -> bool:
     return isinstance(tokens, int) and tokens == 1
 
 
+def one_block(tokens, blocking: Blocking) -> bool:
+    """Whether a linear's token count is a static one (decode's 1, a batched decode's one per
+    sequence) within one token block of the micro-kernel."""
+    return isinstance(tokens, int) and tokens <= blocking.tokens
+
+
 def takes_experts(qtype: QT, N: int, K: int, tokens, int8: str | None = None) -> bool:
     """Whether expert_linear serves a routed-expert call of `tokens` tokens. A one-token call in
     a one-plane format keeps the TE kernel: there it is faster (Q8_0 0.065 against 0.089 ms per

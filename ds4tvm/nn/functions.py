@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
 
-from ..artifact import FunctionSpec
+from ..artifact import FunctionSpec, batch_name
 
 MODE = {"param_mode": "plain", "effect_mode": "none"}
 # the row count of each target function's token inputs: a prefill chunk, one token, a verify block
@@ -21,13 +22,16 @@ TARGET_ROWS = {"prefill": "n", "prefill_all": "n", "decode": 1, "verify": "k"}
 class Arg:
     """An input: its name (the method's parameter), its kind in the manifest (tokens, position,
     host, float32, ...), and for a tensor its shape (ints, or names of symbolic sizes) and dtype;
-    a position is the call's first position, a host int."""
+    a position is the call's first position, a host int; "positions" (batched functions) the
+    first position of each sequence, a host int per sequence."""
     name: str
     kind: str
     shape: tuple = ()
     dtype: str = "float32"
 
-    def export(self):
+    def export(self, sequences: int = 1):
+        if self.kind == "positions":
+            return [int] * sequences
         return int if self.kind == "position" else nn.spec.Tensor(list(self.shape), self.dtype)
 
 
@@ -36,36 +40,51 @@ def tokens(rows, name: str = "tokens") -> Arg:
 
 
 START = Arg("start", "position")
+STARTS = Arg("starts", "positions")
 
 
 @dataclass(frozen=True)
 class Fn:
     """A compiled function: its inputs in order, then (with `states`) the state tensors of that
-    group as one argument named `state_arg`; outputs by name, then the updated states."""
+    group as one argument named `state_arg` (a batched function, of `sequences` > 1 sequences: a
+    list of them, one per sequence); outputs by name, then the updated states."""
     name: str
     args: tuple[Arg, ...]
     outputs: tuple[str, ...]
     states: str | None = None
     per_width: bool = False
     state_arg: str = "states"
+    sequences: int = 1
 
     def function_spec(self) -> FunctionSpec:
         return FunctionSpec(self.name, tuple((a.name, a.kind) for a in self.args), self.outputs, self.states,
-                            per_width=self.per_width)
+                            per_width=self.per_width, sequences=self.sequences)
 
     def export_spec(self, state_specs: list) -> dict:
-        spec = {a.name: a.export() for a in self.args}
+        spec = {a.name: a.export(self.sequences) for a in self.args}
         if self.states is not None:
-            spec[self.state_arg] = [nn.spec.Tensor(list(s.shape), s.dtype) for s in state_specs
-                                    if s.group == self.states]
+            one = [nn.spec.Tensor(list(s.shape), s.dtype) for s in state_specs if s.group == self.states]
+            spec[self.state_arg] = one if self.sequences == 1 else [list(one) for _ in range(self.sequences)]
         return {**spec, "$": MODE}
 
 
-def target_functions(args, outputs: tuple[str, ...]) -> list[Fn]:
+def target_functions(args, outputs: tuple[str, ...], max_batch: int = 1) -> list[Fn]:
     """prefill, prefill_all, decode and verify of a target module: args(rows) gives the inputs of a
     call of `rows` rows (TARGET_ROWS), the model's states follow; verify is called with 1..max_verify
-    rows."""
-    return [Fn(f, tuple(args(rows)), outputs, "model", per_width=f == "verify") for f, rows in TARGET_ROWS.items()]
+    rows. A module whose _forward_batch decodes several sequences in one call (max_batch > 1) adds
+    batch_name(b) for b = 2..max_batch: one token per sequence, STARTS for their positions."""
+    out = [Fn(f, tuple(args(rows)), outputs, "model", per_width=f == "verify") for f, rows in TARGET_ROWS.items()]
+    return out + [Fn(batch_name(b), (tokens(b, "ids"), STARTS), outputs, "model", sequences=b)
+                  for b in range(2, max_batch + 1)]
+
+
+def per_sequence(x: nn.Tensor, fn, sequences: int) -> nn.Tensor:
+    """fn(i, rows) applied to each sequence's rows of x (one row each when there are several),
+    concatenated back: the sublayers that read and write a sequence's own state."""
+    if sequences == 1:
+        return fn(0, x)
+    parts = op.split(x, sequences, axis=0)
+    return op.concat([fn(i, part) for i, part in enumerate(parts)], dim=0)
 
 
 class Declared:
@@ -77,6 +96,9 @@ class Declared:
 
     def spec(self) -> dict:
         states = self.state_specs()
+        for f in self.functions():
+            if f.sequences > 1:   # every batch size is one method; TVM finds it under each name
+                setattr(self, f.name, self.decode_batch)
         return {f.name: f.export_spec(states) for f in self.functions()}
 
 
@@ -98,3 +120,8 @@ class TargetFunctions(Declared):
     def verify(self, ids: nn.Tensor, start, states):
         """k <= max_verify tokens; logits of every row, so any prefix can be committed."""
         return self._forward(ids, start, states, last_only=False)
+
+    def decode_batch(self, ids: nn.Tensor, starts, states):
+        """One token of each of len(starts) sequences (row i of sequence i at starts[i], in
+        states[i]); logits of every row, then every sequence's states."""
+        return self._forward_batch(ids, list(starts), list(states))

@@ -260,10 +260,12 @@ class CheckpointStore:
     `size` bytes: in memory, or (with `directory`) as files there, which a restarted process finds.
     A file that cannot be used is reported with one warning, removed (where the directory is
     writable), and never loaded; a read-only or full directory is used as far as it can be, and the
-    half-written files of killed writers are removed."""
+    half-written files of killed writers are removed. Its methods may be called from several
+    threads (the server's workers)."""
 
     def __init__(self, engine, tag: str = "", size: int = 4 << 30, directory=None):
         self.engine, self.tag, self.size = engine, tag, size
+        self._lock = threading.RLock()
         self.dir = Path(directory) if directory is not None else None
         self.entries: OrderedDict[str, tuple[list[int], object]] = OrderedDict()  # key -> (tokens, Checkpoint | Path)
         if self.dir is not None:
@@ -293,6 +295,10 @@ class CheckpointStore:
 
     def best(self, prompt, limit: int) -> tuple[list[int], object] | None:
         """The checkpoint with the most tokens that are a prefix of prompt, at most limit of them."""
+        with self._lock:
+            return self._best(prompt, limit)
+
+    def _best(self, prompt, limit: int) -> tuple[list[int], object] | None:
         found = None
         for key, (tokens, where) in self.entries.items():
             n = len(tokens)
@@ -307,6 +313,10 @@ class CheckpointStore:
         """The checkpoint an entry names; None (with one warning, the file removed) if it is unusable."""
         if isinstance(where, Checkpoint):
             return where
+        with self._lock:
+            return self._load_file(where)
+
+    def _load_file(self, where: Path) -> Checkpoint | None:
         try:
             cp = read(where, self.engine, self.tag)
         except CheckpointError as e:
@@ -322,6 +332,10 @@ class CheckpointStore:
     def add(self, cp: Checkpoint) -> None:
         if cp.nbytes > self.size or cp.pos == 0:
             return
+        with self._lock:
+            self._add(cp)
+
+    def _add(self, cp: Checkpoint) -> None:
         key = self._key(cp.history)
         if self.dir is None:
             self.entries[key] = (list(cp.history), cp)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..artifact import MANIFEST, MODEL, FunctionSpec, Manifest, read_json_object, width_variant
+from ..artifact import MANIFEST, MODEL, FunctionSpec, Manifest, batch_name, read_json_object, width_variant
 from ..devices import device_for
 from ..errors import Cancelled, Ds4Error
 from ..families import check_weight_files
@@ -33,12 +34,15 @@ SMALL_MODEL_BYTES = 64 << 20   # weight files below this run on one CPU thread u
 
 @dataclass
 class Sequence:
-    """One sequence's state: its state tensors by group, committed length and committed tokens, and
-    the groups that functions have written since it was reset (a drafter's states count only then)."""
+    """One sequence's state: its state tensors by group, committed length and committed tokens, the
+    groups that functions have written since it was reset (a drafter's states count only then),
+    and the verified rows not yet committed (pending: their count)."""
     states: dict
     pos: int = 0
     history: list = field(default_factory=list)
     fed: set = field(default_factory=set)
+    pending: int = 0
+    pending_tokens: list = field(default_factory=list)
 
 
 @dataclass
@@ -103,9 +107,10 @@ class Engine:
         b = m.bounds
         self.max_context, self.max_verify, self.chunk = b["max_context"], b["max_verify"], b["prefill_chunk"]
         self.n_vocab = m.n_vocab
+        # the most sequences one call decodes (its batched functions: FunctionSpec.sequences)
+        self.max_batch = max(f.sequences for f in self.functions.values())
+        self.decode_calls: Counter = Counter()   # sequences per decode call -> calls (ds4 serve's /metrics)
         self.tokenizer_data = read_json_object(self.dir / m.tokenizer, "tokenizer data")
-        self.pending = 0
-        self._pending_tokens: list[int] = []
 
     # ------------------------------------------------------------------ sequences
     def new_sequence(self) -> Sequence:
@@ -124,7 +129,7 @@ class Engine:
         sequences exchange contents and tensors."""
         if self._recorded is not None and seq is not self.seq:
             self._exchange_states(self.seq, seq)
-        self.seq, self.pending = seq, 0
+        self.seq = seq
 
     def _exchange_states(self, held: Sequence, other: Sequence) -> None:
         for group, tensors in held.states.items():
@@ -146,6 +151,15 @@ class Engine:
     @pos.setter
     def pos(self, value: int) -> None:
         self.seq.pos = value
+
+    @property
+    def pending(self) -> int:
+        """Rows of the last verify not yet committed or rolled back."""
+        return self.seq.pending
+
+    @pending.setter
+    def pending(self, value: int) -> None:
+        self.seq.pending = value
 
     @property
     def history(self) -> list[int]:
@@ -230,6 +244,8 @@ class Engine:
     def _argument(self, kind: str, value):
         if kind == "position":
             return self._Shape([int(value)])
+        if kind == "positions":
+            return tuple(self._Shape([int(v)]) for v in value)
         return self._tvm.runtime.tensor(self._array(kind, value), self.dev)
 
     def _array(self, kind: str, value) -> np.ndarray:
@@ -248,11 +264,12 @@ class Engine:
         t.copyfrom(a)
         return t
 
-    def call(self, fn: str, **inputs) -> dict[str, np.ndarray]:
+    def call(self, fn: str, seqs: list | None = None, **inputs) -> dict[str, np.ndarray]:
         """Runs compiled function fn with its FunctionSpec's inputs by name (a "start" position
         defaults to the committed length; a host input is computed by its family's provider from
         the call's other inputs and the engine, e.g. its token history) and returns its named
-        outputs."""
+        outputs. A batched function (FunctionSpec.sequences) takes the state tensors of seqs, one
+        sequence per row."""
         spec: FunctionSpec = self.functions.get(fn)
         if spec is None:
             raise Ds4Error(f"{self.dir}: has no function {fn!r}; it has {', '.join(sorted(self.functions))}")
@@ -269,7 +286,11 @@ class Engine:
             if value is None:
                 raise Ds4Error(f"{fn}: input {name!r} ({kind}) is missing")
             args.append(self._recorded_argument(fn, name, kind, value) if spec.recorded else self._argument(kind, value))
-        if spec.states is not None:   # a recorded function takes each state tensor as its own argument
+        if spec.sequences > 1:
+            args.append(tuple(s.states[spec.states] for s in seqs))
+            for s in seqs:
+                s.fed.add(spec.states)
+        elif spec.states is not None:   # a recorded function takes each state tensor as its own argument
             states = self.states[spec.states]
             args += states if spec.recorded else [states]
             self.seq.fed.add(spec.states)
@@ -293,7 +314,6 @@ class Engine:
         self.pos = self.pending = 0
         self.history = []
         self.seq.fed = set()
-        self._pending_tokens = []
 
     def prefill(self, tokens, all_logits: bool = False, on_chunk=None) -> Step:
         """Appends and commits the tokens in chunks; the last token's logits [V] (or every row), and
@@ -319,9 +339,40 @@ class Engine:
         self._room(1)
         self.pending = 0
         step = self._step("decode", ids, last_row=True)
+        self.decode_calls[1] += 1
         self.pos += 1
         self.history.append(int(token))
         return step
+
+    def decode_batch(self, seqs: list[Sequence], tokens) -> list[Step]:
+        """decode(tokens[i]) in each seqs[i], distinct sequences, in one call of the batched
+        function of that many sequences where the artifact has one (else one decode each, in
+        turn); each step's logits are those decode gives, bit for bit. The attached sequence stays
+        attached."""
+        fn, attached = batch_name(len(seqs)), self.seq
+        if len(seqs) == 1 or fn not in self.functions:
+            steps = []
+            for seq, t in zip(seqs, tokens):
+                self.attach(seq)
+                steps.append(self.decode(t))
+            self.attach(attached)
+            return steps
+        ids = self._ids(tokens)
+        if len(ids) != len(seqs) or len({id(s) for s in seqs}) != len(seqs):
+            raise Ds4Error(f"decode_batch: {len(seqs)} distinct sequences and a token for each are expected")
+        full = [s for s in seqs if s.pos + 1 > self.max_context]
+        if full:
+            raise Ds4Error(f"{full[0].pos + 1} tokens exceed the compiled context of {self.max_context} "
+                           f"(ds4-compile --max-context)")
+        out = self.call(fn, seqs, ids=ids, starts=[s.pos for s in seqs])
+        self.decode_calls[len(seqs)] += 1
+        steps = []
+        for i, (seq, t) in enumerate(zip(seqs, ids.tolist())):
+            steps.append(Step("decode", out["logits"][i], {k: v[i:i + 1] for k, v in out.items() if k != "logits"}))
+            seq.pos += 1
+            seq.history.append(t)
+            seq.pending = 0
+        return steps
 
     def verify(self, tokens) -> Step:
         """Runs k <= max_verify tokens after the committed ones without committing them; the
@@ -331,14 +382,14 @@ class Engine:
             raise Ds4Error(f"verify takes 1..{self.max_verify} tokens, got {len(ids)}")
         self._room(len(ids))
         step = self._step("verify", ids)
-        self.pending, self._pending_tokens = len(ids), ids.tolist()
+        self.pending, self.seq.pending_tokens = len(ids), ids.tolist()
         return step
 
     def commit(self, k: int) -> None:
         if not 0 <= k <= self.pending:
             raise Ds4Error(f"commit({k}): only {self.pending} verified rows are pending")
         self.pos += k
-        self.history += self._pending_tokens[:k]
+        self.history += self.seq.pending_tokens[:k]
         self.pending = 0
 
     def rollback(self) -> None:

@@ -88,7 +88,7 @@ def _open_engine(model, target, bounds, kv_rounding, progress, support, lean, he
     if heads is not None and not Path(heads).is_file():
         raise Ds4Error(f"{heads}: no such ONNX file")
     key = json.dumps([file_fingerprint(path), os.path.getsize(path), target, bounds.max_context, bounds.max_verify,
-                      bounds.prefill_chunk, kv_rounding, tvm_version(), __version__, "int8 activations by default",
+                      bounds.prefill_chunk, bounds.max_batch, kv_rounding, tvm_version(), __version__, "int8 activations by default",
                       file_fingerprint(Path(support)) if support else None,
                       file_sha256(Path(heads)) if heads else None])
     out = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24]

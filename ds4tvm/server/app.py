@@ -13,11 +13,12 @@ import sys
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from . import api
 from .api import ApiError, Defaults
+from .metrics import metrics_text
 
 MAX_BODY = 16 << 20
 
@@ -354,7 +355,12 @@ class _Routes:
                                                          "owned_by": "ds4tvm"}]})
 
     async def health(self, request: Request):
-        return JSONResponse({"status": "ok", "queued": self.service.jobs.qsize(), "busy": self.service.busy.locked()})
+        s = self.service
+        return JSONResponse({"status": "ok", "queued": s.jobs.qsize(), "running": s.running,
+                             "parallel": s.parallel, "busy": s.running > 0})
+
+    async def metrics(self, request: Request):
+        return PlainTextResponse(metrics_text(self.service), media_type="text/plain; version=0.0.4")
 
     async def props(self, request: Request):
         s, d = self.service, self.defaults
@@ -421,6 +427,7 @@ def create_app(service, served: str, defaults: Defaults | None = None, keepalive
         Route("/tokenize", guarded(r.answered(api.tokenize)), methods=["POST"]),
         Route("/detokenize", guarded(r.answered(api.detokenize)), methods=["POST"]),
         Route("/props", guarded(r.props), methods=["GET"]),
+        Route("/metrics", guarded(r.metrics), methods=["GET"]),
     ]
     middleware = []
     if cors_origins:

@@ -297,3 +297,36 @@ def test_two_hundred_mixed_requests_four_at_a_time(servers):
     assert server.alive()
     status, out = _request(server, *valid[0])   # the state is not left dirty by anything above
     assert status == 200 and _answer_text(valid[0][0], out) == lone[0]
+
+
+def _metrics(server) -> dict:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        lines = r.read().decode().splitlines()
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))}
+
+
+@pytest.mark.parametrize("mode", ["plain", "dspark"])
+def test_concurrent_requests_share_decode_calls_and_answer_as_alone(servers, mode):
+    """Six clients at once (the server's 4 workers, two waiting): every answer (temperature 0, and
+    seeded sampling) equals what the request gets alone; /metrics counts decode calls of several
+    sequences, and the prompt tokens that prefix reuse spared."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = servers[mode]
+    topics = ["Hello", "Once upon a time", "The quick brown fox", "Speculative decoding", "ds4tvm", PROMPT]
+    bodies = [{"model": "demo", "messages": [{"role": "user", "content": t}], "max_tokens": 60,
+               "temperature": 0 if i % 2 == 0 else 1, "seed": i} for i, t in enumerate(topics)]
+    alone = [_request(server, "/v1/chat/completions", b) for b in bodies]
+    before = _metrics(server)
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda b: _request(server, "/v1/chat/completions", b), bodies))
+    assert [(s, _answer_text("/v1/chat/completions", o)) for s, o in together] == \
+        [(s, _answer_text("/v1/chat/completions", o)) for s, o in alone]
+    after = _metrics(server)
+    calls = after["ds4_decode_batch_size_count"] - before["ds4_decode_batch_size_count"]
+    rows = after["ds4_decode_batch_size_sum"] - before["ds4_decode_batch_size_sum"]
+    assert rows > calls > 0   # some calls decoded several sequences
+    assert after['ds4_requests_total{outcome="ok"}'] - before['ds4_requests_total{outcome="ok"}'] == len(bodies)
+    assert after["ds4_prompt_tokens_cached_total"] > before["ds4_prompt_tokens_cached_total"]   # the repeats
+    assert after["ds4_requests_running"] == 0 and after["ds4_parallel"] == 4

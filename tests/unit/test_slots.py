@@ -9,9 +9,9 @@ from ds4tvm.server.service import Service
 
 def _serve(service, prompt):
     """What a job does to the state: resume, then prefill the rest and decode one token."""
-    held = service._resume(prompt)
-    service.engine.prefill(prompt[held:])
-    service.engine.decode(1)
+    with service._sequence(prompt) as (engine, held):
+        engine.prefill(prompt[held:])
+        engine.decode(1)
     return held
 
 

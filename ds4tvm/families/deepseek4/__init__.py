@@ -23,5 +23,5 @@ FAMILY = Family(
     ),
     tool_syntax=f"{_HERE}.tools:DSMLToolSyntax", chat_template="ds4tvm.gguf.vocab:CHAT_TEMPLATE",
     hf_model_types=("deepseek_v4",), convert="ds4tvm.families.deepseek4.convert:convert_hf",
-    published=f"{_HERE}.build:published",
+    published=f"{_HERE}.build:published", batches=True,
 )

@@ -1,0 +1,281 @@
+"""Continuous batching: several generations share one engine, their decode steps run as one
+batched call (Engine.decode_batch: the weights read once for every sequence in it).
+
+Each generation runs the one loop of runtime/speculative.py on its own thread, unchanged, against
+a `SequenceEngine`: its own engine sequence behind the engine's interface. Every call that runs
+kernels or moves counters becomes an operation queued here, and one scheduler thread, the only
+one that touches the engine, runs them in rounds:
+  1. it waits until every running generation has an operation queued (each spends only its
+     sampling between two steps) or `max_wait` has passed since the first one came;
+  2. other operations (verify, commit, a drafter's calls, snapshots) run one by one;
+  3. the decode steps run in batches of up to the engine's max_batch sequences;
+  4. every prompt being prefilled advances by one chunk, sized while others decode so that a
+     chunk costs about one batched decode step: a running stream never waits for a whole long
+     prefill, and a newcomer joins the batch as soon as its prompt is in.
+Requests join and leave between rounds. Which operations share a call never changes a
+sequence's numbers (a token's logits do not depend on the rows beside it, bit for bit), so a
+generation gives what it gives alone, and its seeded sampling repeats.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import Cancelled, Ds4Error
+
+MIN_CHUNK = 16      # prefill tokens per round at least, while others decode
+
+
+@dataclass
+class _Op:
+    seq: object
+    kind: str                       # "decode", "prefill" or "run"
+    token: int = 0                  # decode
+    tokens: np.ndarray | None = None  # prefill: what is left to prefill
+    total: int = 0                  # prefill: its token count
+    parts: list = field(default_factory=list)   # prefill: the chunks' steps
+    on_chunk: object = None         # prefill: on_chunk(done, total) -> True cancels
+    fn: object = None               # run: fn(engine) with seq attached
+    result: object = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class SchedulerStats:
+    """What /metrics reports: rounds, decode calls by batch size, tokens decoded and prefilled."""
+    rounds: int = 0
+    batches: Counter = field(default_factory=Counter)   # sequences per decode call -> calls
+    decoded: int = 0
+    prefilled: int = 0
+    running: int = 0
+
+
+class Scheduler:
+    def __init__(self, engine, max_wait: float = 0.005):
+        self.engine, self.max_wait = engine, max_wait
+        self.stats = SchedulerStats()
+        self._cond = threading.Condition()
+        self._queued: list[_Op] = []
+        self._prefills: list[_Op] = []     # prompts being prefilled, a chunk per round
+        self._members = 0                   # generations running (each has at most one operation queued)
+        self._step_s = self._token_s = None  # recent seconds of a decode call, of a prefilled token
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="ds4-scheduler", daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def member(self, seq):
+        """A SequenceEngine on seq for one generation's thread, counted as running while inside."""
+        with self._cond:
+            self._members += 1
+            self.stats.running = self._members
+        try:
+            yield SequenceEngine(self, seq)
+        finally:
+            with self._cond:
+                self._members -= 1
+                self.stats.running = self._members
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    def submit(self, op: _Op):
+        """Queues op and waits for its result (raising what it raised)."""
+        with self._cond:
+            if self._closed:
+                raise Ds4Error("the scheduler is closed")
+            self._queued.append(op)
+            self._cond.notify_all()
+        op.done.wait()
+        if op.error is not None:
+            raise op.error
+        return op.result
+
+    # ------------------------------------------------------------------ the scheduler thread
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                first = None
+                while not self._closed:
+                    waiting = len(self._queued) + len(self._prefills)
+                    if waiting and first is None:
+                        first = time.monotonic()
+                    if waiting and (waiting >= self._members or time.monotonic() - first >= self.max_wait):
+                        break
+                    self._cond.wait(None if first is None else max(0.0, first + self.max_wait - time.monotonic()))
+                if self._closed:
+                    for op in self._queued + self._prefills:
+                        op.error = Ds4Error("the scheduler is closed")
+                        op.done.set()
+                    return
+                ops, self._queued = self._queued, []
+            self._round(ops)
+
+    def _round(self, ops: list[_Op]) -> None:
+        self.stats.rounds += 1
+        for op in ops:
+            if op.kind == "run":
+                self._finish(op, lambda op=op: self._attached(op.seq, op.fn))
+        self._prefills += [op for op in ops if op.kind == "prefill"]
+        decodes = [op for op in ops if op.kind == "decode"]
+        for i in range(0, len(decodes), self.engine.max_batch):
+            self._decode(decodes[i:i + self.engine.max_batch])
+        for op in list(self._prefills):
+            self._prefill_chunk(op, others=bool(decodes) or len(self._prefills) > 1)
+
+    def _attached(self, seq, fn):
+        self.engine.attach(seq)
+        return fn(self.engine)
+
+    @staticmethod
+    def _finish(op: _Op, fn) -> None:
+        try:
+            op.result = fn()
+        except BaseException as e:   # the generation's thread raises it
+            op.error = e
+        op.done.set()
+
+    def _decode(self, ops: list[_Op]) -> None:
+        t0 = time.perf_counter()
+        try:
+            steps = self.engine.decode_batch([op.seq for op in ops], [op.token for op in ops])
+        except BaseException as e:
+            if len(ops) == 1:
+                ops[0].error = e
+                ops[0].done.set()
+                return
+            for op in ops:   # alone, each says what it did: one request's full context fails no other
+                self._finish(op, lambda op=op: self.engine.decode_batch([op.seq], [op.token])[0])
+            return
+        self._step_s = _recent(self._step_s, time.perf_counter() - t0)
+        self.stats.batches[len(ops)] += 1
+        self.stats.decoded += len(ops)
+        for op, step in zip(ops, steps):
+            op.result = step
+            op.done.set()
+
+    def _chunk(self, others: bool) -> int:
+        """Prefill tokens for this round: the compiled chunk alone, else about one decode step's worth."""
+        if not others:
+            return self.engine.chunk
+        if self._step_s is None or self._token_s is None:
+            return MIN_CHUNK
+        return int(min(self.engine.chunk, max(MIN_CHUNK, self._step_s / self._token_s)))
+
+    def _prefill_chunk(self, op: _Op, others: bool) -> None:
+        n = self._chunk(others)
+        part, op.tokens = op.tokens[:n], op.tokens[n:]
+        t0 = time.perf_counter()
+        try:
+            op.parts.append(self._attached(op.seq, lambda e: e.prefill(part)))
+            self._token_s = _recent(self._token_s, (time.perf_counter() - t0) / len(part))
+            self.stats.prefilled += len(part)
+            done = op.total - len(op.tokens)
+            if op.on_chunk is not None and op.on_chunk(done, op.total):
+                raise Cancelled(f"prefill stopped after {done} of {op.total} tokens")
+        except BaseException as e:
+            op.error = e
+        if op.error is not None or not len(op.tokens):
+            self._prefills.remove(op)
+            if op.error is None:
+                op.result = _joined(op.parts)
+            op.done.set()
+
+
+def _recent(old: float | None, new: float) -> float:
+    return new if old is None else 0.8 * old + 0.2 * new
+
+
+def _joined(parts: list):
+    """The steps of a prompt's chunks as Engine.prefill returns them: the last token's logits,
+    every row's other outputs."""
+    from .engine import Step
+
+    outputs = {k: np.concatenate([p.outputs[k] for p in parts]) for k in parts[0].outputs}
+    return Step(parts[0].fn, parts[-1].logits, outputs)
+
+
+class SequenceEngine:
+    """One engine sequence behind the engine's interface, for a generation on its own thread:
+    calls that run kernels or move counters are operations of the scheduler; the artifact's
+    constants (max_context, n_vocab, manifest, drafters, ...) are the engine's."""
+
+    _PURE = frozenset({"rewindable_of"})   # engine methods that only read: called directly
+
+    def __init__(self, scheduler: Scheduler, seq):
+        self._scheduler, self._engine, self.seq = scheduler, scheduler.engine, seq
+
+    def __getattr__(self, name):
+        value = getattr(self._engine, name)
+        if callable(value) and name not in self._PURE:
+            raise AttributeError(f"SequenceEngine: Engine.{name} is not available to a batched sequence")
+        return value
+
+    @property
+    def pos(self) -> int:
+        return self.seq.pos
+
+    @property
+    def history(self) -> list[int]:
+        return self.seq.history
+
+    @property
+    def pending(self) -> int:
+        return self.seq.pending
+
+    @property
+    def states(self) -> dict:
+        return self.seq.states
+
+    @property
+    def rewindable(self) -> int:
+        return self._engine.rewindable_of(self.seq)
+
+    def _run(self, fn):
+        return self._scheduler.submit(_Op(self.seq, "run", fn=fn))
+
+    def decode(self, token: int):
+        self._engine._ids([token])   # a bad id is this request's error, before it joins a batch
+        return self._scheduler.submit(_Op(self.seq, "decode", token=int(token)))
+
+    def prefill(self, tokens, all_logits: bool = False, on_chunk=None):
+        ids = self._engine._ids(tokens)
+        if all_logits or not len(ids):
+            return self._run(lambda e: e.prefill(ids, all_logits, on_chunk))
+        self._run(lambda e: e._room(len(ids)))
+        return self._scheduler.submit(_Op(self.seq, "prefill", tokens=ids, total=len(ids), on_chunk=on_chunk))
+
+    def verify(self, tokens):
+        return self._run(lambda e: e.verify(tokens))
+
+    def commit(self, k: int) -> None:
+        self._run(lambda e: e.commit(k))
+
+    def rollback(self) -> None:
+        self._run(lambda e: e.rollback())
+
+    def rewind(self, n: int) -> None:
+        self._run(lambda e: e.rewind(n))
+
+    def reset(self) -> None:
+        self._run(lambda e: e.reset())
+
+    def snapshot(self):
+        return self._run(lambda e: e.snapshot())
+
+    def restore(self, cp) -> None:
+        self._run(lambda e: e.restore(cp))
+
+    def call(self, fn: str, **inputs):
+        return self._run(lambda e: e.call(fn, **inputs))

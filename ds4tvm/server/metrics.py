@@ -1,0 +1,38 @@
+"""`GET /metrics` of `ds4 serve`: Prometheus' text format (version 0.0.4), read from the service and
+its engine when scraped."""
+
+from __future__ import annotations
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _line(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> list[str]:
+    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *(f"{name}{labels} {value:g}" for labels, value in samples)]
+
+
+def metrics_text(service) -> str:
+    c, calls = service.counters(), service.engine.decode_calls
+    out = []
+    out += _line("ds4_requests_running", "gauge", "requests generating now", [("", c["running"])])
+    out += _line("ds4_requests_queued", "gauge", "requests waiting for a free worker", [("", service.jobs.qsize())])
+    out += _line("ds4_parallel", "gauge", "requests generated at once at most", [("", service.parallel)])
+    out += _line("ds4_requests_total", "counter", "requests answered, by outcome",
+                 [(f'{{outcome="{k}"}}', v) for k, v in sorted(c["outcomes"].items())])
+    out += _line("ds4_prompt_tokens_total", "counter", "prompt tokens of the requests begun", [("", c["prompt"])])
+    out += _line("ds4_prompt_tokens_cached_total", "counter",
+                 "prompt tokens continued from a kept sequence or checkpoint instead of prefilled (cache hits)",
+                 [("", c["cached"])])
+    out += _line("ds4_generated_tokens_total", "counter", "tokens generated", [("", c["generated"])])
+    out += _line("ds4_generated_tokens_per_second", "gauge", "tokens generated per second over the last 10 s",
+                 [("", c["tok_s"])])
+    buckets = []
+    for b in BATCH_BUCKETS:
+        below = sum(n for size, n in calls.items() if size <= b)
+        buckets.append((f'_bucket{{le="{b}"}}', below))
+    total = sum(calls.values())
+    out += ["# HELP ds4_decode_batch_size sequences per decode call", "# TYPE ds4_decode_batch_size histogram",
+            *(f"ds4_decode_batch_size{labels} {v}" for labels, v in buckets),
+            f'ds4_decode_batch_size_bucket{{le="+Inf"}} {total}',
+            f"ds4_decode_batch_size_sum {sum(size * n for size, n in calls.items())}",
+            f"ds4_decode_batch_size_count {total}"]
+    return "\n".join(out) + "\n"
