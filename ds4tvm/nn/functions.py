@@ -71,20 +71,45 @@ class Fn:
 def target_functions(args, outputs: tuple[str, ...], max_batch: int = 1) -> list[Fn]:
     """prefill, prefill_all, decode and verify of a target module: args(rows) gives the inputs of a
     call of `rows` rows (TARGET_ROWS), the model's states follow; verify is called with 1..max_verify
-    rows. A module whose _forward_batch decodes several sequences in one call (max_batch > 1) adds
-    batch_name(b) for b = 2..max_batch: one token per sequence, STARTS for their positions."""
+    rows. A module whose decode_batch decodes several sequences in one call (max_batch > 1) adds
+    batch_name(b) for b = 2..max_batch: one row per sequence, STARTS for their positions."""
     out = [Fn(f, tuple(args(rows)), outputs, "model", per_width=f == "verify") for f, rows in TARGET_ROWS.items()]
-    return out + [Fn(batch_name(b), (tokens(b, "ids"), STARTS), outputs, "model", sequences=b)
-                  for b in range(2, max_batch + 1)]
+    return out + [Fn(batch_name(b), tuple(STARTS if a == START else a for a in args(b)), outputs, "model",
+                     sequences=b) for b in range(2, max_batch + 1)]
 
 
-def per_sequence(x: nn.Tensor, fn, sequences: int) -> nn.Tensor:
-    """fn(i, rows) applied to each sequence's rows of x (one row each when there are several),
-    concatenated back: the sublayers that read and write a sequence's own state."""
-    if sequences == 1:
-        return fn(0, x)
-    parts = op.split(x, sequences, axis=0)
-    return op.concat([fn(i, part) for i, part in enumerate(parts)], dim=0)
+class Sequences:
+    """The sequences whose rows a call holds (one, or several of one row each: a batched decode):
+    each one's first position and state tensors by name, updated as its sublayers write them.
+    The sublayers that read and write a sequence's state run per sequence (`per_sequence`),
+    everything else on all rows at once."""
+
+    def __init__(self, state_names: list[str], sequences: list[tuple]):
+        self.names = state_names
+        self.starts = [start for start, _ in sequences]
+        self.states = [dict(zip(state_names, states)) for _, states in sequences]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def split(self, x: nn.Tensor) -> list[nn.Tensor]:
+        """x's rows of each sequence."""
+        return [x] if len(self) == 1 else list(op.split(x, len(self), axis=0))
+
+    def per_sequence(self, x: nn.Tensor, prefix: str, fn) -> nn.Tensor:
+        """fn(i, rows, start, states) -> (rows, new states) applied to each sequence's rows of x with
+        its state tensors under prefix (names without it), concatenated back."""
+        out = []
+        for i, rows in enumerate(self.split(x)):
+            mine = {k[len(prefix):]: v for k, v in self.states[i].items() if k.startswith(prefix)}
+            rows, new = fn(i, rows, self.starts[i], mine)
+            self.states[i].update({prefix + k: v for k, v in new.items()})
+            out.append(rows)
+        return out[0] if len(out) == 1 else op.concat(out, dim=0)
+
+    def outputs(self) -> list[tuple]:
+        """Every sequence's state tensors, in the names' order: what the function returns last."""
+        return [tuple(m[k] for k in self.names) for m in self.states]
 
 
 class Declared:
@@ -103,8 +128,9 @@ class Declared:
 
 
 class TargetFunctions(Declared):
-    """The target functions of a module whose _forward(ids, start, states, last_only) computes them
-    (prefill returns the logits of its last row only; the others of every row)."""
+    """The target functions of a module whose _rows(ids, sequences: Sequences, last_only) computes
+    them (prefill returns the logits of its last row only; the others of every row), its state
+    tensors' names in `state_names`."""
 
     def prefill(self, ids: nn.Tensor, start, states):
         """A chunk of the prompt; logits of its last token [1, V], extra outputs of every token."""
@@ -125,3 +151,9 @@ class TargetFunctions(Declared):
         """One token of each of len(starts) sequences (row i of sequence i at starts[i], in
         states[i]); logits of every row, then every sequence's states."""
         return self._forward_batch(ids, list(starts), list(states))
+
+    def _forward(self, ids, start, states, last_only: bool):
+        return self._rows(ids, Sequences(self.state_names, [(start, states)]), last_only)
+
+    def _forward_batch(self, ids, starts, states):
+        return self._rows(ids, Sequences(self.state_names, list(zip(starts, states))), last_only=False)

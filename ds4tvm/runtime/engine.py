@@ -54,6 +54,25 @@ class Step:
     outputs: dict = field(default_factory=dict)
 
 
+class _SequenceView:
+    """The engine as a host input's provider sees it for one sequence of a batched call: that
+    sequence's committed length and tokens, the engine's files and constants."""
+
+    def __init__(self, engine, seq: Sequence):
+        self._engine, self.seq = engine, seq
+
+    @property
+    def pos(self) -> int:
+        return self.seq.pos
+
+    @property
+    def history(self) -> list:
+        return self.seq.history
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
 class Engine:
     def __init__(self, artifact_dir: str | Path, weights: dict[str, str | Path] | None = None):
         """weights: role -> path, for weight files that are not where the artifact was compiled
@@ -280,7 +299,7 @@ class Engine:
         args = []
         for name, kind in spec.inputs:
             if kind == "host":
-                value = self.host_inputs[name](self, inputs)
+                value = self._host_value(spec, name, inputs, seqs)
             else:
                 value = inputs.get(name, self.pos if kind == "position" else None)
             if value is None:
@@ -298,6 +317,16 @@ class Engine:
         result = self.vm[fn](*args, *self._params_of[fn])
         result = [result] if hasattr(result, "numpy") else list(result)
         return {name: result[i].numpy() for i, name in enumerate(spec.outputs)}
+
+    def _host_value(self, spec: FunctionSpec, name: str, inputs: dict, seqs) -> np.ndarray:
+        """A host input from its family's provider: in a batched call, each sequence's row from
+        that sequence's history."""
+        provider = self.host_inputs[name]
+        if spec.sequences == 1:
+            return provider(self, inputs)
+        ids = np.asarray(inputs["ids"]).reshape(-1)
+        return np.concatenate([provider(_SequenceView(self, seq), {"ids": ids[i:i + 1], "start": seq.pos})
+                               for i, seq in enumerate(seqs)])
 
     def _step(self, fn: str, ids: np.ndarray, last_row: bool = False) -> Step:
         out = self.call(fn, ids=ids, start=self.pos)

@@ -35,7 +35,7 @@ def agreeing(target):
 
     d, cfg, model = target
     support = write_agreeing_mtp(d / "agree.gguf", model, seed=5)
-    return _compile(d, model, support, "agree"), support
+    return _compile(d, model, support, "agree", "--max-batch", "2"), support
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +113,22 @@ def test_agreeing_drafter_equals_target_only_and_is_accepted(agreeing):
         assert got == want
         assert c["proposed"] >= 40 and c["accepted_draft"] >= 0.9 * c["proposed"], c
         assert stats.line().startswith("ds4: MTP stats cycles=")
+
+
+def test_generations_sharing_the_engine_with_the_legacy_drafter(agreeing):
+    """Four generations through the scheduler, two with the legacy MTP drafter, greedy and seeded:
+    each as alone (greedy: target-only); the batched decode carries the hc streams it reads."""
+    from batching import assert_batched_decode_is_decode, assert_together_is_alone
+
+    from ds4tvm.runtime.drafters.mtp import MTPDrafter
+    from ds4tvm.runtime.engine import Engine
+
+    e = Engine(agreeing[0])
+    assert_batched_decode_is_decode(e, [PROMPT, [3, 4, 5, 6, 7, 8, 9, 10]])
+    mtp = lambda: MTPDrafter(e, 3, margin=0.0)  # noqa: E731
+    stats = assert_together_is_alone(e, [(PROMPT, 0, 0, mtp), (PROMPT[:3], 0, 1, None), (PROMPT[1:], 1, 2, mtp),
+                                         ([9, 8, 7], 0.9, 3, None)])
+    assert max(stats.batches) == 2
 
 
 def test_disagreeing_drafter_rolls_back_to_target_only(target, agreeing):

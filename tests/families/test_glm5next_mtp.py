@@ -28,7 +28,7 @@ def model(request, tmp_path_factory):
     cfg = tiny_config(mtp_input=request.param)
     assert cfg.n_vocab == VOCAB
     gguf = write_random_glm5next(d / "glm.gguf", cfg, seed=3, type_of=lambda spec: _f32())
-    compile_here(gguf, "--target", "llvm", "-o", d / "art", "--max-context", "256", "--quiet")
+    compile_here(gguf, "--target", "llvm", "-o", d / "art", "--max-context", "256", "--max-batch", "3", "--quiet")
     return d / "art", gguf, request.param
 
 
@@ -126,6 +126,22 @@ def test_nextn_step_matches_the_numpy_reference(model):
         # measured 3.9e-5 (hidden) and 5.4e-5 (streams) after the prompt, the trunk's departure from
         # transformers carried through the layer; 7e-7 and 1e-6 after 24 tokens, fed the artifact's rows
         assert np.abs(got - want).max() <= 1e-4, (n_new, np.abs(got - want).max())
+
+
+def test_batched_decode_and_generations_sharing_the_engine(model):
+    """Three sequences' decode in one call: each one's logits and MTP inputs bit for bit as alone;
+    four generations through the scheduler (with the MTP drafter and without, greedy and seeded)
+    as each alone, the greedy ones as target-only decoding."""
+    from batching import assert_batched_decode_is_decode, assert_together_is_alone
+
+    from ds4tvm.runtime.drafters.glm_mtp import GLMMTPDrafter
+
+    e = _engine(model)
+    assert_batched_decode_is_decode(e, [PROMPT, PROMPT[:20], PROMPT[5:30]])
+    mtp = lambda: GLMMTPDrafter(e)  # noqa: E731
+    stats = assert_together_is_alone(e, [(PROMPT, 0, 0, mtp), (PROMPT[:30], 0, 1, None), (PROMPT[3:], 1, 2, mtp),
+                                         (PROMPT[:17], 0.9, 3, None)])
+    assert max(stats.batches) > 1
 
 
 class _Double:

@@ -147,7 +147,8 @@ def model(tmp_path_factory):
     cfg = _integrated(d / "nine.gguf", d / "model.gguf", w)
     hf.set_experts_implementation("eager")
     hf = hf.double()
-    compile_here(d / "model.gguf", "--target", "llvm", "-o", d / "art", "--max-context", "256", "--quiet")
+    compile_here(d / "model.gguf", "--target", "llvm", "-o", d / "art", "--max-context", "256", "--max-batch", "3",
+                 "--quiet")
     torch.manual_seed(0)
     return d / "art", d / "model.gguf", cfg, Reference(hf, w)
 
@@ -216,6 +217,25 @@ class _Double:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("depth", ["2", "3"])
+def test_batched_decode_and_generations_sharing_the_engine(model, depth, monkeypatch):
+    """Three sequences' decode in one call (each one's PLE rows from its own history): logits and
+    MTP inputs bit for bit as alone; four generations through the scheduler, the MTP drafter at
+    depth 2 or 3 in two of them, greedy and seeded, as each alone (greedy: target-only)."""
+    from batching import assert_batched_decode_is_decode, assert_together_is_alone
+
+    from ds4tvm.runtime.drafters.qwen_mtp import QwenMTPDrafter
+
+    monkeypatch.setenv("DS4_QWEN4_MTP_DEPTH", depth)
+    e = _engine(model)
+    if depth == "2":
+        assert_batched_decode_is_decode(e, [PROMPT, PROMPT[:20], PROMPT[5:30]])
+    mtp = lambda: QwenMTPDrafter(e)  # noqa: E731
+    stats = assert_together_is_alone(e, [(PROMPT, 0, 0, mtp), (PROMPT[:30], 0, 1, None), (PROMPT[3:], 1, 2, mtp),
+                                         (PROMPT[:17], 0.9, 3, None)])
+    assert max(stats.batches) > 1
 
 
 @pytest.mark.parametrize("depth,mode", [("0", "agree"), ("3", "first"), pytest.param("3", "disagree", marks=pytest.mark.slow),

@@ -20,7 +20,7 @@ from ...nn.attention import indexer_select, sparse_window_attention
 from ...nn.hyper import embedded_streams, hc_head, hc_post, hc_pre
 from ...nn.norm_rope import periodic_rows, rms, rms_rope, rope, rope_hadamard_fp4, rope_inv_freq
 from ...nn.moe import choose_experts, dense_ffn, routed_experts, table_experts
-from ...nn.functions import START, Fn, TargetFunctions, per_sequence, target_functions, tokens
+from ...nn.functions import START, Fn, Sequences, TargetFunctions, target_functions, tokens
 from ...nn.qweight import Weights
 from ...nn.state import compacts, compressor_writes, context_rows
 from .compressor import pooled_window
@@ -192,31 +192,14 @@ class DeepSeekV4(TargetFunctions, nn.Module):
         """The target's output head over hidden_of."""
         return self.output.linear(self.hidden_of(X, head_fn, head_scale, head_base, norm, name), name=f"{name}_lm_head")
 
-    def _forward(self, ids, start, states, last_only: bool):
-        return self._rows(ids, [(start, states)], last_only)
-
-    def _forward_batch(self, ids, starts, states):
-        return self._rows(ids, list(zip(starts, states)), last_only=False)
-
-    def _rows(self, ids, sequences: list, last_only: bool):
-        """Rows of one or more sequences (sequences: (start, states) of each, in row order; one row
-        each when several): the attention sublayers run per sequence, on its own state, everything
-        else on all rows at once."""
+    def _rows(self, ids, seqs: Sequences, last_only: bool):
         c = self.cfg
         n = ids.shape[0]
-        named = [dict(zip(self.state_names, states)) for _, states in sequences]
         X = embedded_streams(self.token_embd, ids, c.hc, c.n_embd)
         captured = []
         for il, layer in enumerate(self.layers):
-            p = f"blk.{il}."
-
-            def attend(b, Xb, layer=layer, p=p):
-                mine = {k[len(p):]: v for k, v in named[b].items() if k.startswith(p)}
-                Xb, new = layer.attention(Xb, sequences[b][0], mine, self.rope_main, self.rope_comp, self.kv_rounding)
-                named[b].update({p + k: v for k, v in new.items()})
-                return Xb
-
-            X = per_sequence(X, attend, len(sequences))
+            X = seqs.per_sequence(X, f"blk.{il}.", lambda _, rows, start, mine, layer=layer: layer.attention(
+                rows, start, mine, self.rope_main, self.rope_comp, self.kv_rounding))
             X = layer.moe(X, ids)
             if il in self.capture_layers:
                 captured.append(op.reshape(op.sum(X, axis=1) * (1.0 / c.hc), (n, 1, c.n_embd)))
@@ -227,8 +210,7 @@ class DeepSeekV4(TargetFunctions, nn.Module):
         hidden = self.hidden_of(X, self.output_hc_fn, self.output_hc_scale, self.output_hc_base, self.output_norm,
                                 "output")
         logits = self.output.linear(hidden, name="output_lm_head")
-        states = [tuple(m[k] for k in self.state_names) for m in named]
-        return (logits, hidden, *extras, *states)
+        return (logits, hidden, *extras, *seqs.outputs())
 
     def state_specs(self) -> list[StateSpec]:
         return state_specs(self.cfg, self.bounds)

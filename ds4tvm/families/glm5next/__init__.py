@@ -13,7 +13,7 @@ FAMILY = Family(
     name="glm5next", title="GLM-5.3-Flash", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs,
     build=f"{_HERE}.build:build", check_bounds=check_bounds, default_bounds=DEFAULT_BOUNDS,
     describe=Config.describe, hf_model_types=("glm5_next",), convert=f"{_HERE}.convert:convert_hf",
-    published=f"{_HERE}.build:published", tool_syntax=f"{_HERE}.tools:GLMToolSyntax",
+    published=f"{_HERE}.build:published", tool_syntax=f"{_HERE}.tools:GLMToolSyntax", batches=True,
     sampling=(1.0, 0.95, 0.0),
     check_speculation=nextn_speculation("GLM-5.3", 2, "drafts one token (2 per cycle with the chosen one)"),
     drafters=(DraftSpec("glm_mtp", "GLM MTP", "--mtp", support=None, enabled=lambda o: o.mtp is not None or o.mtp_timing,

@@ -22,7 +22,7 @@ from ...nn.hyper import embedded_streams, hc_post, hc_pre
 from ...nn.norm_rope import layer_norm, rms
 from ...nn.linear_attention import causal_conv_silu, delta_rule, l2_normalized_heads
 from ...nn.moe import choose_experts, dense_ffn, routed_experts
-from ...nn.functions import START, Fn, TargetFunctions, target_functions, tokens
+from ...nn.functions import START, Fn, Sequences, TargetFunctions, target_functions, tokens
 from ...nn.qweight import QWeight
 from ...nn.state import emit_rows, gather_context, ring_write
 from .config import LLAMA, Config
@@ -259,18 +259,19 @@ class GLM5Next(TargetFunctions, nn.Module):
         self.layers = nn.ModuleList([Layer(cfg, il, types) for il in range(cfg.n_layers)])
         self.state_names = [s.name for s in state_specs(cfg, bounds)]
 
-    def _forward(self, ids, start, states, last_only: bool):
+    def _rows(self, ids, seqs: Sequences, last_only: bool):
         c = self.cfg
         n = ids.shape[0]
-        named = dict(zip(self.state_names, states))
         X = embedded_streams(self.token_embd, ids, c.hc, c.n_embd)
-        out_states, sel = dict(named), None
+        sels = [None] * len(seqs)   # each sequence's last DSA selection, which a layer without an indexer reuses
+
+        def attention(i, rows, start, mine, layer):
+            rows, new, sels[i] = layer.attention(rows, start, mine, sels[i])
+            return rows, new
+
         for il, layer in enumerate(self.layers):
-            p = f"blk.{il}."
-            mine = {k[len(p):]: v for k, v in named.items() if k.startswith(p)}
-            X, new, sel = layer.attention(X, start, mine, sel)
+            X = seqs.per_sequence(X, f"blk.{il}.", lambda *a, layer=layer: attention(*a, layer))
             X = layer.ffn(X)
-            out_states.update({p + k: v for k, v in new.items()})
         hidden = rms(op.sum(X, axis=1) * (1.0 / c.hc), c.rms_eps, self.output_norm.values(name="output_norm"))
         head_in = hidden
         if last_only:
@@ -278,10 +279,10 @@ class GLM5Next(TargetFunctions, nn.Module):
                                                              name="last_row"), "last_row", [hidden])
         outs = {"logits": self.output.linear(head_in, name="output_lm_head"), "hidden": hidden,
                 "streams": op.reshape(X, (n, c.hc * c.n_embd))}
-        return (*(outs[k] for k in self.outputs), tuple(out_states[k] for k in self.state_names))
+        return (*(outs[k] for k in self.outputs), *seqs.outputs())
 
     def state_specs(self) -> list[StateSpec]:
         return state_specs(self.cfg, self.bounds)
 
     def functions(self) -> list[Fn]:
-        return target_functions(lambda rows: (tokens(rows, "ids"), START), self.outputs)
+        return target_functions(lambda rows: (tokens(rows, "ids"), START), self.outputs, self.bounds.max_batch)

@@ -13,7 +13,7 @@ FAMILY = Family(
     name="qwen4exp", title="Qwen3.8 Flash Next", architecture=ARCH, role="target", config_from_gguf=Config.from_gguf, tensor_specs=tensor_specs,
     build=f"{_HERE}.build:build", check_bounds=check_bounds, default_bounds=DEFAULT_BOUNDS,
     describe=Config.describe, hf_model_types=("qwen4_exp", "qwen4_exp_text"), convert=f"{_HERE}.convert:convert_hf",
-    published=f"{_HERE}.build:published",
+    published=f"{_HERE}.build:published", batches=True,
     check_speculation=nextn_speculation("Qwen3.8", 3, "drafts 1 or 2 tokens (3 rows per cycle with the chosen one; "
                                                       "DS4_QWEN4_MTP_DEPTH=2|3 pins the depth)"),
     host_inputs={"ple": f"{_HERE}.ple:host_rows"}, tool_syntax=f"{_HERE}.tools:QwenToolSyntax",

@@ -24,7 +24,7 @@ from ...nn.norm_rope import rms, rope_neox
 from ...nn.linear_attention import causal_conv_silu, delta_rule, l2_normalized_heads
 from ...nn.moe import choose_experts, dense_ffn, routed_experts
 from ...nn.hyper import embedded_streams
-from ...nn.functions import START, Arg, Declared, Fn, target_functions, tokens
+from ...nn.functions import START, Arg, Declared, Fn, Sequences, target_functions, tokens
 from ...nn.qweight import QWeight
 from ...nn.state import emit_rows, gather_context, ring_write
 from .config import Config
@@ -112,15 +112,17 @@ class Layer(nn.Module):
     def v(self, suffix: str) -> nn.Tensor:
         return self.w[suffix].values(name=suffix.replace(".", "_"))
 
-    def forward_layer(self, X, ple_emb, start, states: dict):
-        c, new = self.cfg, {}
+    def forward_layer(self, X, ple_parts: list, seqs: Sequences):
+        """The layer over the rows of seqs (ple_parts: each sequence's PLE rows): the PLE and the
+        token mixer (GDN or attention) per sequence, on its state; the rest on every row."""
+        c, prefix = self.cfg, f"blk.{self.il}."
         if self.il in c.ple_layers:
-            X, new["ple_conv"] = self.ple(X, ple_emb, start, states["ple_conv"])
+            X = seqs.per_sequence(X, prefix, lambda i, rows, start, st: self.ple(rows, ple_parts[i], start, st))
         mixed, weights = hc_mix(X, self.w, "hc_attn", c.hc, c.rms_eps)
-        out, more = self.gdn(mixed, start, states) if c.is_gdn(self.il) else self.attention(mixed, start, states)
-        X = _inject(X, weights, out)
+        mixer = self.gdn if c.is_gdn(self.il) else self.attention
+        X = _inject(X, weights, seqs.per_sequence(mixed, prefix, lambda _, rows, start, st: mixer(rows, start, st)))
         mixed, weights = hc_mix(X, self.w, "hc_ffn", c.hc, c.rms_eps)
-        return _inject(X, weights, self.moe(mixed)), {**new, **more}
+        return _inject(X, weights, self.moe(mixed))
 
     # ------------------------------------------------------------------ Gated DeltaNet
     def gdn(self, x, start, states):
@@ -231,7 +233,7 @@ class Layer(nn.Module):
         shared_gate = op.sigmoid(op.matmul(h, op.reshape(self.v("ffn_gate_inp_shexp.weight"), (c.n_embd, 1))))
         return routed_experts(w, h, experts, ws, 0.0, forms=self.forms) + dense_ffn(w, h, 0.0, "_shexp") * shared_gate
 
-    def ple(self, X, emb, start, ring):
+    def ple(self, X, emb, start, states: dict):
         """R += gated + SiLU(conv(RMSNorm(gated))), gated_s = sigmoid(ssqrt(<key_s, query_s> / sqrt(D))) value:
         key_s and query_s the per-stream RMSNorms of ple_key(emb) and of R; ssqrt the signed square
         root (|x| clamped at 1e-6); conv the depthwise conv dilated by the n-gram size over its ring."""
@@ -243,10 +245,11 @@ class Layer(nn.Module):
         value = w["ple_value.weight"].linear(emb, name="ple_value")
         gated = op.reshape(gate, (n, hc, 1)) * op.reshape(value, (n, 1, D))
         normed = op.reshape(_per_stream(gated, hc, D, c.rms_eps, self.v("ple_norm_conv.weight")), (n, hc * D))
+        ring = states["ple_conv"]
         conv = self._dilated_conv(gather_context(ring, normed, start, (c.ple_conv_kernel - 1) * c.ngram,
                                                  name="ple_conv_context"))
         ring = ring_write(ring, normed, start, name="ple_conv_write")
-        return X + gated + op.reshape(op.silu(conv), (n, hc, D)), ring
+        return X + gated + op.reshape(op.silu(conv), (n, hc, D)), {"ple_conv": ring}
 
     def _dilated_conv(self, ctx: nn.Tensor) -> nn.Tensor:
         """out[t, c] = sum_k w[c, k] ctx[t + k * dilation, c] (ctx row j: position start - hist + j)."""
@@ -309,19 +312,19 @@ class Qwen4Exp(Declared, nn.Module):
         self.state_names = [s.name for s in state_specs(cfg, bounds)]
 
     def _forward(self, ids, ple, start, states, last_only: bool):
+        return self._rows(ids, ple, Sequences(self.state_names, [(start, states)]), last_only)
+
+    def _rows(self, ids, ple, seqs: Sequences, last_only: bool):
         c = self.cfg
         n = ids.shape[0]
-        named = dict(zip(self.state_names, states))
         X = embedded_streams(self.token_embd, ids, c.hc, c.n_embd)
-        out_states = dict(named)
-        for il, layer in enumerate(self.layers):
-            p = f"blk.{il}."
-            X, new = layer.forward_layer(X, ple, start, {k[len(p):]: v for k, v in named.items() if k.startswith(p)})
-            out_states.update({p + k: v for k, v in new.items()})
+        ple_parts = seqs.split(ple)
+        for layer in self.layers:
+            X = layer.forward_layer(X, ple_parts, seqs)
         hidden = hc_mix(X, self.head, "output_hc", c.hc, c.rms_eps, inject=False)
         logits = self.output.linear(last_row(hidden) if last_only else hidden, name="output_lm_head")
         outs = {"logits": logits, "hidden": hidden, "streams": op.reshape(X, (n, c.hc * c.n_embd))}
-        return (*(outs[k] for k in self.OUTPUTS), tuple(out_states[k] for k in self.state_names))
+        return (*(outs[k] for k in self.OUTPUTS), *seqs.outputs())
 
     def prefill(self, ids: nn.Tensor, ple: nn.Tensor, start, states):
         return self._forward(ids, ple, start, states, last_only=True)
@@ -335,10 +338,14 @@ class Qwen4Exp(Declared, nn.Module):
     def verify(self, ids: nn.Tensor, ple: nn.Tensor, start, states):
         return self._forward(ids, ple, start, states, last_only=False)
 
+    def decode_batch(self, ids: nn.Tensor, ple: nn.Tensor, starts, states):
+        """One token of each of len(starts) sequences (nn/functions.TargetFunctions.decode_batch)."""
+        return self._rows(ids, ple, Sequences(self.state_names, list(zip(starts, states))), last_only=False)
+
     def state_specs(self) -> list[StateSpec]:
         return state_specs(self.cfg, self.bounds)
 
     def functions(self) -> list[Fn]:
         width = max(self.cfg.n_embd, 1)
         return target_functions(lambda rows: (tokens(rows, "ids"), Arg("ple", "host", (rows, width)), START),
-                                self.OUTPUTS)
+                                self.OUTPUTS, self.bounds.max_batch)

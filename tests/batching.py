@@ -1,0 +1,92 @@
+"""Checks of continuous batching every family's tests share (tests/runtime/test_batching.py has the
+engine-level ones): a batched decode against decodes alone, bit for bit, and generations through
+the scheduler against each generated alone."""
+
+import threading
+
+import numpy as np
+
+from ds4tvm.errors import Ds4Error
+from ds4tvm.runtime.sampler import SamplingParams
+from ds4tvm.runtime.speculative import generate
+
+N_TOKENS = 20
+
+
+def prompts(n_vocab: int, lengths, seed: int = 5) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, n_vocab, size=n).tolist() for n in lengths]
+
+
+def assert_batched_decode_is_decode(engine, prompt_list: list[list[int]], steps: int = 4) -> None:
+    """Each prompt's greedy continuation decoded alone and as one batch of them all: equal logits
+    and named outputs, bit for bit."""
+    alone = []
+    for p in prompt_list:
+        engine.attach(engine.new_sequence())
+        engine.prefill(p)
+        rows, t = [], p[-1]
+        for _ in range(steps):
+            step = engine.decode(t)
+            rows.append(step)
+            t = int(np.argmax(step.logits))
+        alone.append(rows)
+    seqs = []
+    for p in prompt_list:
+        seqs.append(engine.new_sequence())
+        engine.attach(seqs[-1])
+        engine.prefill(p)
+    tokens = [p[-1] for p in prompt_list]
+    for i in range(steps):
+        got = engine.decode_batch(seqs, tokens)
+        for j, step in enumerate(got):
+            want = alone[j][i]
+            assert np.array_equal(step.logits, want.logits), (i, j)
+            assert step.outputs.keys() == want.outputs.keys()
+            assert all(np.array_equal(step.outputs[k], want.outputs[k]) for k in want.outputs), (i, j)
+        tokens = [int(np.argmax(s.logits)) for s in got]
+
+
+def together(scheduler, jobs: list) -> list:
+    """Each job (prompt, temperature, seed, drafter factory or None) generated on its own thread
+    through the scheduler, all at once: the tokens of each (or the Ds4Error it raised)."""
+    out = [None] * len(jobs)
+
+    def one(i, prompt, temp, seed, make_drafter):
+        try:
+            with scheduler.member(scheduler.engine.new_sequence()) as seq_engine:
+                out[i] = generate(seq_engine, prompt, N_TOKENS, SamplingParams(temperature=temp),
+                                  np.random.default_rng(seed), drafter=make_drafter and make_drafter())[0]
+        except Ds4Error as e:
+            out[i] = e
+    threads = [threading.Thread(target=one, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return out
+
+
+def alone(engine, prompt, temp, seed, make_drafter=None) -> list[int]:
+    """The job generated on the engine itself, in a new sequence."""
+    engine.attach(engine.new_sequence())
+    return generate(engine, prompt, N_TOKENS, SamplingParams(temperature=temp), np.random.default_rng(seed),
+                    drafter=make_drafter and make_drafter())[0]
+
+
+def assert_together_is_alone(engine, jobs: list) -> object:
+    """Generations through a scheduler equal each job alone, and, at temperature 0, target-only
+    decoding (the identity property); the scheduler's stats."""
+    from ds4tvm.runtime.scheduler import Scheduler
+
+    want = [alone(engine, *job) for job in jobs]
+    for (prompt, temp, seed, make_drafter), w in zip(jobs, want):
+        if temp == 0 and make_drafter is not None:
+            assert w == alone(engine, prompt, 0, seed)
+    scheduler = Scheduler(engine)
+    try:
+        got = together(scheduler, jobs)
+        assert got == want
+        return scheduler.stats
+    finally:
+        scheduler.close()
