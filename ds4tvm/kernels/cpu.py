@@ -129,10 +129,10 @@ def one_token(tokens) -> bool:
     return isinstance(tokens, int) and tokens == 1
 
 
-def one_block(tokens, blocking: Blocking) -> bool:
-    """Whether a linear's token count is a static one (decode's 1, a batched decode's one per
-    sequence) within one token block of the micro-kernel."""
-    return isinstance(tokens, int) and tokens <= blocking.tokens
+def static_count(tokens) -> bool:
+    """Whether a linear's token count is static: decode's 1, a batched decode's one per sequence
+    (prefill's and verify's are symbolic)."""
+    return isinstance(tokens, int)
 
 
 def takes_experts(qtype: QT, N: int, K: int, tokens, int8: str | None = None) -> bool:

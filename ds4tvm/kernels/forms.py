@@ -56,16 +56,18 @@ class Forms:
         its rows one after another (rows=1): a core then reads one sequential stream, which the
         hardware prefetcher follows, where rows read side by side (512 bytes apart at K = 512)
         left one-token calls at half the memory's speed (a Q8_0 linear read from memory: int8
-        13 -> 24 GB/s, experts 14 -> 27 GB/s; BENCHMARKS.md). So does a call of a static count of
-        tokens that fits one token block (a batched decode: one token per sequence), each weight
-        vector read once for all of them. A token's sums do not depend on the blocking, so decode
-        and verify still round alike."""
+        13 -> 24 GB/s, experts 14 -> 27 GB/s; BENCHMARKS.md). So does a batched decode's call, of a
+        static count of tokens (one per sequence), each row's weights read once for all of them
+        (from the cache after its first token block): on the benchmark model's Q8_0 output head a
+        batch of 2 took 2.7x one token's time with rows side by side, a batch of 4 1.8x in one
+        stream. A token's sums do not
+        depend on the blocking, so decode and verify still round alike."""
         c = self.cpu_linears
         if c is None:
             return None, None, None
-        from .cpu import one_block, takes_int8
+        from .cpu import static_count, takes_int8
 
-        blocking = replace(c.blocking, rows=1) if one_block(tokens, c.blocking) else c.blocking
+        blocking = replace(c.blocking, rows=1) if static_count(tokens) else c.blocking
         return c.threads, blocking, c.int8_dot if c.int8_dot and takes_int8(qtype, K, c.int8_dot) else None
 
 

@@ -96,11 +96,13 @@ class Sequences:
         """x's rows of each sequence."""
         return [x] if len(self) == 1 else list(op.split(x, len(self), axis=0))
 
-    def per_sequence(self, x: nn.Tensor, prefix: str, fn) -> nn.Tensor:
+    def per_sequence(self, x, prefix: str, fn) -> nn.Tensor:
         """fn(i, rows, start, states) -> (rows, new states) applied to each sequence's rows of x with
-        its state tensors under prefix (names without it), concatenated back."""
+        its state tensors under prefix (names without it), concatenated back. x: a tensor, or a
+        list of tensors of the same rows (fn then gets the list of each one's rows)."""
         out = []
-        for i, rows in enumerate(self.split(x)):
+        pieces = [list(p) for p in zip(*map(self.split, x))] if isinstance(x, list) else self.split(x)
+        for i, rows in enumerate(pieces):
             mine = {k[len(prefix):]: v for k, v in self.states[i].items() if k.startswith(prefix)}
             rows, new = fn(i, rows, self.starts[i], mine)
             self.states[i].update({prefix + k: v for k, v in new.items()})

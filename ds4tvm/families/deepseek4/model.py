@@ -79,56 +79,85 @@ class Block(nn.Module):
         return hc_pre(X, w["hc_attn_fn.weight"], self.v("hc_attn_scale"), self.v("hc_attn_base"),
                       c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v("attn_norm"), forms=self.forms)
 
-    def kv_rows(self, N, start, freq, kv_rounding: bool):
+    def kv_rows(self, N, start, freq, kv_rounding: bool, projected=None):
         """The K=V row of each token: attn_kv, kv_a_norm, RoPE at its position, FP8 rounding (the
-        cache keeps FP8 values: the token attends to its rounded row too)."""
+        cache keeps FP8 values: the token attends to its rounded row too). projected: attn_kv(N)
+        when computed already."""
         c = self.cfg
-        return rms_rope(self.w["attn_kv.weight"].linear(N), c.rms_eps, self.v("attn_kv_a_norm"), start, freq,
-                        fp8=kv_rounding, forms=self.forms)
+        kv = self.w["attn_kv.weight"].linear(N) if projected is None else projected
+        return rms_rope(kv, c.rms_eps, self.v("attn_kv_a_norm"), start, freq, fp8=kv_rounding, forms=self.forms)
 
     def attention(self, X, start, states, rope_main, rope_comp, kv_rounding: bool):
+        """The attention sublayer of one sequence: (X', its states, written)."""
+        seqs = Sequences(list(states), [(start, list(states.values()))])
+        return self.attention_rows(X, seqs, "", rope_main, rope_comp, kv_rounding), seqs.states[0]
+
+    def attention_rows(self, X, seqs: Sequences, prefix: str, rope_main, rope_comp, kv_rounding: bool):
+        """The attention sublayer over the rows of seqs: the projections on every row at once (one
+        read of the weights for all sequences), RoPE, the compressor, the indexer and attention
+        per sequence, on its states under prefix."""
         c, r, w = self.cfg, self.ratio, self.w
         n = X.shape[0]
         H, Dh = c.n_head, c.head_dim
         N, post, comb = self.attn_input(X)
         QR = rms(w["attn_q_a.weight"].linear(N), c.rms_eps, self.v("attn_q_a_norm"))
+        projected = [op.reshape(w["attn_q_b.weight"].linear(QR), (n, H, Dh)), w["attn_kv.weight"].linear(N)]
+        if r:
+            projected += self._compressor_inputs(N, "attn_compressor")
+            if r == 4:
+                projected += self._compressor_inputs(N, "indexer_compressor") + [
+                    op.reshape(w["indexer.attn_q_b.weight"].linear(QR), (n, c.idx_n_head, c.idx_head_dim)),
+                    w["indexer.proj.weight"].linear(N) * (1.0 / math.sqrt(c.idx_head_dim * c.idx_n_head))]
+        attn = seqs.per_sequence(projected, prefix, lambda _, parts, start, states: self._attend(
+            parts, start, states, rope_main, rope_comp, kv_rounding))
+        groups = c.o_groups
+        low = w["attn_output_a.weight"].grouped_linear(op.reshape(attn, (n, groups, H // groups * Dh)), groups)
+        out = w["attn_output_b.weight"].linear(op.reshape(low, (n, groups * c.o_lora_rank)))
+        return hc_post(out, X, post, comb, forms=self.forms)
+
+    def _attend(self, parts: list, start, states: dict, rope_main, rope_comp, kv_rounding: bool):
+        """One sequence's attention from its rows' projections (attention_rows' order): (output,
+        new states)."""
+        c, r = self.cfg, self.ratio
+        q, kv = parts[:2]
         freq = rope_comp if r else rope_main
-        Q = rms_rope(op.reshape(w["attn_q_b.weight"].linear(QR), (n, H, Dh)), c.rms_eps, None, start, freq, forms=self.forms)
-        KV = self.kv_rows(N, start, freq, kv_rounding)
+        Q = rms_rope(q, c.rms_eps, None, start, freq, forms=self.forms)
+        KV = self.kv_rows(None, start, freq, kv_rounding, projected=kv)
         ring = states["kv_ring"]
         ctx = context_rows(ring, KV, start, c.sliding_window - 1, name="kv_context", forms=self.forms)
         new_states = {}
         comp_rows = sel = None
         if r:
-            comp_rows, new_states = self._compress(N, start, states, "attn_compressor", "comp", Dh, rope_comp,
-                                                   fp8=kv_rounding)
+            comp_rows, new_states = self._compress(parts[2:4], start, states, "attn_compressor", "comp", c.head_dim,
+                                                   rope_comp, fp8=kv_rounding)
             if r == 4:
-                idx_rows, idx_states = self._compress(N, start, states, "indexer_compressor", "idx",
+                idx_rows, idx_states = self._compress(parts[4:6], start, states, "indexer_compressor", "idx",
                                                       c.idx_head_dim, rope_comp, fp4=kv_rounding)
                 new_states.update(idx_states)
-                iq = op.reshape(w["indexer.attn_q_b.weight"].linear(QR), (n, c.idx_n_head, c.idx_head_dim))
+                iq, iw = parts[6:8]
                 iq = rope_hadamard_fp4(iq, start, rope_comp, forms=self.forms) if kv_rounding else rope(iq, start, rope_comp)
-                iw = w["indexer.proj.weight"].linear(N) * (1.0 / math.sqrt(c.idx_head_dim * c.idx_n_head))
                 sel = indexer_select(iq, iw, idx_rows, start, r, c.idx_top_k, name="indexer", forms=self.forms)
         attn, new_states["kv_ring"] = sparse_window_attention(
             Q, ctx, comp_rows, sel, self.v("attn_sinks"), start, c.sliding_window, max(r, 1), name="attention",
             rope_back=freq, write_ring=(ring, KV), forms=self.forms)
-        groups = c.o_groups
-        low = w["attn_output_a.weight"].grouped_linear(op.reshape(attn, (n, groups, H // groups * Dh)), groups)
-        out = w["attn_output_b.weight"].linear(op.reshape(low, (n, groups * c.o_lora_rank)))
-        return hc_post(out, X, post, comb, forms=self.forms), new_states
+        return attn, new_states
 
-    def _compress(self, N, start, states, wname, sname, width, rope_comp, fp8=False, fp4=False):
-        """Projections of the new tokens, the pooled row of every window that ends among them
-        (normalised, RoPE'd at the window start, rounded as FP8 or FP4 values when asked), written
-        into the row table; a call of several tokens pools only those windows (nn/state.compacts)."""
-        c, r, w = self.cfg, self.ratio, self.w
-        kv = w[f"{wname}_kv.weight"].linear(N)
-        score = w[f"{wname}_gate.weight"].linear(N) + periodic_rows(self.v(f"{wname}_ape"), start, N, r, "ape", forms=self.forms)
+    def _compressor_inputs(self, N, wname: str) -> list:
+        """A compressor's projections of every row: [kv, score logits]."""
+        return [self.w[f"{wname}_kv.weight"].linear(N), self.w[f"{wname}_gate.weight"].linear(N)]
+
+    def _compress(self, projected: list, start, states, wname, sname, width, rope_comp, fp8=False, fp4=False):
+        """From one sequence's projections (_compressor_inputs): the pooled row of every window that
+        ends among its tokens (normalised, RoPE'd at the window start, rounded as FP8 or FP4 values
+        when asked), written into the row table; a call of several tokens pools only those windows
+        (nn/state.compacts)."""
+        c, r = self.cfg, self.ratio
+        kv, score = projected
+        score = score + periodic_rows(self.v(f"{wname}_ape"), start, kv, r, "ape", forms=self.forms)
         kv_front, sc_front = states[f"{sname}_kv_front"], states[f"{sname}_score_front"]
         kv_ctx = context_rows(kv_front, kv, start, 2 * r, name=f"{sname}_kv_context", forms=self.forms)
         sc_ctx = context_rows(sc_front, score, start, 2 * r, name=f"{sname}_score_context", forms=self.forms)
-        compact = compacts(N)
+        compact = compacts(kv)
         pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, compact, name=f"{sname}_pool", forms=self.forms)
         # RoPE'd at the window's first position
         cand = rms_rope(pooled, c.rms_eps, self.v(f"{wname}_norm"), start, rope_comp, fp8=fp8, fp4=fp4,
@@ -198,8 +227,7 @@ class DeepSeekV4(TargetFunctions, nn.Module):
         X = embedded_streams(self.token_embd, ids, c.hc, c.n_embd)
         captured = []
         for il, layer in enumerate(self.layers):
-            X = seqs.per_sequence(X, f"blk.{il}.", lambda _, rows, start, mine, layer=layer: layer.attention(
-                rows, start, mine, self.rope_main, self.rope_comp, self.kv_rounding))
+            X = layer.attention_rows(X, seqs, f"blk.{il}.", self.rope_main, self.rope_comp, self.kv_rounding)
             X = layer.moe(X, ids)
             if il in self.capture_layers:
                 captured.append(op.reshape(op.sum(X, axis=1) * (1.0 / c.hc), (n, 1, c.n_embd)))
