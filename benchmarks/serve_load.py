@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import threading
 import time
@@ -47,12 +48,19 @@ def _percentiles(xs) -> tuple[float, float]:
     return float(np.percentile(xs, 50)), float(np.percentile(xs, 99))
 
 
-def _summary(name: str, results: list[dict], wall: float) -> dict:
+def _cpu_seconds() -> float:
+    """CPU time of this process (the clients), which shares the machine's cores with the server."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _summary(name: str, results: list[dict], wall: float, cpu: float) -> dict:
     ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
     tokens = sum(r["tokens"] for r in results)
     (t50, t99), (i50, i99) = _percentiles(ttft), _percentiles(itl)
     return {"scenario": name, "requests": len(results), "tokens": tokens, "seconds": wall, "tok_s": tokens / wall,
+            "client_cores": cpu / wall,
             "ttft_p50_ms": 1e3 * t50, "ttft_p99_ms": 1e3 * t99, "itl_p50_ms": 1e3 * i50, "itl_p99_ms": 1e3 * i99}
 
 
@@ -62,10 +70,10 @@ def _clients(client, n: int, requests: int, prompt_tokens: int, max_tokens: int,
 
     def one(i):
         return [_stream(client, prompts[i * requests + r], max_tokens) for r in range(requests)]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     with ThreadPoolExecutor(n) as pool:
         results = [r for rs in pool.map(one, range(n)) for r in rs]
-    return _summary(f"{n} client{'s' if n > 1 else ''}", results, time.perf_counter() - t0)
+    return _summary(f"{n} client{'s' if n > 1 else ''}", results, time.perf_counter() - t0, _cpu_seconds() - c0)
 
 
 def _long_prompt_midstream(client, streams: int, long_prompt: int, max_tokens: int, vocab: int) -> dict:
@@ -82,12 +90,13 @@ def _long_prompt_midstream(client, streams: int, long_prompt: int, max_tokens: i
     probe = _stream(client, prompts[0][:16], 16)   # one step's time, to place the newcomer
     step = (probe["times"][-1] - probe["times"][0]) / max(1, len(probe["times"]) - 1)
     t = threading.Thread(target=newcomer, args=(max_tokens * step * streams / 4,))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     t.start()
     with ThreadPoolExecutor(streams) as pool:
         results = list(pool.map(lambda p: _stream(client, p, max_tokens), prompts))
     t.join()
-    row = _summary(f"{streams} streams + {long_prompt}-token prompt", results, time.perf_counter() - t0)
+    row = _summary(f"{streams} streams + {long_prompt}-token prompt", results, time.perf_counter() - t0,
+                   _cpu_seconds() - c0)
     row["long_ttft_ms"] = 1e3 * (out["long"]["times"][0] - out["long"]["start"]) if out["long"]["times"] else None
     return row
 
@@ -125,12 +134,12 @@ def main() -> None:
         print(json.dumps(rows, indent=1))
         return
     print(f"{'scenario':<34} {'tok/s':>8} {'x 1st':>6} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
-          f"{'p99/p50':>7}")
+          f"{'p99/p50':>7} {'client cores':>12}")
     for r in rows:
         print(f"{r['scenario']:<34} {r['tok_s']:8.1f} {r['tok_s'] / base:6.2f} {r['ttft_p50_ms']:9.1f} "
               f"{r['ttft_p99_ms']:8.1f} {r['itl_p50_ms']:8.2f} {r['itl_p99_ms']:8.2f} "
-              f"{r['itl_p99_ms'] / r['itl_p50_ms']:7.2f}" + (f"  (long prompt's TTFT {r['long_ttft_ms']:.0f} ms)"
-                                                               if r.get("long_ttft_ms") else ""))
+              f"{r['itl_p99_ms'] / r['itl_p50_ms']:7.2f} {r['client_cores']:12.2f}"
+              + (f"  (long prompt's TTFT {r['long_ttft_ms']:.0f} ms)" if r.get("long_ttft_ms") else ""))
 
 
 if __name__ == "__main__":

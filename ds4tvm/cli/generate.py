@@ -317,6 +317,8 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
           gen: int = typer.Option(64, "--gen"),
           verify_k: int = typer.Option(6, "--verify-k", help="measure verify(k) for k = 1..K"),
           repeats: int = typer.Option(3, "--repeats"),
+          concurrency: int = typer.Option(1, "--concurrency", help="also run N greedy generations at once "
+                                          "(their decode steps batched) against one alone"),
           ctx: Optional[int] = CtxOpt, target: str = TargetOpt,
           as_json: bool = typer.Option(False, "--json"),
           plot_file: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of verify cost vs k"),
@@ -326,14 +328,14 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
     set_threads(threads)
     from ..runtime import bench as b
     for flag, v, lo in (("--prompt-len", prompt_len, 1), ("--gen", gen, 1), ("--verify-k", verify_k, 1),
-                        ("--repeats", repeats, 1)):
+                        ("--repeats", repeats, 1), ("--concurrency", concurrency, 1)):
         if v < lo:
             raise Ds4Error(f"{flag} {v}: expected a value >= {lo}")
     if verify_k > 16:
         raise Ds4Error(f"--verify-k {verify_k}: expected 1..16")
     options = spec_options(mtp, mtp_draft, mtp_margin, False, dspark, dspark_confidence, False, False, False,
                             draft_onnx)
-    engine, drafter, _ = speculative_engine(model, options, target, ctx, progress=not as_json)
+    engine, drafter, _ = speculative_engine(model, options, target, ctx, progress=not as_json, batch=concurrency)
     if prompt_len + 16 >= engine.max_context:
         raise Ds4Error(f"--prompt-len {prompt_len} leaves no room in the compiled context of {engine.max_context}")
     factory = None
@@ -345,6 +347,8 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
 
     stops = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model)).stop_ids
     r = b.bench(engine, prompt_len, gen, verify_k, repeats, factory, stops)
+    if concurrency > 1:
+        r["concurrency"] = b.concurrency(engine, concurrency, prompt_len, gen, repeats, stops)
     if plot_file is not None:
         b.plot(r, plot_file)
     if as_json:

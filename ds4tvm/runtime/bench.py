@@ -5,12 +5,14 @@ plain and speculative runs alternate so that a noisy machine's drift hits both a
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import numpy as np
 
 from .sampler import SamplingParams, argmax
 from .costs import model_for
+from .scheduler import Scheduler
 from .speculative import generate, verify_cost
 
 
@@ -61,6 +63,41 @@ def bench(engine, prompt_len: int = 128, gen: int = 64, verify_k: int = 6, repea
     return out
 
 
+def concurrency(engine, n: int, prompt_len: int, gen: int, repeats: int, stop_ids=frozenset()) -> dict:
+    """n greedy generations (distinct prompts of prompt_len, gen tokens each) at once through the
+    scheduler against one alone: aggregate tok/s (prompts included), medians over repeats, and the
+    sequences per decode call."""
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(0, engine.n_vocab, prompt_len) if int(t) not in stop_ids]
+               for _ in range(n)]
+
+    def run(k: int) -> tuple[float, dict]:
+        scheduler, seqs = Scheduler(engine), [engine.new_sequence() for _ in range(k)]
+
+        def one(i):
+            with scheduler.member(seqs[i]) as seq_engine:
+                generate(seq_engine, prompts[i], gen, SamplingParams(temperature=0.0), np.random.default_rng(0),
+                         stop_ids=stop_ids)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(k)]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        seconds = time.perf_counter() - t
+        scheduler.close()
+        return seconds, dict(scheduler.stats.batches)
+
+    run(min(n, 2))   # warm-up: the batched function's first call
+    alone = [run(1)[0] for _ in range(repeats)]
+    together = [run(n) for _ in range(repeats)]
+    batches = together[-1][1]
+    single, many = gen / statistics.median(alone), n * gen / statistics.median(s for s, _ in together)
+    return {"clients": n, "alone_tok_s": round(single, 2), "together_tok_s": round(many, 2),
+            "ratio": round(many / single, 3), "max_batch": engine.max_batch,
+            "mean_batch": round(sum(b * c for b, c in batches.items()) / max(1, sum(batches.values())), 2)}
+
+
 def table(r: dict) -> str:
     lines = [f"prefill  {r['prefill_tok_s']:>10.1f} tok/s   ({r['prompt_len']} tokens, median of {r['repeats']})",
              f"decode   {r['decode_tok_s']:>10.1f} tok/s   ({r['gen']} tokens)",
@@ -69,6 +106,11 @@ def table(r: dict) -> str:
         s = r["speculative"]
         lines.append(f"speculative {s['spec_tok_s']:.1f} tok/s vs {s['plain_tok_s']:.1f} plain "
                      f"(x{s['ratio']:.2f}), accept rate {100 * s['accept_rate']:.1f}%")
+    if "concurrency" in r:
+        c = r["concurrency"]
+        lines.append(f"{c['clients']} at once  {c['together_tok_s']:.1f} tok/s vs {c['alone_tok_s']:.1f} alone "
+                     f"(x{c['ratio']:.2f}), {c['mean_batch']:.2f} sequences per decode call "
+                     f"(compiled for up to {c['max_batch']})")
     return "\n".join(lines)
 
 

@@ -9,9 +9,10 @@ one that touches the engine, runs them in rounds:
      sampling between two steps) or `max_wait` has passed since the first one came;
   2. other operations (verify, commit, a drafter's calls, snapshots) run one by one;
   3. the decode steps run in batches of up to the engine's max_batch sequences;
-  4. every prompt being prefilled advances by one chunk, sized while others decode so that a
-     chunk costs about one batched decode step: a running stream never waits for a whole long
-     prefill, and a newcomer joins the batch as soon as its prompt is in.
+  4. every prompt being prefilled advances by one chunk, sized while others decode so that the
+     round's chunks cost about one batched decode step (more when newcomers outnumber the running
+     streams: each newcomer then gets about one step's worth): a running stream never waits for a
+     whole long prefill, and a newcomer joins the batch soon.
 Requests join and leave between rounds. Which operations share a call never changes a
 sequence's numbers (a token's logits do not depend on the rows beside it, bit for bit), so a
 generation gives what it gives alone, and its seeded sampling repeats.
@@ -29,7 +30,7 @@ import numpy as np
 
 from ..errors import Cancelled, Ds4Error
 
-MIN_CHUNK = 16      # prefill tokens per round at least, while others decode
+MIN_CHUNK = 8       # prefill tokens per round at least, while others decode
 
 
 @dataclass
@@ -58,7 +59,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, engine, max_wait: float = 0.005):
+    def __init__(self, engine, max_wait: float = 0.02):
         self.engine, self.max_wait = engine, max_wait
         self.stats = SchedulerStats()
         self._cond = threading.Condition()
@@ -132,7 +133,7 @@ class Scheduler:
         for i in range(0, len(decodes), self.engine.max_batch):
             self._decode(decodes[i:i + self.engine.max_batch])
         for op in list(self._prefills):
-            self._prefill_chunk(op, others=bool(decodes) or len(self._prefills) > 1)
+            self._prefill_chunk(op, self._chunk(len(decodes), len(self._prefills)))
 
     def _attached(self, seq, fn):
         self.engine.attach(seq)
@@ -165,16 +166,19 @@ class Scheduler:
             op.result = step
             op.done.set()
 
-    def _chunk(self, others: bool) -> int:
-        """Prefill tokens for this round: the compiled chunk alone, else about one decode step's worth."""
-        if not others:
+    def _chunk(self, decoding: int, prefilling: int) -> int:
+        """Prefill tokens of each prompt this round: the compiled chunk where no one decodes (prompts
+        waiting only for each other: whole chunks make every first token come soonest), else the
+        round's prefill time is about one decode step, or one step per newcomer where newcomers
+        outnumber the running streams (the streams' tokens then come about twice as far apart)."""
+        if not decoding:
             return self.engine.chunk
         if self._step_s is None or self._token_s is None:
             return MIN_CHUNK
-        return int(min(self.engine.chunk, max(MIN_CHUNK, self._step_s / self._token_s)))
+        share = max(1 / prefilling, 1 / decoding)
+        return int(min(self.engine.chunk, max(MIN_CHUNK, share * self._step_s / self._token_s)))
 
-    def _prefill_chunk(self, op: _Op, others: bool) -> None:
-        n = self._chunk(others)
+    def _prefill_chunk(self, op: _Op, n: int) -> None:
         part, op.tokens = op.tokens[:n], op.tokens[n:]
         t0 = time.perf_counter()
         try:
@@ -251,9 +255,8 @@ class SequenceEngine:
 
     def prefill(self, tokens, all_logits: bool = False, on_chunk=None):
         ids = self._engine._ids(tokens)
-        if all_logits or not len(ids):
-            return self._run(lambda e: e.prefill(ids, all_logits, on_chunk))
-        self._run(lambda e: e._room(len(ids)))
+        if all_logits or not len(ids) or self.seq.pos + len(ids) > self._engine.max_context:
+            return self._run(lambda e: e.prefill(ids, all_logits, on_chunk))   # (the last says what is wrong)
         return self._scheduler.submit(_Op(self.seq, "prefill", tokens=ids, total=len(ids), on_chunk=on_chunk))
 
     def verify(self, tokens):

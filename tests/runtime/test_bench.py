@@ -18,8 +18,10 @@ def test_bench_json_fields(tiny_artifact, tmp_path):
     assert sorted(info["verify_cost"]) == ["1", "2", "3"] and info["decode_tok_s"] > 0
     assert "speculative" not in info
     table = run_ds4("bench", "-m", tiny_artifact, "--prompt-len", "16", "--gen", "4", "--verify-k", "2",
-                    "--repeats", "1")
+                    "--repeats", "1", "--concurrency", "3")
     assert table.returncode == 0 and "verify(k) / decode" in table.stdout
+    line = next(x for x in table.stdout.splitlines() if x.startswith("3 at once"))
+    assert "sequences per decode call (compiled for up to 3)" in line, line
 
 
 def test_bench_errors(tiny_artifact):
@@ -27,3 +29,5 @@ def test_bench_errors(tiny_artifact):
     assert r.returncode == 2 and "no DSpark drafter" in r.stderr
     r = run_ds4("bench", "-m", tiny_artifact, "--verify-k", "40")
     assert r.returncode == 2 and "--verify-k" in r.stderr
+    r = run_ds4("bench", "-m", tiny_artifact, "--concurrency", "0")
+    assert r.returncode == 2 and "--concurrency 0" in r.stderr

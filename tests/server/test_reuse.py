@@ -313,7 +313,8 @@ def test_bad_reuse_flags_are_one_line_errors(art, tmp_path):
     for flags, says in ((["--slots", "0"], "--slots 0: expected at least 1"),
                         (["--kv-cache-size", "4XB"], "--kv-cache-size '4XB': expected a size"),
                         (["--kv-cache-dir", not_a_dir], "not a directory"),
-                        (["--api-key", " "], "--api-key: the key is empty")):
+                        (["--api-key", " "], "--api-key: the key is empty"),
+                        (["--parallel", "0"], "--parallel 0: expected 1..64")):
         r = run_ds4("serve", "-m", art, *flags)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and says in lines[0], (flags, r.stderr)
