@@ -129,12 +129,6 @@ def one_token(tokens) -> bool:
     return isinstance(tokens, int) and tokens == 1
 
 
-def static_count(tokens) -> bool:
-    """Whether a linear's token count is static: decode's 1, a batched decode's one per sequence
-    (prefill's and verify's are symbolic)."""
-    return isinstance(tokens, int)
-
-
 def takes_experts(qtype: QT, N: int, K: int, tokens, int8: str | None = None) -> bool:
     """Whether expert_linear serves a routed-expert call of `tokens` tokens. A one-token call in
     a one-plane format keeps the TE kernel: there it is faster (Q8_0 0.065 against 0.089 ms per

@@ -49,25 +49,24 @@ class Forms:
         """Whether the module is exported for a CPU target with its hand-written linears."""
         return self.cpu_linears is not None
 
-    def cpu_linear(self, qtype: QT, K: int, tokens=None) -> tuple:
+    def cpu_linear(self, qtype: QT, K: int, few: bool = False) -> tuple:
         """(threads, blocking, int8 dot) of a linear of this format and width on the CPU's
         hand-written kernels (int8 None where the int8 path does not take it); threads None when
-        the module is not exported for a CPU. A call of one token (tokens the int 1: decode) takes
-        its rows one after another (rows=1): a core then reads one sequential stream, which the
-        hardware prefetcher follows, where rows read side by side (512 bytes apart at K = 512)
-        left one-token calls at half the memory's speed (a Q8_0 linear read from memory: int8
-        13 -> 24 GB/s, experts 14 -> 27 GB/s; BENCHMARKS.md). So does a batched decode's call, of a
-        static count of tokens (one per sequence), each row's weights read once for all of them
-        (from the cache after its first token block): on the benchmark model's Q8_0 output head a
-        batch of 2 took 2.7x one token's time with rows side by side, a batch of 4 1.8x in one
-        stream. A token's sums do not
-        depend on the blocking, so decode and verify still round alike."""
+        the module is not exported for a CPU. A call of a few tokens (nn/state.few_rows: a decode,
+        a batched decode, a verify) takes its rows one after another (rows=1): a core then reads
+        one sequential stream, which the hardware prefetcher follows, where rows read side by side
+        (512 bytes apart at K = 512) left one-token calls at half the memory's speed (a Q8_0
+        linear read from memory: int8 13 -> 24 GB/s, experts 14 -> 27 GB/s; BENCHMARKS.md), and
+        the few tokens share each row's weights (from the cache after the first token block): on
+        the benchmark model's Q8_0 output head a batch of 2 took 2.7x one token's time with rows
+        side by side, a batch of 4 1.8x in one stream. A token's sums do not depend on the
+        blocking, so decode and verify still round alike."""
         c = self.cpu_linears
         if c is None:
             return None, None, None
-        from .cpu import static_count, takes_int8
+        from .cpu import takes_int8
 
-        blocking = replace(c.blocking, rows=1) if static_count(tokens) else c.blocking
+        blocking = replace(c.blocking, rows=1) if few else c.blocking
         return c.threads, blocking, c.int8_dot if c.int8_dot and takes_int8(qtype, K, c.int8_dot) else None
 
 

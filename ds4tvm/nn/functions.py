@@ -12,10 +12,11 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ..artifact import FunctionSpec, batch_name
+from .state import VERIFY_ROWS
 
 MODE = {"param_mode": "plain", "effect_mode": "none"}
 # the row count of each target function's token inputs: a prefill chunk, one token, a verify block
-TARGET_ROWS = {"prefill": "n", "prefill_all": "n", "decode": 1, "verify": "k"}
+TARGET_ROWS = {"prefill": "n", "prefill_all": "n", "decode": 1, "verify": VERIFY_ROWS}
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ..kernels.forms import TE, Forms
 from ..kernels.tags import (DEQUANT_ROW, EXPERT_MATMUL, EXPERT_PARTIAL, GPU_DEQUANT, GPU_MATMUL, INJECTIVE, PRESET,
                            ROW_MATMUL, ROW_PARTIAL)
 from ..gguf.quant import TO_F32, plane_format
+from .state import few_rows
 
 F32 = "float32"
 
@@ -104,7 +105,7 @@ class QWeight(nn.Module):
     def linear(self, x: nn.Tensor, name: str = "qlinear") -> nn.Tensor:
         """y[t, n] = sum_k x[t, k] * W[n, k] for x of shape [T, K]."""
         N, K = self.shape
-        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, x.shape[0])
+        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, few_rows(x.shape[0]))
         if threads is not None and cpu_kernels.supports(self.qtype, N, K):
             func = cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, 1, int8)
             return op.tensor_ir_op(func, name, [x, *self._cpu_args(int8)],
@@ -141,7 +142,7 @@ class QWeight(nn.Module):
         """x [T, G, Kg] -> y [T, G, N/G]: group g uses rows g*N/G.. of W (columns are Kg wide)."""
         N, K = self.shape
         No = N // groups
-        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, x.shape[0])
+        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, few_rows(x.shape[0]))
         if threads is not None and cpu_kernels.supports(self.qtype, N, K, groups):
             func = cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, groups, int8)
             T = x.shape[0]
@@ -163,7 +164,7 @@ class QWeight(nn.Module):
         E, N, K = self.shape
         per_expert_input = len(x.shape) == 3
         T, J = x.shape[0], experts.shape[1]
-        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, T)
+        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, few_rows(T))
         blockized = self.forms.gpu and gpu_kernels.takes_blockized(self.qtype, K)
         if blockized or (threads is not None and cpu_kernels.takes_experts(self.qtype, N, K, T, int8)):
             func = (gpu_kernels.expert_gemv(self.qtype, E, N, K, J, per_expert_input, self.forms.on_gpu) if blockized

@@ -213,6 +213,15 @@ def recorded_width(n) -> bool:
     return isinstance(n, tirx.Var) and n.name == RECORDED_WIDTH
 
 
+VERIFY_ROWS = "k"   # the token count of the target's verify (nn/functions.TARGET_ROWS): 1..max_verify
+
+
+def few_rows(n) -> bool:
+    """Whether a call's row count is a few: static (a decode, a batched decode's one per
+    sequence), a recorded width or a verify block's count, never a prefill chunk's."""
+    return isinstance(n, int) or recorded_width(n) or isinstance(n, tirx.Var) and n.name == VERIFY_ROWS
+
+
 def compacts(x: nn.Tensor) -> bool:
     """Whether pooled_window pools only the windows that end among x's tokens. A call of a dynamic
     number of tokens (prefill, verify) does; a decode step (one static token) and a recorded width
