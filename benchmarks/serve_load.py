@@ -127,6 +127,9 @@ def main() -> None:
                 for n in a.clients.split(",")]
         if a.long_prompt:
             rows.append(_long_prompt_midstream(client, 4, a.long_prompt, a.max_tokens, vocab))
+            four = next((r for r in rows if r["scenario"] == "4 clients"), None)
+            if four is not None:   # against the streams' pace without a newcomer
+                rows[-1]["itl_p99_vs_4_clients_p50"] = rows[-1]["itl_p99_ms"] / four["itl_p50_ms"]
     finally:
         server.stop()
     base = rows[0]["tok_s"]
@@ -139,7 +142,9 @@ def main() -> None:
         print(f"{r['scenario']:<34} {r['tok_s']:8.1f} {r['tok_s'] / base:6.2f} {r['ttft_p50_ms']:9.1f} "
               f"{r['ttft_p99_ms']:8.1f} {r['itl_p50_ms']:8.2f} {r['itl_p99_ms']:8.2f} "
               f"{r['itl_p99_ms'] / r['itl_p50_ms']:7.2f} {r['client_cores']:12.2f}"
-              + (f"  (long prompt's TTFT {r['long_ttft_ms']:.0f} ms)" if r.get("long_ttft_ms") else ""))
+              + (f"  (long prompt's TTFT {r['long_ttft_ms']:.0f} ms)" if r.get("long_ttft_ms") else "")
+              + (f"  ITL p99 / 4 clients' p50: {r['itl_p99_vs_4_clients_p50']:.2f}"
+                 if "itl_p99_vs_4_clients_p50" in r else ""))
 
 
 if __name__ == "__main__":
