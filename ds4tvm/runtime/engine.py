@@ -6,8 +6,10 @@ exposes prefill / decode / verify / commit / rollback, plus `call` for any other
 State is indexed by position (DESIGN.md): a verify writes rows (or recurrent slots) for positions
 past the committed length, commit(k) keeps the first k of them and rollback() drops them, both by
 moving counters only. A `Sequence` is what one sequence owns (the state tensors, the committed
-length and tokens); the engine works on one at a time (`attach`), so a server can keep several, and
-`snapshot` / `restore` copy one in memory (runtime/checkpoint.py's `save_state` / `load_state` on disk).
+length and tokens, the rows a verify left pending); the engine works on one at a time (`attach`),
+so a server can keep several, and `snapshot` / `restore` copy one in memory (runtime/checkpoint.py's
+`save_state` / `load_state` on disk); `decode_batch` decodes a token of each of several sequences in
+one call where the artifact has batched functions (runtime/scheduler.py gathers them).
 """
 
 from __future__ import annotations
