@@ -56,9 +56,10 @@ class Step:
     outputs: dict = field(default_factory=dict)
 
 
-class _SequenceView:
-    """The engine as a host input's provider sees it for one sequence of a batched call: that
-    sequence's committed length and tokens, the engine's files and constants."""
+class SequenceView:
+    """The engine as seen for one sequence, attached or not: that sequence's committed length,
+    tokens, pending rows and states, the engine's files and constants (a host input's provider in
+    a batched call; runtime/scheduler.SequenceEngine)."""
 
     def __init__(self, engine, seq: Sequence):
         self._engine, self.seq = engine, seq
@@ -70,6 +71,18 @@ class _SequenceView:
     @property
     def history(self) -> list:
         return self.seq.history
+
+    @property
+    def pending(self) -> int:
+        return self.seq.pending
+
+    @property
+    def states(self) -> dict:
+        return self.seq.states
+
+    @property
+    def rewindable(self) -> int:
+        return self._engine.rewindable_of(self.seq)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -327,7 +340,7 @@ class Engine:
         if spec.sequences == 1:
             return provider(self, inputs)
         ids = np.asarray(inputs["ids"]).reshape(-1)
-        return np.concatenate([provider(_SequenceView(self, seq), {"ids": ids[i:i + 1], "start": seq.pos})
+        return np.concatenate([provider(SequenceView(self, seq), {"ids": ids[i:i + 1], "start": seq.pos})
                                for i, seq in enumerate(seqs)])
 
     def _step(self, fn: str, ids: np.ndarray, last_row: bool = False) -> Step:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import Cancelled, Ds4Error
+from .engine import SequenceView, Step
 
 MIN_CHUNK = 8       # prefill tokens per round at least, while others decode (doubled up to the compiled chunk)
 
@@ -210,13 +211,11 @@ def _recent(old: float | None, new: float) -> float:
 def _joined(parts: list):
     """The steps of a prompt's chunks as Engine.prefill returns them: the last token's logits,
     every row's other outputs."""
-    from .engine import Step
-
     outputs = {k: np.concatenate([p.outputs[k] for p in parts]) for k in parts[0].outputs}
     return Step(parts[0].fn, parts[-1].logits, outputs)
 
 
-class SequenceEngine:
+class SequenceEngine(SequenceView):
     """One engine sequence behind the engine's interface, for a generation on its own thread:
     calls that run kernels or move counters are operations of the scheduler; the artifact's
     constants (max_context, n_vocab, manifest, drafters, ...) are the engine's."""
@@ -224,33 +223,14 @@ class SequenceEngine:
     _PURE = frozenset({"rewindable_of"})   # engine methods that only read: called directly
 
     def __init__(self, scheduler: Scheduler, seq):
-        self._scheduler, self._engine, self.seq = scheduler, scheduler.engine, seq
+        super().__init__(scheduler.engine, seq)
+        self._scheduler = scheduler
 
     def __getattr__(self, name):
         value = getattr(self._engine, name)
         if callable(value) and name not in self._PURE:
             raise AttributeError(f"SequenceEngine: Engine.{name} is not available to a batched sequence")
         return value
-
-    @property
-    def pos(self) -> int:
-        return self.seq.pos
-
-    @property
-    def history(self) -> list[int]:
-        return self.seq.history
-
-    @property
-    def pending(self) -> int:
-        return self.seq.pending
-
-    @property
-    def states(self) -> dict:
-        return self.seq.states
-
-    @property
-    def rewindable(self) -> int:
-        return self._engine.rewindable_of(self.seq)
 
     def _run(self, fn):
         return self._scheduler.submit(_Op(self.seq, "run", fn=fn))
