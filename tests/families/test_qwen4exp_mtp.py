@@ -302,12 +302,14 @@ def test_cli_mtp_identity_at_every_depth_timing_json_and_flag_errors(model):
         assert re.search(r"ds4: Qwen3\.8 MTP stats cycles=\d+ proposed=\d+ accepted_draft=\d+ accept_rate=[\d.]+% "
                          r"avg_accept=[\d.]+ depth[23]=\d+/\d+@\d+", r.stderr), r.stderr
         assert "qwen mtp cycle" not in r.stderr
-    timed = run_ds4(*base, "--mtp-timing", env={**os.environ, "DS4_QWEN4_MTP_DEPTH": "3"})
+    # the drafter asked every cycle (as in test_glm5next_mtp.py: the cost model's choice depends on the load)
+    always = {**os.environ, "DS4_SPEC_COST_MODEL": "0"}
+    timed = run_ds4(*base, "--mtp-timing", env={**always, "DS4_QWEN4_MTP_DEPTH": "3"})
     assert timed.returncode == 0 and timed.stdout == plain.stdout, timed.stderr
     lines = [ln for ln in timed.stderr.splitlines() if ln.startswith("ds4: qwen mtp cycle:")]
     assert lines and all(re.fullmatch(r"ds4: qwen mtp cycle: depth [23], draft [\d.]+ ms, verify[23] [\d.]+ ms, "
                                       r"accepted \d/[12] \(drafts \d+( \d+)?\)", ln) for ln in lines), lines[:3]
-    r = run_ds4(*base, "--mtp", "--json")
+    r = run_ds4(*base, "--mtp", "--json", env=always)
     assert r.returncode == 0, r.stderr
     spec = json.loads(r.stdout)["spec"]
     assert set(spec["by_depth"]) == {"2", "3"} and spec["cycles"] == sum(d["cycles"] for d in spec["by_depth"].values())
