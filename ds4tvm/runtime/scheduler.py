@@ -123,7 +123,14 @@ class Scheduler:
                         op.done.set()
                     return
                 ops, self._queued = self._queued, []
-            self._round(ops)
+            try:
+                self._round(ops)
+            except BaseException as e:   # a fault of the scheduler's own: its waiters get it, it serves on
+                for op in ops + self._prefills:
+                    if not op.done.is_set():
+                        op.error = op.error or e
+                        op.done.set()
+                self._prefills = []
 
     def _round(self, ops: list[_Op]) -> None:
         self.stats.rounds += 1

@@ -88,3 +88,24 @@ def test_drafters_speculate_inside_the_batch(demo_pair):
     jobs = [(prompt, 0, 0, dspark), (prompt[:-3], 0, 1, None), (prompt[2:], 1, 2, dspark), (prompt, 0.8, 3, None)]
     assert_together_is_alone(engine, jobs)
     assert all(d.counters()["accepted_draft"] > 0 for d in made)
+
+
+def test_a_fault_in_a_round_reaches_its_waiter_and_the_scheduler_serves_on(engine, monkeypatch):
+    real, injected = Scheduler._decode, []
+
+    def faulty(self, ops):
+        if not injected:
+            injected.append(True)
+            raise RuntimeError("injected fault")
+        return real(self, ops)
+
+    monkeypatch.setattr(Scheduler, "_decode", faulty)
+    scheduler = Scheduler(engine)
+    try:
+        with scheduler.member(engine.new_sequence()) as seq_engine:
+            seq_engine.prefill([1, 2, 3])
+            with pytest.raises(RuntimeError, match="injected fault"):
+                seq_engine.decode(4)
+            assert seq_engine.decode(4).logits.shape == (engine.n_vocab,) and seq_engine.pos == 4
+    finally:
+        scheduler.close()
