@@ -51,7 +51,8 @@ class _Op:
 
 @dataclass
 class SchedulerStats:
-    """What /metrics reports: rounds, decode calls by batch size, tokens decoded and prefilled."""
+    """What the scheduler did: rounds, decode calls by sequences in them (`ds4 bench --concurrency`
+    reports the mean), tokens decoded and prefilled, generations running."""
     rounds: int = 0
     batches: Counter = field(default_factory=Counter)   # sequences per decode call -> calls
     decoded: int = 0
@@ -160,11 +161,7 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             steps = self.engine.decode_batch([op.seq for op in ops], [op.token for op in ops])
-        except BaseException as e:
-            if len(ops) == 1:
-                ops[0].error = e
-                ops[0].done.set()
-                return
+        except BaseException:
             for op in ops:   # alone, each says what it did: one request's full context fails no other
                 self._finish(op, lambda op=op: self.engine.decode_batch([op.seq], [op.token])[0])
             return
