@@ -3,6 +3,7 @@ engine-level ones): a batched decode against decodes alone, bit for bit, and gen
 the scheduler against each generated alone."""
 
 import threading
+from collections import Counter
 
 import numpy as np
 
@@ -74,19 +75,20 @@ def alone(engine, prompt, temp, seed, make_drafter=None) -> list[int]:
                     drafter=make_drafter and make_drafter())[0]
 
 
-def assert_together_is_alone(engine, jobs: list) -> object:
+def assert_together_is_alone(engine, jobs: list) -> tuple[Counter, int]:
     """Generations through a scheduler equal each job alone, and, at temperature 0, target-only
-    decoding (the identity property); the scheduler's stats."""
+    decoding (the identity property); (the decode calls they made, by sequences in each: from
+    Engine.decode_calls; the prompt tokens the scheduler prefilled)."""
     from ds4tvm.runtime.scheduler import Scheduler
 
     want = [alone(engine, *job) for job in jobs]
     for (prompt, temp, seed, make_drafter), w in zip(jobs, want):
         if temp == 0 and make_drafter is not None:
             assert w == alone(engine, prompt, 0, seed)
-    scheduler = Scheduler(engine)
+    scheduler, before = Scheduler(engine), Counter(engine.decode_calls)
     try:
         got = together(scheduler, jobs)
         assert got == want
-        return scheduler.stats
+        return engine.decode_calls - before, scheduler.prefilled
     finally:
         scheduler.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -66,13 +67,14 @@ def bench(engine, prompt_len: int = 128, gen: int = 64, verify_k: int = 6, repea
 def concurrency(engine, n: int, prompt_len: int, gen: int, repeats: int, stop_ids=frozenset()) -> dict:
     """n greedy generations (distinct prompts of prompt_len, gen tokens each) at once through the
     scheduler against one alone: aggregate tok/s (prompts included), medians over repeats, and the
-    sequences per decode call."""
+    sequences per decode call (Engine.decode_calls over the last run)."""
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(0, engine.n_vocab, prompt_len) if int(t) not in stop_ids]
                for _ in range(n)]
 
-    def run(k: int) -> tuple[float, dict]:
+    def run(k: int) -> tuple[float, Counter]:
         scheduler, seqs = Scheduler(engine), [engine.new_sequence() for _ in range(k)]
+        before = Counter(engine.decode_calls)
 
         def one(i):
             with scheduler.member(seqs[i]) as seq_engine:
@@ -86,7 +88,7 @@ def concurrency(engine, n: int, prompt_len: int, gen: int, repeats: int, stop_id
             th.join()
         seconds = time.perf_counter() - t
         scheduler.close()
-        return seconds, dict(scheduler.stats.batches)
+        return seconds, engine.decode_calls - before
 
     run(min(n, 2))   # warm-up: the batched function's first call
     alone = [run(1)[0] for _ in range(repeats)]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -49,21 +48,10 @@ class _Op:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-@dataclass
-class SchedulerStats:
-    """What the scheduler did: rounds, decode calls by sequences in them (`ds4 bench --concurrency`
-    reports the mean), tokens decoded and prefilled, generations running."""
-    rounds: int = 0
-    batches: Counter = field(default_factory=Counter)   # sequences per decode call -> calls
-    decoded: int = 0
-    prefilled: int = 0
-    running: int = 0
-
-
 class Scheduler:
     def __init__(self, engine, max_wait: float = 0.02):
         self.engine, self.max_wait = engine, max_wait
-        self.stats = SchedulerStats()
+        self.prefilled = 0   # prompt tokens prefilled (the decode calls: Engine.decode_calls)
         self._cond = threading.Condition()
         self._queued: list[_Op] = []
         self._prefills: list[_Op] = []     # prompts being prefilled, a chunk per round
@@ -79,13 +67,11 @@ class Scheduler:
         """A SequenceEngine on seq for one generation's thread, counted as running while inside."""
         with self._cond:
             self._members += 1
-            self.stats.running = self._members
         try:
             yield SequenceEngine(self, seq)
         finally:
             with self._cond:
                 self._members -= 1
-                self.stats.running = self._members
                 self._cond.notify_all()
 
     def close(self) -> None:
@@ -134,7 +120,6 @@ class Scheduler:
                 self._prefills = []
 
     def _round(self, ops: list[_Op]) -> None:
-        self.stats.rounds += 1
         for op in ops:
             if op.kind == "run":
                 self._finish(op, lambda op=op: self._attached(op.seq, op.fn))
@@ -166,8 +151,6 @@ class Scheduler:
                 self._finish(op, lambda op=op: self.engine.decode_batch([op.seq], [op.token])[0])
             return
         self._step_s = _recent(self._step_s, time.perf_counter() - t0)
-        self.stats.batches[len(ops)] += 1
-        self.stats.decoded += len(ops)
         for op, step in zip(ops, steps):
             op.result = step
             op.done.set()
@@ -195,7 +178,7 @@ class Scheduler:
         try:
             op.parts.append(self._attached(op.seq, lambda e: e.prefill(part)))
             self._chunk_s[len(part)] = _recent(self._chunk_s.get(len(part)), time.perf_counter() - t0)
-            self.stats.prefilled += len(part)
+            self.prefilled += len(part)
             done = op.total - len(op.tokens)
             if op.on_chunk is not None and op.on_chunk(done, op.total):
                 raise Cancelled(f"prefill stopped after {done} of {op.total} tokens")

@@ -45,8 +45,8 @@ def test_generations_through_the_scheduler_equal_each_alone(engine):
     tokens (prefilled in chunks between the others' steps), greedy and seeded sampling."""
     jobs = [(p, temp, seed, None) for seed, (p, temp) in
             enumerate(zip(prompts(engine.n_vocab, (4, 300, 9, 33, 120, 6, 17)), [0, 1, 0, 1, 0.7, 0, 1]))]
-    stats = assert_together_is_alone(engine, jobs)
-    assert max(stats.batches) == engine.max_batch and stats.prefilled == 489
+    calls, prefilled = assert_together_is_alone(engine, jobs)
+    assert max(calls) == engine.max_batch and prefilled == 489
 
 
 def test_one_request_out_of_context_fails_alone(engine):

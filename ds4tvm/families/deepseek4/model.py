@@ -79,13 +79,14 @@ class Block(nn.Module):
         return hc_pre(X, w["hc_attn_fn.weight"], self.v("hc_attn_scale"), self.v("hc_attn_base"),
                       c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v("attn_norm"), forms=self.forms)
 
-    def kv_rows(self, N, start, freq, kv_rounding: bool, projected=None):
-        """The K=V row of each token: attn_kv, kv_a_norm, RoPE at its position, FP8 rounding (the
-        cache keeps FP8 values: the token attends to its rounded row too). projected: attn_kv(N)
-        when computed already."""
-        c = self.cfg
-        kv = self.w["attn_kv.weight"].linear(N) if projected is None else projected
-        return rms_rope(kv, c.rms_eps, self.v("attn_kv_a_norm"), start, freq, fp8=kv_rounding, forms=self.forms)
+    def kv_rows(self, N, start, freq, kv_rounding: bool):
+        """The K=V row of each token: attn_kv, then kv_rows_of."""
+        return self.kv_rows_of(self.w["attn_kv.weight"].linear(N), start, freq, kv_rounding)
+
+    def kv_rows_of(self, kv, start, freq, kv_rounding: bool):
+        """K=V rows from attn_kv's projections: kv_a_norm, RoPE at each one's position, FP8 rounding
+        (the cache keeps FP8 values: the token attends to its rounded row too)."""
+        return rms_rope(kv, self.cfg.rms_eps, self.v("attn_kv_a_norm"), start, freq, fp8=kv_rounding, forms=self.forms)
 
     def attention(self, X, start, states, rope_main, rope_comp, kv_rounding: bool):
         """The attention sublayer of one sequence: (X', its states, written)."""
@@ -122,7 +123,7 @@ class Block(nn.Module):
         q, kv = parts[:2]
         freq = rope_comp if r else rope_main
         Q = rms_rope(q, c.rms_eps, None, start, freq, forms=self.forms)
-        KV = self.kv_rows(None, start, freq, kv_rounding, projected=kv)
+        KV = self.kv_rows_of(kv, start, freq, kv_rounding)
         ring = states["kv_ring"]
         ctx = context_rows(ring, KV, start, c.sliding_window - 1, name="kv_context", forms=self.forms)
         new_states = {}
