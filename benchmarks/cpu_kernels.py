@@ -26,15 +26,18 @@ from gguf import GGMLQuantizationType as QT
 from tvm import relax
 from tvm.relax.frontend import nn
 
-from ds4tvm.gguf.quant import random_blocks, to_planes
+from ds4tvm.gguf.quant import derived_plane, random_blocks, to_planes
 from ds4tvm.kernels import cpu as cpu_kernels
 from ds4tvm.kernels.forms import TE, CpuLinears, Forms
-from ds4tvm.nn.qweight import QWeight, set_forms
+from ds4tvm.nn.qweight import QWeight, parameter_sources, set_forms
 from ds4tvm.runtime.threads import SPIN_COUNT
 from ds4tvm.schedules.llvm import pipeline
 
 
 def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, kernel: str, blocking=None):
+    """(VM, weight-binding function planes -> arguments) of the dense and expert linears of one
+    format; kernel: TE, hand, int8 (the default layout: Q8_0 interleaved on AVX-512 VNNI) or
+    int8-rows (the row-major int8 kernel of kernels/cpu.py)."""
     class M(nn.Module):
         def __init__(self):
             self.w = QWeight("w", qtype, (N * E // 4, K))
@@ -54,9 +57,17 @@ def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, kernel: str, 
                                  "$": mode} for s, t in (("", "t"), ("1", 1))})
     target = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": threads})
     forms = TE if kernel == "TE" else Forms(cpu_linears=CpuLinears(
-        threads, blocking or cpu_kernels.blocking_for(target), cpu_kernels.int8_dot_for(target) if kernel == "int8" else None))
-    mod, params = set_forms(M(), forms).export_tvm(spec=spec)
-    return relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu()), params
+        threads, blocking or cpu_kernels.blocking_for(target),
+        cpu_kernels.int8_dot_for(target) if kernel.startswith("int8") else None, interleaved=kernel != "int8-rows"))
+    model = set_forms(M(), forms)
+    sources = parameter_sources(model)
+    mod, params = model.export_tvm(spec=spec)
+
+    def bind(planes: dict) -> list:   # {"w": Planes, "we": Planes} -> the arguments, as the runtime derives them
+        return [tvm.runtime.tensor(np.ascontiguousarray(derived_plane(planes[sources[id(p)][0]], sources[id(p)][1])))
+                for _, p in params]
+
+    return relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu()), bind
 
 
 def _seconds_per_call(vm, fn: str, inputs: list, copies: list) -> float:
@@ -106,12 +117,13 @@ def main():
         planes = {o: to_planes(raw[o], qtype, s) for o, s in shapes.items()}
         nbytes = {o: sum(v.nbytes for v in planes[o].fields.values()) for o in shapes}
         kernels = [("int8", "int8", blockings[0])] if a.int8 and dot and cpu_kernels.takes_int8(qtype, K, dot) else []
+        if kernels and qtype == QT.Q8_0 and dot == "vpdpbusd":
+            kernels.append(("int8 rows", "int8-rows", blockings[0]))   # the row-major layout
         kernels += [(f"hand {b.rows}x{b.tokens}", "hand", b) for b in blockings] + [("TE", "TE", None)]
         built = {}
         for label, kernel, blocking in kernels:
-            vm, params = build(qtype, E, N, K, J, a.threads, kernel, blocking)
-            built[label] = vm, [[tvm.runtime.tensor(np.ascontiguousarray(planes[n.split(".")[0]].fields[
-                n.split("plane_")[1]])) for n, _ in params] for _ in range(max(1, a.cold))]
+            vm, bind = build(qtype, E, N, K, J, a.threads, kernel, blocking)
+            built[label] = vm, [bind(planes) for _ in range(max(1, a.cold))]
         cases = []   # (function, inputs, bytes read)
         for T in (1, a.tokens):
             x = tvm.runtime.tensor(rng.standard_normal((T, K)).astype(np.float32))

@@ -301,6 +301,26 @@ def to_planes(data: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> Planes:
 # result is a host copy.
 HOST_DERIVED = {"neg_exp": lambda a: -np.exp(a)}
 TO_F32 = "f32"   # an F16 / BF16 tensor bound as its float32 values (read only whole, as values)
+# Q8_0 planes with 16 rows interleaved (kernels/cpu_interleaved.py): 'qs' as unsigned codes (+128),
+# 4 per row per 16-row group in turn, 'd' one per row per 32-weight block in turn; the file's bits,
+# moved once at load (the planes are a copy anyway), in place of the row-major ones
+INTERLEAVED = "r16"
+INTERLEAVE_ROWS = 16
+INTERLEAVE_UNIT = {"qs": 4, "d": 1}   # values per row kept together: one dot-product lane's inputs
+
+
+def interleaved(a: np.ndarray, unit: int) -> np.ndarray:
+    """Plane a [..., N, W] as [..., N/16, 16*W]: per group of 16 rows, `unit` values of each row in
+    turn (row-major order within a group's column of units), written group chunk by chunk into one
+    aligned array so the temporaries stay at CHUNK_BYTES."""
+    *lead, N, W = a.shape
+    R = INTERLEAVE_ROWS
+    flat = a.reshape(-1, R, W // unit, unit)
+    out = aligned_empty((flat.shape[0], R * W), a.dtype)
+    step = max(1, CHUNK_BYTES // max(1, R * W * a.itemsize))
+    for g0 in range(0, flat.shape[0], step):
+        out[g0:g0 + step] = flat[g0:g0 + step].transpose(0, 2, 1, 3).reshape(-1, R * W)
+    return out.reshape(*lead, N // R, R * W)
 
 
 def derived_plane(p: Planes, field: str) -> np.ndarray:
@@ -309,6 +329,12 @@ def derived_plane(p: Planes, field: str) -> np.ndarray:
     name, _, kind = field.partition(":")
     if kind == TO_F32:
         return np.ascontiguousarray(dequantize_planes(p), dtype=np.float32)
+    if kind == INTERLEAVED:
+        out = interleaved(p.fields[name], INTERLEAVE_UNIT[name])
+        if name == "qs":   # biased to unsigned in place: vpdpbusd multiplies unsigned by signed bytes
+            out = out.view(np.uint8)
+            out ^= 0x80
+        return out
     arr = p.fields[name]
     return arr if not kind else HOST_DERIVED[kind](np.asarray(arr, dtype=np.float32))
 

@@ -409,9 +409,10 @@ def _source_digest() -> str:
     import tvm
 
     from ..gguf import quant
+    from . import cpu_interleaved
 
     h = hashlib.sha256(tvm.__version__.encode())
-    for module in (__file__, cpu_int8.__file__, dequant_module.__file__, quant.__file__):
+    for module in (__file__, cpu_int8.__file__, cpu_interleaved.__file__, dequant_module.__file__, quant.__file__):
         h.update(pathlib.Path(module).read_bytes())
     return h.hexdigest()[:16]
 

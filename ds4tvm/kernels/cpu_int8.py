@@ -225,16 +225,24 @@ def _roundf(v):
 
 
 @T.macro
+def block_codes(x, x2, r, b, xq, amax):
+    """xq[r, 32b ..] the codes of block b of row x2(x, r, .) as gguf's Q8_0 quantizer rounds them;
+    amax[0] its largest magnitude (the block's scale is amax / 127)."""
+    amax[0] = T.float32(0)
+    for i in range(ACT_BLOCK):
+        amax[0] = T.max(amax[0], T.fabs(x2(x, r, b * ACT_BLOCK + i)))
+    d: T.float32 = amax[0] / T.float32(127)
+    inv: T.float32 = T.Select(d == T.float32(0), T.float32(0), T.float32(1) / d)
+    for i in T.vectorized(ACT_BLOCK):
+        xq[r, b * ACT_BLOCK + i] = T.Cast("int8", _roundf(x2(x, r, b * ACT_BLOCK + i) * inv))
+
+
+@T.macro
 def _quantize_row(x, x2, r, Kx, xq, D, X):
     amax = T.decl_buffer((1,), F32, scope="local")
     for b in range(Kx // ACT_BLOCK):
-        amax[0] = T.float32(0)
-        for i in range(ACT_BLOCK):
-            amax[0] = T.max(amax[0], T.fabs(x2(x, r, b * ACT_BLOCK + i)))
+        block_codes(x, x2, r, b, xq, amax)
         d: T.float32 = amax[0] / T.float32(127)
-        inv: T.float32 = T.Select(d == T.float32(0), T.float32(0), T.float32(1) / d)
-        for i in T.vectorized(ACT_BLOCK):
-            xq[r, b * ACT_BLOCK + i] = T.Cast("int8", _roundf(x2(x, r, b * ACT_BLOCK + i) * inv))
         for lane in T.vectorized(ACT_BLOCK // 4):
             D[r, b * 8 + lane] = d
         for h in range(2):

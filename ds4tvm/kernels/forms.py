@@ -18,10 +18,12 @@ if TYPE_CHECKING:   # this module is read by the families' contract, which loads
 class CpuLinears:
     """The CPU's hand-written linears (kernels/cpu.py): the cores they are compiled for, the
     register blocking their vectors take and, where inputs are quantized to int8, the dot
-    instruction they feed (kernels/cpu_int8.py)."""
+    instruction they feed (kernels/cpu_int8.py); interleaved: whether the weights kernels/
+    cpu_interleaved.py takes are laid out for it (off only to measure against the row-major ones)."""
     threads: int
     blocking: Blocking
     int8_dot: str | None = None
+    interleaved: bool = True
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,13 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ..kernels import cpu as cpu_kernels
+from ..kernels import cpu_interleaved
 from ..kernels import gpu as gpu_kernels
 from ..kernels.dequant import DEQUANT, tables
 from ..kernels.forms import TE, Forms
 from ..kernels.tags import (DEQUANT_ROW, EXPERT_MATMUL, EXPERT_PARTIAL, GPU_DEQUANT, GPU_MATMUL, INJECTIVE, PRESET,
                            ROW_MATMUL, ROW_PARTIAL)
-from ..gguf.quant import TO_F32, plane_format
+from ..gguf.quant import INTERLEAVED, TO_F32, plane_format
 from .state import few_rows
 
 F32 = "float32"
@@ -65,17 +66,45 @@ class QWeight(nn.Module):
 
     def __init__(self, gguf_name: str, qtype: QT, shape: tuple[int, ...], forms: Forms = TE):
         self.gguf_name, self.qtype, self.shape = gguf_name, QT(qtype), tuple(shape)
-        self.forms = forms   # the target's (set_forms): which kernels its products take
         fmt = plane_format(self.qtype)
         if self.qtype not in DEQUANT:
             raise ValueError(f"no kernel reads {self.qtype.name} planes")
-        *lead, K = self.shape
         self.fields = [f.name for f in fmt.fields]
-        self.derive = None   # gguf.quant.HOST_DERIVED kind the runtime applies to an F32 plane at load
-        for f in fmt.fields:
-            setattr(self, f"plane_{f.name}", nn.Parameter((*lead, f.per_row(K)), f.dtype))
-        if not lead:   # a vector (norm, gate, bias) is only ever read whole
+        # what the runtime derives a plane by at load (gguf.quant.derived_plane): HOST_DERIVED of an
+        # F32 plane, TO_F32, or INTERLEAVED (set by the forms)
+        self.derive = None
+        self._lay_out(None)
+        self.forms = forms   # the target's (set_forms): which kernels its products take and the planes' layout
+        if len(self.shape) == 1:   # a vector (norm, gate, bias) is only ever read whole
             self.read_as_float32()
+
+    @property
+    def forms(self) -> Forms:
+        return self._forms
+
+    @forms.setter
+    def forms(self, forms: Forms) -> None:
+        """The target's forms, and with them the planes' layout: Q8_0 weights that
+        kernels/cpu_interleaved.py multiplies are bound 16 rows interleaved."""
+        self._forms = forms
+        if self.derive in (None, INTERLEAVED):
+            self._lay_out(INTERLEAVED if cpu_interleaved.takes(self.qtype, self.shape, forms) else None)
+
+    def _lay_out(self, derive: str | None) -> None:
+        if derive == INTERLEAVED:
+            shapes = cpu_interleaved.plane_shapes(self.shape)
+        else:
+            *lead, K = self.shape
+            shapes = {f.name: ((*lead, f.per_row(K)), f.dtype) for f in plane_format(self.qtype).fields}
+        if self.derive != derive or not hasattr(self, f"plane_{self.fields[0]}"):
+            for name, (shape, dtype) in shapes.items():
+                setattr(self, f"plane_{name}", nn.Parameter(shape, dtype))
+        self.derive = derive
+
+    @property
+    def _deq(self):
+        """The TE kernels' expression of an element from the planes as laid out."""
+        return cpu_interleaved.dequant if self.derive == INTERLEAVED else DEQUANT[self.qtype]
 
     def planes(self) -> list[nn.Tensor]:
         return [getattr(self, f"plane_{n}") for n in self.fields]
@@ -102,16 +131,25 @@ class QWeight(nn.Module):
         consts = cpu_kernels.kernel_tables(self.qtype, int8)
         return cpu_kernels.weight_args(self.planes() + [nn.Tensor.from_const(v) for v in consts.values()])
 
+    def _cpu_dense(self, n_tok, groups: int):
+        """(kernel, weight arguments) of a CPU hand-written dense linear of n_tok tokens, or None."""
+        N, K = self.shape
+        few = few_rows(n_tok)
+        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, few)
+        if self.derive == INTERLEAVED and cpu_interleaved.supports(N, K, groups):
+            return cpu_interleaved.dense_linear(N, K, threads, few, groups), self.planes()
+        if threads is not None and cpu_kernels.supports(self.qtype, N, K, groups):
+            return cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, groups, int8), self._cpu_args(int8)
+        return None
+
     def linear(self, x: nn.Tensor, name: str = "qlinear") -> nn.Tensor:
         """y[t, n] = sum_k x[t, k] * W[n, k] for x of shape [T, K]."""
         N, K = self.shape
-        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, few_rows(x.shape[0]))
-        if threads is not None and cpu_kernels.supports(self.qtype, N, K):
-            func = cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, 1, int8)
-            return op.tensor_ir_op(func, name, [x, *self._cpu_args(int8)],
-                                   nn.Tensor.placeholder((x.shape[0], N), F32))
+        cpu = self._cpu_dense(x.shape[0], 1)
+        if cpu is not None:
+            return op.tensor_ir_op(cpu[0], name, [x, *cpu[1]], nn.Tensor.placeholder((x.shape[0], N), F32))
         args, names = self._te_args()
-        deq = DEQUANT[self.qtype]
+        deq = self._deq
 
         def f(x_te, *ps):
             # Row n is dequantized once (schedules/llvm.py computes it inside the n loop, into a
@@ -126,7 +164,7 @@ class QWeight(nn.Module):
         sum of squares taken by the GEMV that reads x anyway, as one more output row."""
         N, K = self.shape
         args, names = self._te_args()
-        deq = DEQUANT[self.qtype]
+        deq = self._deq
 
         def f(x_te, *ps):
             P = dict(zip(names, ps))
@@ -142,15 +180,14 @@ class QWeight(nn.Module):
         """x [T, G, Kg] -> y [T, G, N/G]: group g uses rows g*N/G.. of W (columns are Kg wide)."""
         N, K = self.shape
         No = N // groups
-        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, few_rows(x.shape[0]))
-        if threads is not None and cpu_kernels.supports(self.qtype, N, K, groups):
-            func = cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, groups, int8)
+        cpu = self._cpu_dense(x.shape[0], groups)
+        if cpu is not None:
             T = x.shape[0]
-            y = op.tensor_ir_op(func, name, [op.reshape(x, (T, groups * K)), *self._cpu_args(int8)],
+            y = op.tensor_ir_op(cpu[0], name, [op.reshape(x, (T, groups * K)), *cpu[1]],
                                 nn.Tensor.placeholder((T, N), F32))
             return op.reshape(y, (T, groups, No))
         args, names = self._te_args()
-        deq = DEQUANT[self.qtype]
+        deq = self._deq
 
         def f(x_te, *ps):
             w = _dequantized(dict(zip(names, ps)), deq, (groups, No, K), lambda g, o: (g * No + o,), self.forms.gpu)
@@ -164,8 +201,13 @@ class QWeight(nn.Module):
         E, N, K = self.shape
         per_expert_input = len(x.shape) == 3
         T, J = x.shape[0], experts.shape[1]
-        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, few_rows(T))
+        few = few_rows(T)
+        threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, few)
         blockized = self.forms.gpu and gpu_kernels.takes_blockized(self.qtype, K)
+        if self.derive == INTERLEAVED:
+            func = cpu_interleaved.expert_linear(E, N, K, J, per_expert_input, threads, few)
+            xs = x if per_expert_input else op.reshape(x, (T, 1, K))
+            return op.tensor_ir_op(func, name, [xs, experts, *self.planes()], nn.Tensor.placeholder((T, J, N), F32))
         if blockized or (threads is not None and cpu_kernels.takes_experts(self.qtype, N, K, T, int8)):
             func = (gpu_kernels.expert_gemv(self.qtype, E, N, K, J, per_expert_input, self.forms.on_gpu) if blockized
                     else cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads, blocking,
@@ -174,7 +216,7 @@ class QWeight(nn.Module):
             return op.tensor_ir_op(func, name, [xs, experts, *self._cpu_args(int8)],
                                    nn.Tensor.placeholder((T, J, N), F32))
         args, names = self._te_args()
-        deq = DEQUANT[self.qtype]
+        deq = self._deq
 
         def f(x_te, ids, *ps):
             P = dict(zip(names, ps))
@@ -205,7 +247,7 @@ class QWeight(nn.Module):
         reduction over K: schedules/gpu.py's HandGEMV)."""
         E, N, K = self.shape
         J = ids.shape[1]
-        w = _dequantized(P, DEQUANT[self.qtype], (ids.shape[0], J, N, K), lambda t, j, n: (ids[t, j], n), True)
+        w = _dequantized(P, self._deq, (ids.shape[0], J, N, K), lambda t, j, n: (ids[t, j], n), True)
         k = te.reduce_axis((0, K), name="k")
         return te.compute((ids.shape[0], J, N), lambda t, j, n: te.sum(
             (x_te[t, j, k] if per_expert_input else x_te[t, k]) * w[t, j, n, k], axis=k), name=GPU_MATMUL)
@@ -236,7 +278,7 @@ class QWeight(nn.Module):
         """Rows ids[t] of W as float32 [T, K] (embedding lookup)."""
         N, K = self.shape
         args, names = self._te_args()
-        deq = DEQUANT[self.qtype]
+        deq = self._deq
 
         def f(ids_te, *ps):
             P = dict(zip(names, ps))
@@ -252,7 +294,7 @@ class QWeight(nn.Module):
         if self.qtype == QT.F32 or self.derive == TO_F32:
             return self.planes()[0]
         args, names = self._te_args()
-        deq = DEQUANT[self.qtype]
+        deq = self._deq
         *lead, K = self.shape
 
         def f(*ps):

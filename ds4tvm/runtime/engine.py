@@ -229,8 +229,12 @@ class Engine:
         self.seq.fed = set(cp.fed)
 
     def _bind_params(self) -> list:
+        params = self.manifest.params
+        # a tensor's planes are dropped after its last field is bound: where that field is derived
+        # (interleaved), the row-major planes would otherwise stay beside it for the whole load
+        last = {(role, tensor): i for i, (_, tensor, _, role) in enumerate(params)}
         planes, out = {}, []
-        for _, tensor, field_, role in self.manifest.params:
+        for i, (_, tensor, field_, role) in enumerate(params):
             t = self.files[role].tensors.get(tensor) if role in self.files else None
             if t is None:
                 raise Ds4Error(f"{self.dir}: its manifest binds {tensor} of the {role} file, which has no such tensor")
@@ -240,6 +244,8 @@ class Engine:
             if (role, tensor) not in planes:
                 planes[role, tensor] = to_planes(t.data, t.ggml_type, tuple(reversed(t.shape)))
             out.append(self._to_device(derived_plane(planes[role, tensor], field_)))
+            if last[role, tensor] == i:
+                del planes[role, tensor]
         return out
 
     def _host_inputs(self) -> dict:

@@ -5,7 +5,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-from ds4tvm.gguf.quant import random_blocks, to_planes
+from ds4tvm.gguf.quant import derived_plane, random_blocks, to_planes
 from ds4tvm.kernels import cpu_int8
 
 tvm = pytest.importorskip("tvm")
@@ -150,7 +150,37 @@ def test_int8_activation_kernels_match_gguf_q8_0_inputs(qtype, dot):
 
     if not codegen.target_has_features(FEATURE[dot], tvm.target.Target(resolve("cpu").tvm)):
         pytest.skip(f"this CPU has no {FEATURE[dot]}, which the {dot} kernels need")
-    _check_cpu_kernels(qtype, int8=dot)
+    _check_cpu_kernels(qtype, int8=dot, interleaved=False)
+
+
+def test_interleaved_q8_0_kernels_match_gguf_q8_0_inputs():
+    """Q8_0 on AVX-512 VNNI (kernels/cpu_interleaved.py, 16 rows interleaved, the default there):
+    every form and token count against the same reference as the row-major int8 kernels, a token's
+    outputs bit for bit alike whatever the tokens beside it, and an embedding's rows read from the
+    interleaved planes equal to gguf's dequantized rows, bit for bit."""
+    from tvm.target import codegen
+
+    from ds4tvm.compile.targets import resolve
+    from ds4tvm.kernels.cpu import BLOCKINGS
+    from ds4tvm.kernels.forms import CpuLinears, Forms
+    from ds4tvm.nn.qweight import QWeight, set_forms
+
+    if not codegen.target_has_features("avx512vnni", tvm.target.Target(resolve("cpu").tvm)):
+        pytest.skip("this CPU has no avx512vnni, which the interleaved kernels need")
+    _check_cpu_kernels(QT.Q8_0, int8="vpdpbusd")
+    N, K = 48, 96
+    w = set_forms(QWeight("w", QT.Q8_0, (N, K)), Forms(cpu_linears=CpuLinears(2, BLOCKINGS[512], "vpdpbusd")))
+    assert w.derive == "r16"
+    raw = random_blocks(QT.Q8_0, (N, K), np.random.default_rng(5))
+    planes = to_planes(raw, QT.Q8_0, (N, K))
+    P = {f: tvm.te.placeholder(getattr(w, f"plane_{f}").shape, getattr(w, f"plane_{f}").dtype, f) for f in w.fields}
+    ids = tvm.te.placeholder((N,), "int32", "ids")
+    rows = tvm.te.compute((N, K), lambda t, k: w._deq(P, (ids[t],), k))
+    f = tvm.compile(tvm.te.create_prim_func([ids, *P.values(), rows]), target="llvm")
+    order = np.random.default_rng(6).permutation(N).astype(np.int32)
+    out = tvm.runtime.empty((N, K), "float32")
+    f(tvm.runtime.tensor(order), *(tvm.runtime.tensor(derived_plane(planes, f"{n}:r16")) for n in w.fields), out)
+    assert np.array_equal(out.numpy(), quants.dequantize(raw, QT.Q8_0)[order])
 
 
 def q8_0_inputs(x: np.ndarray) -> np.ndarray:
@@ -162,7 +192,7 @@ def q8_0_inputs(x: np.ndarray) -> np.ndarray:
     return (codes.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
 
 
-def _check_cpu_kernels(qtype, int8: str | None, blocking=None) -> list:
+def _check_cpu_kernels(qtype, int8: str | None, blocking=None, interleaved: bool = True) -> list:
     """Checks the kernels of one format (by default in the AVX-512 blocking, whose token blocks of
     6 have every leftover) and returns their outputs."""
     from tvm import relax
@@ -171,7 +201,7 @@ def _check_cpu_kernels(qtype, int8: str | None, blocking=None) -> list:
 
     from ds4tvm.kernels import cpu as cpu_kernels
     from ds4tvm.kernels.forms import CpuLinears, Forms
-    from ds4tvm.nn.qweight import QWeight, set_forms
+    from ds4tvm.nn.qweight import QWeight, parameter_sources, set_forms
 
     blocking = blocking or cpu_kernels.BLOCKINGS[512]
     from ds4tvm.schedules.llvm import pipeline
@@ -196,20 +226,24 @@ def _check_cpu_kernels(qtype, int8: str | None, blocking=None) -> list:
                 "xe": nn.spec.Tensor([t, J, K], "float32"), "sel": nn.spec.Tensor([t, J], "int32"),
                 "$": {"param_mode": "plain", "effect_mode": "none"}}
 
-    forms = Forms(cpu_linears=CpuLinears(2, blocking, int8))
-    mod, params = set_forms(M(), forms).export_tvm(spec={"f": inputs("t"), "f1": inputs(1)})
+    forms = Forms(cpu_linears=CpuLinears(2, blocking, int8, interleaved))
+    model = set_forms(M(), forms)
+    sources = parameter_sources(model)
+    mod, params = model.export_tvm(spec={"f": inputs("t"), "f1": inputs(1)})
     script = mod.script()
     assert "row_matmul" not in script   # no TE linear left but one-token experts in one-plane formats
     assert ("expert_matmul" in script) == (qtype in cpu_kernels.ONE_PLANE and not int8)
     assert ("vpdpbusd" in script) == (int8 == "vpdpbusd") and ("pmadd.ub.sw" in script) == (int8 == "vpmaddubsw")
+    assert all((sources[id(p)][1].endswith(":r16")) == (interleaved and int8 == "vpdpbusd" and qtype == QT.Q8_0)
+               for _, p in params)
     target = tvm.target.Target({"kind": "llvm", "num-cores": 2,
                                 **({"mcpu": codegen.llvm_get_system_cpu()} if int8 else {})})
     vm = relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu())
     raw, raw_e = random_blocks(qtype, (N, K), rng), random_blocks(qtype, (E, N, K), rng)
     W, We = quants.dequantize(raw, qtype).astype(np.float64), quants.dequantize(raw_e, qtype).astype(np.float64)
     planes = {"w": to_planes(raw, qtype, (N, K)), "we": to_planes(raw_e, qtype, (E, N, K))}
-    args = [tvm.runtime.tensor(np.ascontiguousarray(planes[n.split(".")[0]].fields[n.split("plane_")[1]]))
-            for n, _ in params]
+    args = [tvm.runtime.tensor(np.ascontiguousarray(derived_plane(planes[sources[id(p)][0]], sources[id(p)][1])))
+            for _, p in params]   # as the runtime binds them (gguf.quant.derived_plane)
     seen = q8_0_inputs if int8 else (lambda a: a)
     outputs = []
     for T in (1, 2, 3, 4, 5, 7, 11, 12, 13, 17, 23, 30):
