@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4tvm.kernels.cpu import source_digest
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / ".bench"
 GEN = 32
@@ -133,7 +135,8 @@ def main():
         if not gguf.exists():
             subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model50m.py"), str(gguf), kind], check=True,
                            stdout=subprocess.DEVNULL)
-        arts = {m: BENCH / f"model50m-{kind}-{m}.ds4tvm" for m in a.modes.split(",")}
+        # named by the digest of the kernels' sources: a change to them compiles afresh
+        arts = {m: BENCH / f"model50m-{kind}-{m}-{source_digest()[:8]}.ds4tvm" for m in a.modes.split(",")}
         for m, art in arts.items():
             if not (art / "manifest.json").exists():
                 subprocess.run([sys.executable, "-c", "from ds4tvm.cli import compile_main; compile_main()",

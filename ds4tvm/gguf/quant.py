@@ -301,40 +301,63 @@ def to_planes(data: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> Planes:
 # result is a host copy.
 HOST_DERIVED = {"neg_exp": lambda a: -np.exp(a)}
 TO_F32 = "f32"   # an F16 / BF16 tensor bound as its float32 values (read only whole, as values)
-# Q8_0 planes with 16 rows interleaved (kernels/cpu_interleaved.py): 'qs' as unsigned codes (+128),
-# 4 per row per 16-row group in turn, 'd' one per row per 32-weight block in turn; the file's bits,
-# moved once at load (the planes are a copy anyway), in place of the row-major ones
+# Planes with 16 rows interleaved (kernels/cpu_interleaved.py), derived at load in place of the
+# row-major ones (the planes are a copy of the file's blocks anyway): per group of 16 rows, each
+# field's values a few of each row in turn (INTERLEAVED_FIELDS: how many; NIBBLES: 4-bit codes,
+# unpacked, 4 of each row in turn, and packed two 64-byte runs to a 64-byte run, the second in the
+# high nibbles). Q8_0's codes are made unsigned (+128): vpdpbusd multiplies unsigned by signed bytes.
 INTERLEAVED = "r16"
 INTERLEAVE_ROWS = 16
-INTERLEAVE_UNIT = {"qs": 4, "d": 1}   # values per row kept together: one dot-product lane's inputs
+NIBBLES = 0
+INTERLEAVED_FIELDS = {QT.Q8_0: {"d": 1, "qs": 4}, QT.MXFP4: {"e": 1, "qs": NIBBLES},
+                      QT.Q4_K: {"d": 1, "dmin": 1, "sc": 1, "mn": 1, "qs": NIBBLES}}
 
 
-def interleaved(a: np.ndarray, unit: int) -> np.ndarray:
-    """Plane a [..., N, W] as [..., N/16, 16*W]: per group of 16 rows, `unit` values of each row in
-    turn (row-major order within a group's column of units), written group chunk by chunk into one
-    aligned array so the temporaries stay at CHUNK_BYTES."""
-    *lead, N, W = a.shape
-    R = INTERLEAVE_ROWS
-    flat = a.reshape(-1, R, W // unit, unit)
-    out = aligned_empty((flat.shape[0], R * W), a.dtype)
-    step = max(1, CHUNK_BYTES // max(1, R * W * a.itemsize))
+def _nibble_codes(qtype: QT, qs: np.ndarray) -> np.ndarray:
+    """[rows, K/2] packed 4-bit codes -> [rows, K] one per weight, in weight order."""
+    lo, hi = qs & np.uint8(15), qs >> np.uint8(4)
+    per = 16 if qtype == QT.MXFP4 else 32   # MXFP4: weight i low, i+16 high per 32; Q4_K: per 64
+    return np.stack([lo.reshape(len(qs), -1, per), hi.reshape(len(qs), -1, per)], axis=2).reshape(len(qs), -1)
+
+
+def _chunked(flat: np.ndarray, width: int, dtype, step_bytes: int, convert) -> np.ndarray:
+    """[G, ...] -> aligned [G, width], convert(flat[g0:g1]) group chunk by group chunk (temporaries
+    bounded by CHUNK_BYTES)."""
+    out = aligned_empty((flat.shape[0], width), dtype)
+    step = max(1, CHUNK_BYTES // max(1, step_bytes))
     for g0 in range(0, flat.shape[0], step):
-        out[g0:g0 + step] = flat[g0:g0 + step].transpose(0, 2, 1, 3).reshape(-1, R * W)
-    return out.reshape(*lead, N // R, R * W)
+        out[g0:g0 + step] = convert(flat[g0:g0 + step])
+    return out
+
+
+def interleaved_plane(p: Planes, name: str) -> np.ndarray:
+    """Field `name` of planes p laid out 16 rows interleaved: [..., N/16, 16 * per_row]."""
+    unit, R = INTERLEAVED_FIELDS[p.qtype][name], INTERLEAVE_ROWS
+    a = p.fields[name]
+    *lead, N, W = a.shape
+    if unit == NIBBLES:
+        def pack(g):   # g: [n, 16, W] packed codes -> [n, 16 * W]
+            codes = _nibble_codes(p.qtype, g.reshape(-1, W)).reshape(len(g), R, -1, 2, 4, 4)
+            runs = codes.transpose(0, 2, 3, 4, 1, 5)            # [n, K/32, half, 4, 16 rows, 4]
+            return (runs[:, :, 0] | (runs[:, :, 1] << np.uint8(4))).reshape(len(g), -1)
+        out = _chunked(a.reshape(-1, R, W), R * W, np.uint8, 3 * R * W, pack)
+    else:
+        out = _chunked(a.reshape(-1, R, W // unit, unit), R * W, a.dtype, R * W * a.itemsize,
+                       lambda g: g.transpose(0, 2, 1, 3).reshape(len(g), -1))
+        if p.qtype == QT.Q8_0 and name == "qs":
+            out = out.view(np.uint8)
+            out ^= 0x80
+    return out.reshape(*lead, N // R, -1)
 
 
 def derived_plane(p: Planes, field: str) -> np.ndarray:
     """The plane a manifest parameter field names: 'w' as stored, 'w:neg_exp' derived, 'w:f32' the
-    tensor's float32 values."""
+    tensor's float32 values, 'qs:r16' 16 rows interleaved."""
     name, _, kind = field.partition(":")
     if kind == TO_F32:
         return np.ascontiguousarray(dequantize_planes(p), dtype=np.float32)
     if kind == INTERLEAVED:
-        out = interleaved(p.fields[name], INTERLEAVE_UNIT[name])
-        if name == "qs":   # biased to unsigned in place: vpdpbusd multiplies unsigned by signed bytes
-            out = out.view(np.uint8)
-            out ^= 0x80
-        return out
+        return interleaved_plane(p, name)
     arr = p.fields[name]
     return arr if not kind else HOST_DERIVED[kind](np.asarray(arr, dtype=np.float32))
 

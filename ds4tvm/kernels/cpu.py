@@ -49,7 +49,6 @@ from tvm.script import tirx as T
 
 from ..gguf.quant import plane_format
 from . import cpu_int8
-from . import dequant as dequant_module
 from .dequant import DEQUANT, tables
 
 
@@ -401,18 +400,18 @@ def _tiles(qtype: QT, K: int, b: Blocking, int8: str | None, x_at, x_loc, w_row,
 
 
 @functools.cache
-def _source_digest() -> str:
-    """What a kernel's TIR follows from besides its arguments: the sources that write it and TVM."""
+def source_digest() -> str:
+    """What a kernel's TIR follows from besides its arguments: the sources that write it (this
+    package's and the plane layouts') and TVM."""
     import hashlib
     import pathlib
 
     import tvm
 
     from ..gguf import quant
-    from . import cpu_interleaved
 
     h = hashlib.sha256(tvm.__version__.encode())
-    for module in (__file__, cpu_int8.__file__, cpu_interleaved.__file__, dequant_module.__file__, quant.__file__):
+    for module in (*sorted(pathlib.Path(__file__).parent.glob("*.py")), quant.__file__):
         h.update(pathlib.Path(module).read_bytes())
     return h.hexdigest()[:16]
 
@@ -432,7 +431,7 @@ def _parsed_once(build):
     @functools.lru_cache(maxsize=None)
     @functools.wraps(build)
     def get(*args):
-        key = hashlib.sha256(repr((build.__name__, args, _source_digest())).encode()).hexdigest()[:32]
+        key = hashlib.sha256(repr((build.__name__, args, source_digest())).encode()).hexdigest()[:32]
         path = kernel_cache() / f"{build.__name__}-{key}.json"
         try:
             return tvm.ir.load_json(path.read_text())

@@ -1,18 +1,22 @@
-"""Q8_0 linears on CPUs with AVX-512 VNNI, their weights laid out 16 rows interleaved (the way
-ik_llama.cpp repacks its weights at load; our own kernels): one vpdpbusd multiplies 4 weights of
-each of 16 rows by the same 4 inputs, broadcast, so a 32-weight block of 16 rows is 8 dot
-products into one vector of 16 int32 sums, converted and scaled once, where kernels/cpu.py's int8
-kernel spends a conversion, a multiply and a multiply-add per 64 weights of one row and then sums
-16 lanes per output. Its planes (gguf/quant.INTERLEAVED, derived at load from the file's, in
-place of the row-major ones): per 16-row group the codes made unsigned (+128), 4 bytes of each
-row in turn, and the fp16 scales, one per row per block in turn. The inputs are quantized as
-kernels/cpu_int8.py quantizes them (gguf's Q8_0 rounding); each block's sum starts at -128 times
-the sum of its input codes, which takes the +128 of the codes back out, exactly.
+"""Linears on CPUs with AVX-512 VNNI whose weights are laid out 16 rows interleaved (the way
+ik_llama.cpp repacks its weights at load; our own kernels), for Q8_0, MXFP4 and Q4_K: one
+vpdpbusd multiplies 4 weights of each of 16 rows by the same 4 inputs, broadcast, so a 32-weight
+block of 16 rows is 8 dot products into one vector of 16 int32 sums, converted and scaled once,
+where kernels/cpu.py's int8 kernel spends a conversion, a multiply and a multiply-add per 64
+weights of one row and then sums 16 lanes per output. The planes (gguf/quant.INTERLEAVED, derived
+at load in place of the row-major ones) hold per 16-row group 4 codes of each row in turn (Q8_0's
+bytes made unsigned, +128; the 4-bit formats' codes two runs to a byte, the second in the high
+nibbles) and each field of scales one value of each row in turn. Each format decodes a block's
+8 code vectors (u8 x 64), its scale per row S and, for Q4_K, its offset per row M (weight =
+S * code - M); MXFP4 looks its codes up with vpshufb in its doubled e2m1 values + 128. The inputs
+are quantized as kernels/cpu_int8.py quantizes them (gguf's Q8_0 rounding); a block's sum of a
+biased format starts at -128 times the sum of its input codes, which takes the +128 back out,
+exactly, and Q4_K's subtracts M times the inputs' sum.
 
 One kernel serves every token count of a linear (decode, a batched decode, verify, prefill): a
 row's sum is its blocks' exact int32 dot products, each converted and scaled in block order, so a
 token's outputs do not depend on the tokens beside it, bit for bit. Tokens go in blocks of TB
-(their accumulators and int32 sums in registers, each weight vector loaded once for all), the
+(their accumulators and int32 sums in registers, each weight vector decoded once for all), the
 leftovers in blocks of 4, 2 and 1; one or two tokens keep two chains of dot products so the
 instruction's latency does not bound a decode.
 
@@ -21,42 +25,73 @@ benchmarks/int8_interleaved.py times it against kernels/cpu.py's int8 kernel.
 
 from __future__ import annotations
 
+import numpy as np
 from gguf import GGMLQuantizationType as QT
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..gguf.quant import INTERLEAVE_ROWS
+from ..gguf.quant import INTERLEAVE_ROWS, INTERLEAVED_FIELDS, MXFP4_VALUES, NIBBLES, plane_format
 from . import cpu_int8
-from .cpu import _parallel, _parsed_once, _row_of_2d, _sort_by_expert
-from .cpu_int8 import _bc, _vec
+from .cpu import _parallel, _parsed_once, _row_of_2d, _sort_by_expert, takes_int8
+from .cpu_int8 import _bc, _e8m0_half, _vec
+from .dequant import DEQUANT
 
 F32 = "float32"
 R = INTERLEAVE_ROWS   # rows per group: one int32 sum each in a 512-bit vector
-BLOCK = 32            # weights per Q8_0 block, per input scale
+BLOCK = 32            # weights per block (an input scale; Q8_0's and MXFP4's block, a Q4_K sub-block)
 TB = 8                # tokens per block of accumulators (2 x 8 of the 32 vector registers)
+FORMATS = tuple(INTERLEAVED_FIELDS)
+BIASED = (QT.Q8_0, QT.MXFP4)   # signed codes stored or looked up + 128
 
 
 def takes(qtype: QT, shape: tuple, forms) -> bool:
-    """Whether a weight of this format and numpy shape is laid out interleaved for `forms`: Q8_0
-    rows in whole groups on a CPU whose int8 dot is AVX-512 VNNI's."""
+    """Whether a weight of this format and numpy shape is laid out interleaved for `forms`: rows in
+    whole groups, inputs the int8 path takes (kernels/cpu.takes_int8: K in whole 256-weight blocks;
+    narrower ones keep float inputs), on a CPU whose int8 dot is AVX-512 VNNI's."""
     c = forms.cpu_linears
-    return (c is not None and c.interleaved and c.int8_dot == cpu_int8.VPDPBUSD and qtype == QT.Q8_0 and len(shape) >= 2
-            and shape[-2] % R == 0 and shape[-1] % BLOCK == 0)
+    return (c is not None and c.interleaved and c.int8_dot == cpu_int8.VPDPBUSD and qtype in FORMATS
+            and len(shape) >= 2 and shape[-2] % R == 0 and takes_int8(qtype, shape[-1], c.int8_dot))
 
 
-def plane_shapes(shape: tuple) -> dict:
-    """(shape, dtype) of the interleaved planes of a Q8_0 weight of numpy shape (..., N, K)."""
+def plane_shapes(qtype: QT, shape: tuple) -> dict:
+    """name -> (shape, dtype) of the interleaved planes of a weight of numpy shape (..., N, K)."""
     *lead, N, K = shape
-    return {"d": ((*lead, N // R, R * K // BLOCK), "float16"), "qs": ((*lead, N // R, R * K), "uint8")}
+    return {f.name: ((*lead, N // R, R * f.per_row(K)), "uint8" if f.name == "qs" else f.dtype)
+            for f in plane_format(qtype).fields}
 
 
-def dequant(P, r, k):
-    """Element (r..., k) of an interleaved weight as float32, as gguf dequantizes Q8_0 (d * q): for
-    the TE kernels that read it otherwise (an embedding's rows)."""
-    *lead, n = r
-    g, i = n // R, n % R
-    code = P["qs"][(*lead, g, k // 4 * (4 * R) + i * 4 + k % 4)].astype("int32") - 128
-    return code.astype(F32) * P["d"][(*lead, g, k // BLOCK * R + i)].astype(F32)
+class _RowMajor:
+    """A row-major plane read from its interleaved one, element by element: what the TE kernels
+    index (an embedding's rows), so they keep kernels/dequant.py's expressions and gguf's rounding."""
+
+    def __init__(self, buf, qtype: QT, name: str):
+        self.buf, self.qtype, self.name = buf, qtype, name
+        self.unit = INTERLEAVED_FIELDS[qtype][name]
+
+    def _code(self, lead, g, i, w):   # 4-bit code of weight w of row i of group g
+        j = w % BLOCK // 4
+        byte = self.buf[(*lead, g, w // BLOCK * (BLOCK * R // 2) + j % 4 * (4 * R) + i * 4 + w % 4)]
+        return (byte >> (j // 4 * 4).astype("uint8")) & tirx.const(15, "uint8")
+
+    def __getitem__(self, idx):
+        *lead, n, c = idx
+        g, i = n // R, n % R
+        if self.unit == NIBBLES:   # byte c of a row: two weights' codes
+            per = 16 if self.qtype == QT.MXFP4 else 32
+            lo = c // per * (2 * per) + c % per
+            return self._code(lead, g, i, lo) | (self._code(lead, g, i, lo + per) << tirx.const(4, "uint8"))
+        v = self.buf[(*lead, g, c // self.unit * (self.unit * R) + i * self.unit + c % self.unit)]
+        if self.qtype == QT.Q8_0 and self.name == "qs":
+            return (v.astype("int32") - 128).astype("int8")
+        return v
+
+
+def dequant_for(qtype: QT):
+    """The TE kernels' element expression (kernels/dequant.py's, so gguf's float operations) over
+    interleaved planes."""
+    deq, fields = DEQUANT[qtype], INTERLEAVED_FIELDS[qtype]
+    return lambda P, r, k: deq({name: _RowMajor(buf, qtype, name) if name in fields else buf
+                                for name, buf in P.items()}, r, k)
 
 
 def _ramp(start, n: int = R):
@@ -103,12 +138,50 @@ def _block_sum(ia, t, nt: int):
     return s + _vec(ia, (1, t), 0, R) if _chains(nt) == 2 else s
 
 
-def _token_blocks(K: int, x_loc, w_group, y_at):
+def _nibbles(P, grp, kb, j):
+    """Code vector j (0..7) of block kb: the low or high nibbles of one 64-byte run."""
+    v = _vec(P["qs"], grp, kb * (BLOCK * R // 2) + j % 4 * (4 * R), 4 * R)
+    return (v >> tirx.Broadcast((j // 4 * 4).astype("uint8"), 4 * R)) & _bc(15, "uint8", 4 * R)
+
+
+def _q8_0(P, grp, kb, j):
+    return _vec(P["qs"], grp, kb * (BLOCK * R) + j * (4 * R), 4 * R)
+
+
+def _mxfp4(P, grp, kb, j):
+    """The codes looked up in the doubled e2m1 values + 128 (vpshufb, within each 16-byte lane)."""
+    table = tirx.reinterpret("int8x64", _vec(P["mxfp4_biased"], (), 0, 4 * R))
+    return tirx.reinterpret("uint8x64", T.call_llvm_pure_intrin(
+        "int8x64", "llvm.x86.avx512.pshuf.b.512", table, tirx.reinterpret("int8x64", _nibbles(P, grp, kb, j))))
+
+
+def _f32x16(P, name, grp, at):
+    return _vec(P[name], grp, at, R).astype("float32x16")
+
+
+SCALES = {   # block kb's scale per row S and offset per row M (None: none), weight = S * code - M
+    QT.Q8_0: lambda P, grp, kb: (_f32x16(P, "d", grp, kb * R), None),
+    QT.MXFP4: lambda P, grp, kb: (_e8m0_half(_vec(P["e"], grp, kb * R, R)), None),
+    QT.Q4_K: lambda P, grp, kb: (_f32x16(P, "d", grp, kb // 8 * R) * _f32x16(P, "sc", grp, kb * R),
+                                 _f32x16(P, "dmin", grp, kb // 8 * R) * _f32x16(P, "mn", grp, kb * R)),
+}
+CODES = {QT.Q8_0: _q8_0, QT.MXFP4: _mxfp4, QT.Q4_K: _nibbles}
+
+
+def tables(qtype: QT) -> dict:
+    """The constants a format's decoder reads: MXFP4's doubled values + 128, once per 16-byte lane."""
+    return {"mxfp4_biased": (np.tile(MXFP4_VALUES, 4).astype(np.int16) + 128).astype(np.uint8)} \
+        if qtype == QT.MXFP4 else {}
+
+
+def _token_blocks(qtype: QT, K: int, x_loc, w_group, y_at):
     """A macro blocks(first, count, g, x, y, ctx, ws) over token rows first .. first+count-1 of a
     list for row group g: x_loc(ctx, i, g) the quantized row of list entry i and its first input
     column, w_group(g) the group's leading plane indices, y_at(ctx, i, g) its 16 outputs' index
-    (the last a Ramp); x = (xq as int32 words, DX, NS), ws = (scales, codes)."""
-    KB = K // BLOCK
+    (the last a Ramp); x = (xq as int32 words, DX, NS), ws = the planes then the tables."""
+    KB, biased = K // BLOCK, qtype in BIASED
+    names = [f.name for f in plane_format(qtype).fields] + list(tables(qtype))
+    codes, scales = CODES[qtype], SCALES[qtype]
 
     def row(ctx, i, g):
         return x_loc(ctx, i, g)[0]
@@ -120,6 +193,17 @@ def _token_blocks(K: int, x_loc, w_group, y_at):
         return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc, w,
                                        tirx.reinterpret("int8x64", tirx.Broadcast(q, R)))
 
+    def start(x, ctx, i, g, kb):   # a biased block's sum starts at -128 times its inputs' code sum
+        return tirx.Broadcast(x[2][row(ctx, i, g), blk(ctx, i, g, kb)], R) if biased else _bc(0, "int32", R)
+
+    def block_value(acc, ia, t, nt, S, M, x, ctx, i, g, kb):   # acc + S * DX * sum (- M * DX * the inputs' sum)
+        dx = x[1][row(ctx, i, g), blk(ctx, i, g, kb)]
+        v = acc + _block_sum(ia, t, nt).astype("float32x16") * (S * tirx.Broadcast(dx, R))
+        if M is None:
+            return v
+        total = x[2][row(ctx, i, g), blk(ctx, i, g, kb)].astype(F32) * tirx.const(-1 / 128, F32)
+        return v - M * tirx.Broadcast(dx * total, R)
+
     @T.macro
     def micro(nt, i0, g, x, y, ctx, ws):
         acc = T.decl_buffer((nt, R), F32)   # global scope: in registers (kernels/cpu.py's docstring)
@@ -128,20 +212,25 @@ def _token_blocks(K: int, x_loc, w_group, y_at):
             T.buffer_store(acc, _bc(0.0, F32, R), [t, _ramp(0)])
         for kb in range(KB):
             for t in T.unroll(nt):
-                T.buffer_store(ia, tirx.Broadcast(x[2][row(ctx, i0 + t, g), blk(ctx, i0 + t, g, kb)], R),
-                               [0, t, _ramp(0)])
+                T.buffer_store(ia, start(x, ctx, i0 + t, g, kb), [0, t, _ramp(0)])
                 if _chains(nt) == 2:
                     T.buffer_store(ia, _bc(0, "int32", R), [1, t, _ramp(0)])
             for j in T.unroll(8):
-                w = T.bind(_vec(ws[1], w_group(g), kb * (BLOCK * R) + j * (4 * R), 4 * R))
+                w = T.bind(codes(dict(zip(names, ws)), w_group(g), kb, j))
                 for t in T.unroll(nt):
                     T.buffer_store(ia, dot(_vec(ia, (j % _chains(nt), t), 0, R), w,
                                            x[0][row(ctx, i0 + t, g), blk(ctx, i0 + t, g, kb) * 8 + j]),
                                    [j % _chains(nt), t, _ramp(0)])
-            S = T.bind(_vec(ws[0], w_group(g), kb * R, R).astype("float32x16"))
-            for t in T.unroll(nt):
-                T.buffer_store(acc, _vec(acc, (t,), 0, R) + _block_sum(ia, t, nt).astype("float32x16") * (
-                    S * tirx.Broadcast(x[1][row(ctx, i0 + t, g), blk(ctx, i0 + t, g, kb)], R)), [t, _ramp(0)])
+            S = T.bind(scales(dict(zip(names, ws)), w_group(g), kb)[0])
+            if scales(dict(zip(names, ws)), w_group(g), kb)[1] is None:
+                for t in T.unroll(nt):
+                    T.buffer_store(acc, block_value(_vec(acc, (t,), 0, R), ia, t, nt, S, None, x, ctx, i0 + t, g, kb),
+                                   [t, _ramp(0)])
+            else:
+                M = T.bind(scales(dict(zip(names, ws)), w_group(g), kb)[1])
+                for t in T.unroll(nt):
+                    T.buffer_store(acc, block_value(_vec(acc, (t,), 0, R), ia, t, nt, S, M, x, ctx, i0 + t, g, kb),
+                                   [t, _ramp(0)])
         for t in T.unroll(nt):
             T.buffer_store(y, _vec(acc, (t,), 0, R), y_at(ctx, i0 + t, g))
 
@@ -163,8 +252,22 @@ def supports(N: int, K: int, groups: int = 1) -> bool:
     return N % (R * groups) == 0 and K % BLOCK == 0
 
 
+ARGS = 6   # weight arguments of every kernel: Q4_K's five planes, MXFP4's two and a table
+
+
+def arg_types(qtype: QT, shape: tuple) -> list[tuple[tuple, str]]:
+    """(shape, dtype) of each weight argument of a weight of numpy shape `shape`: the interleaved
+    planes, then the tables, padded by repeating the first (never read)."""
+    a = list(plane_shapes(qtype, shape).values()) + [(t.shape, str(t.dtype)) for t in tables(qtype).values()]
+    return a + a[:1] * (ARGS - len(a))
+
+
+def weight_args(args: list) -> list:
+    return args + args[:1] * (ARGS - len(args))
+
+
 @_parsed_once
-def dense_linear(N: int, K: int, threads: int, few: bool, groups: int = 1):
+def dense_linear(qtype: QT, N: int, K: int, threads: int, few: bool, groups: int = 1):
     """y[T, N] = x[T, G*K] @ W[N, K]^T for any T, output rows g*N/G .. reading x[:, g*K ..] (a
     grouped projection with G groups). few: a call of a few tokens (nn/state.few_rows), whose
     inputs are quantized on the calling core."""
@@ -178,12 +281,13 @@ def dense_linear(N: int, K: int, threads: int, few: bool, groups: int = 1):
     def y_at(_ctx, i, g):
         return [i, _ramp(g * R)]
 
-    blocks = _token_blocks(K, x_loc, lambda g: (g,), y_at)
+    blocks = _token_blocks(qtype, K, x_loc, lambda g: (g,), y_at)
     width = groups * K
+    a = arg_types(qtype, (N, K))
 
     @T.prim_func(private=True)
-    def main(x_h: T.handle, d: T.Buffer((G, R * K // BLOCK), "float16"), qs: T.Buffer((G, R * K), "uint8"),
-             y_h: T.handle):
+    def main(x_h: T.handle, w0: T.Buffer(*a[0]), w1: T.Buffer(*a[1]), w2: T.Buffer(*a[2]), w3: T.Buffer(*a[3]),
+             w4: T.Buffer(*a[4]), w5: T.Buffer(*a[5]), y_h: T.handle):
         T.func_attr({"tirx.noalias": True, "ds4.schedule": "hand"})
         n_tok = T.int32()
         x = T.match_buffer(x_h, (n_tok, width), F32)
@@ -195,16 +299,16 @@ def dense_linear(N: int, K: int, threads: int, few: bool, groups: int = 1):
         quantize(x, _row_of_2d, n_tok, width, xq, DX, NS)
         if parallel:   # a contiguous run of groups per core: one sequential stream each
             for g in T.parallel(G):
-                blocks(0, n_tok, g, (words, DX, NS), y, None, (d, qs))
+                blocks(0, n_tok, g, (words, DX, NS), y, None, (w0, w1, w2, w3, w4, w5))
         else:
             for g in T.serial(G):
-                blocks(0, n_tok, g, (words, DX, NS), y, None, (d, qs))
+                blocks(0, n_tok, g, (words, DX, NS), y, None, (w0, w1, w2, w3, w4, w5))
 
     return main
 
 
 @_parsed_once
-def expert_linear(E: int, N: int, K: int, J: int, per_slot_input: bool, threads: int, few: bool):
+def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool, threads: int, few: bool):
     """y[T, J, N] = x[T, (J|1), K] @ W[ids[t, j], N, K]^T for any T: the (token, slot) pairs sorted
     by expert (kernels/cpu.py's counting sort), the row groups of the experts in use shared among
     the cores, a contiguous run each for a few tokens (every group then costs the same), dealt
@@ -222,7 +326,8 @@ def expert_linear(E: int, N: int, K: int, J: int, per_slot_input: bool, threads:
     def x_row(x, r, k):
         return x[r // XJ, r % XJ, k]
 
-    blocks = _token_blocks(K, x_loc, lambda eg: (eg // NG, eg % NG), y_at)
+    blocks = _token_blocks(qtype, K, x_loc, lambda eg: (eg // NG, eg % NG), y_at)
+    a = arg_types(qtype, (E, N, K))
 
     @T.macro
     def used_group(ug, x, y, slots, cnt, off, used, ws):
@@ -243,8 +348,8 @@ def expert_linear(E: int, N: int, K: int, J: int, per_slot_input: bool, threads:
                 used_group(ug, x, y, slots, cnt, off, used, ws)
 
     @T.prim_func(private=True)
-    def main(x_h: T.handle, ids_h: T.handle, d: T.Buffer((E, NG, R * K // BLOCK), "float16"),
-             qs: T.Buffer((E, NG, R * K), "uint8"), y_h: T.handle):
+    def main(x_h: T.handle, ids_h: T.handle, w0: T.Buffer(*a[0]), w1: T.Buffer(*a[1]), w2: T.Buffer(*a[2]),
+             w3: T.Buffer(*a[3]), w4: T.Buffer(*a[4]), w5: T.Buffer(*a[5]), y_h: T.handle):
         T.func_attr({"tirx.noalias": True, "ds4.schedule": "hand"})
         n_tok = T.int32()
         x = T.match_buffer(x_h, (n_tok, XJ, K), F32)
@@ -262,6 +367,6 @@ def expert_linear(E: int, N: int, K: int, J: int, per_slot_input: bool, threads:
         DX = T.decl_buffer((n_tok * XJ, K // BLOCK), F32)
         NS = T.decl_buffer((n_tok * XJ, K // BLOCK), "int32")
         quantize(x, x_row, n_tok * XJ, K, xq, DX, NS)
-        groups(n_used, (words, DX, NS), y, slots, cnt, off, used, (d, qs))
+        groups(n_used, (words, DX, NS), y, slots, cnt, off, used, (w0, w1, w2, w3, w4, w5))
 
     return main

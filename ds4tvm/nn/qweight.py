@@ -92,7 +92,7 @@ class QWeight(nn.Module):
 
     def _lay_out(self, derive: str | None) -> None:
         if derive == INTERLEAVED:
-            shapes = cpu_interleaved.plane_shapes(self.shape)
+            shapes = cpu_interleaved.plane_shapes(self.qtype, self.shape)
         else:
             *lead, K = self.shape
             shapes = {f.name: ((*lead, f.per_row(K)), f.dtype) for f in plane_format(self.qtype).fields}
@@ -104,7 +104,7 @@ class QWeight(nn.Module):
     @property
     def _deq(self):
         """The TE kernels' expression of an element from the planes as laid out."""
-        return cpu_interleaved.dequant if self.derive == INTERLEAVED else DEQUANT[self.qtype]
+        return cpu_interleaved.dequant_for(self.qtype) if self.derive == INTERLEAVED else DEQUANT[self.qtype]
 
     def planes(self) -> list[nn.Tensor]:
         return [getattr(self, f"plane_{n}") for n in self.fields]
@@ -137,10 +137,14 @@ class QWeight(nn.Module):
         few = few_rows(n_tok)
         threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, few)
         if self.derive == INTERLEAVED and cpu_interleaved.supports(N, K, groups):
-            return cpu_interleaved.dense_linear(N, K, threads, few, groups), self.planes()
+            return cpu_interleaved.dense_linear(self.qtype, N, K, threads, few, groups), self._interleaved_args()
         if threads is not None and cpu_kernels.supports(self.qtype, N, K, groups):
             return cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, groups, int8), self._cpu_args(int8)
         return None
+
+    def _interleaved_args(self) -> list[nn.Tensor]:
+        consts = cpu_interleaved.tables(self.qtype)
+        return cpu_interleaved.weight_args(self.planes() + [nn.Tensor.from_const(v) for v in consts.values()])
 
     def linear(self, x: nn.Tensor, name: str = "qlinear") -> nn.Tensor:
         """y[t, n] = sum_k x[t, k] * W[n, k] for x of shape [T, K]."""
@@ -205,9 +209,10 @@ class QWeight(nn.Module):
         threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, few)
         blockized = self.forms.gpu and gpu_kernels.takes_blockized(self.qtype, K)
         if self.derive == INTERLEAVED:
-            func = cpu_interleaved.expert_linear(E, N, K, J, per_expert_input, threads, few)
+            func = cpu_interleaved.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads, few)
             xs = x if per_expert_input else op.reshape(x, (T, 1, K))
-            return op.tensor_ir_op(func, name, [xs, experts, *self.planes()], nn.Tensor.placeholder((T, J, N), F32))
+            return op.tensor_ir_op(func, name, [xs, experts, *self._interleaved_args()],
+                                   nn.Tensor.placeholder((T, J, N), F32))
         if blockized or (threads is not None and cpu_kernels.takes_experts(self.qtype, N, K, T, int8)):
             func = (gpu_kernels.expert_gemv(self.qtype, E, N, K, J, per_expert_input, self.forms.on_gpu) if blockized
                     else cpu_kernels.expert_linear(self.qtype, E, N, K, J, per_expert_input, threads, blocking,

@@ -153,11 +153,12 @@ def test_int8_activation_kernels_match_gguf_q8_0_inputs(qtype, dot):
     _check_cpu_kernels(qtype, int8=dot, interleaved=False)
 
 
-def test_interleaved_q8_0_kernels_match_gguf_q8_0_inputs():
-    """Q8_0 on AVX-512 VNNI (kernels/cpu_interleaved.py, 16 rows interleaved, the default there):
-    every form and token count against the same reference as the row-major int8 kernels, a token's
-    outputs bit for bit alike whatever the tokens beside it, and an embedding's rows read from the
-    interleaved planes equal to gguf's dequantized rows, bit for bit."""
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.MXFP4, QT.Q4_K], ids=lambda t: t.name)
+def test_interleaved_kernels_match_gguf_q8_0_inputs(qtype):
+    """Q8_0, MXFP4 and Q4_K on AVX-512 VNNI (kernels/cpu_interleaved.py, 16 rows interleaved, the
+    default there): every form and token count against the same reference as the row-major int8
+    kernels, a token's outputs bit for bit alike whatever the tokens beside it, and an embedding's
+    rows read from the interleaved planes equal to gguf's dequantized rows, bit for bit."""
     from tvm.target import codegen
 
     from ds4tvm.compile.targets import resolve
@@ -167,12 +168,12 @@ def test_interleaved_q8_0_kernels_match_gguf_q8_0_inputs():
 
     if not codegen.target_has_features("avx512vnni", tvm.target.Target(resolve("cpu").tvm)):
         pytest.skip("this CPU has no avx512vnni, which the interleaved kernels need")
-    _check_cpu_kernels(QT.Q8_0, int8="vpdpbusd")
-    N, K = 48, 96
-    w = set_forms(QWeight("w", QT.Q8_0, (N, K)), Forms(cpu_linears=CpuLinears(2, BLOCKINGS[512], "vpdpbusd")))
+    _check_cpu_kernels(qtype, int8="vpdpbusd")
+    N, K = 48, 512
+    w = set_forms(QWeight("w", qtype, (N, K)), Forms(cpu_linears=CpuLinears(2, BLOCKINGS[512], "vpdpbusd")))
     assert w.derive == "r16"
-    raw = random_blocks(QT.Q8_0, (N, K), np.random.default_rng(5))
-    planes = to_planes(raw, QT.Q8_0, (N, K))
+    raw = random_blocks(qtype, (N, K), np.random.default_rng(5))
+    planes = to_planes(raw, qtype, (N, K))
     P = {f: tvm.te.placeholder(getattr(w, f"plane_{f}").shape, getattr(w, f"plane_{f}").dtype, f) for f in w.fields}
     ids = tvm.te.placeholder((N,), "int32", "ids")
     rows = tvm.te.compute((N, K), lambda t, k: w._deq(P, (ids[t],), k))
@@ -180,7 +181,7 @@ def test_interleaved_q8_0_kernels_match_gguf_q8_0_inputs():
     order = np.random.default_rng(6).permutation(N).astype(np.int32)
     out = tvm.runtime.empty((N, K), "float32")
     f(tvm.runtime.tensor(order), *(tvm.runtime.tensor(derived_plane(planes, f"{n}:r16")) for n in w.fields), out)
-    assert np.array_equal(out.numpy(), quants.dequantize(raw, QT.Q8_0)[order])
+    assert np.array_equal(out.numpy(), quants.dequantize(raw, qtype)[order])
 
 
 def q8_0_inputs(x: np.ndarray) -> np.ndarray:
@@ -234,8 +235,8 @@ def _check_cpu_kernels(qtype, int8: str | None, blocking=None, interleaved: bool
     assert "row_matmul" not in script   # no TE linear left but one-token experts in one-plane formats
     assert ("expert_matmul" in script) == (qtype in cpu_kernels.ONE_PLANE and not int8)
     assert ("vpdpbusd" in script) == (int8 == "vpdpbusd") and ("pmadd.ub.sw" in script) == (int8 == "vpmaddubsw")
-    assert all((sources[id(p)][1].endswith(":r16")) == (interleaved and int8 == "vpdpbusd" and qtype == QT.Q8_0)
-               for _, p in params)
+    assert all((sources[id(p)][1].endswith(":r16")) == (interleaved and int8 == "vpdpbusd"
+                                                         and qtype in (QT.Q8_0, QT.MXFP4, QT.Q4_K)) for _, p in params)
     target = tvm.target.Target({"kind": "llvm", "num-cores": 2,
                                 **({"mcpu": codegen.llvm_get_system_cpu()} if int8 else {})})
     vm = relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu())
