@@ -308,16 +308,22 @@ TO_F32 = "f32"   # an F16 / BF16 tensor bound as its float32 values (read only w
 # high nibbles). Q8_0's codes are made unsigned (+128): vpdpbusd multiplies unsigned by signed bytes.
 INTERLEAVED = "r16"
 INTERLEAVE_ROWS = 16
-NIBBLES = 0
+NIBBLES, CRUMBS = 0, -1   # 4-bit codes, 2-bit codes
 INTERLEAVED_FIELDS = {QT.Q8_0: {"d": 1, "qs": 4}, QT.MXFP4: {"e": 1, "qs": NIBBLES},
-                      QT.Q4_K: {"d": 1, "dmin": 1, "sc": 1, "mn": 1, "qs": NIBBLES}}
+                      QT.Q4_K: {"d": 1, "dmin": 1, "sc": 1, "mn": 1, "qs": NIBBLES},
+                      QT.Q2_K: {"sc": 1, "qs": CRUMBS, "d": 1, "dmin": 1}}
 
 
-def _nibble_codes(qtype: QT, qs: np.ndarray) -> np.ndarray:
-    """[rows, K/2] packed 4-bit codes -> [rows, K] one per weight, in weight order."""
+def packed_codes(qtype: QT, qs: np.ndarray) -> np.ndarray:
+    """[rows, K/2] packed 4-bit codes ([rows, K/4] 2-bit ones) -> [rows, K] one per weight, in
+    weight order."""
+    n = len(qs)
+    if qtype == QT.Q2_K:   # per 256: two runs of 32 bytes, each four 32-weight groups at shifts 0, 2, 4, 6
+        runs = qs.reshape(n, -1, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+        return (runs & np.uint8(3)).reshape(n, -1)
     lo, hi = qs & np.uint8(15), qs >> np.uint8(4)
     per = 16 if qtype == QT.MXFP4 else 32   # MXFP4: weight i low, i+16 high per 32; Q4_K: per 64
-    return np.stack([lo.reshape(len(qs), -1, per), hi.reshape(len(qs), -1, per)], axis=2).reshape(len(qs), -1)
+    return np.stack([lo.reshape(n, -1, per), hi.reshape(n, -1, per)], axis=2).reshape(n, -1)
 
 
 def _chunked(flat: np.ndarray, width: int, dtype, step_bytes: int, convert) -> np.ndarray:
@@ -335,12 +341,17 @@ def interleaved_plane(p: Planes, name: str) -> np.ndarray:
     unit, R = INTERLEAVED_FIELDS[p.qtype][name], INTERLEAVE_ROWS
     a = p.fields[name]
     *lead, N, W = a.shape
-    if unit == NIBBLES:
+    if unit in (NIBBLES, CRUMBS):
         def pack(g):   # g: [n, 16, W] packed codes -> [n, 16 * W]
-            codes = _nibble_codes(p.qtype, g.reshape(-1, W)).reshape(len(g), R, -1, 2, 4, 4)
-            runs = codes.transpose(0, 2, 3, 4, 1, 5)            # [n, K/32, half, 4, 16 rows, 4]
-            return (runs[:, :, 0] | (runs[:, :, 1] << np.uint8(4))).reshape(len(g), -1)
-        out = _chunked(a.reshape(-1, R, W), R * W, np.uint8, 3 * R * W, pack)
+            n = len(g)
+            codes = packed_codes(p.qtype, g.reshape(-1, W)).reshape(n, R, -1, 8, 4)
+            vecs = codes.transpose(0, 2, 3, 1, 4).reshape(n, -1, 8, 4 * R)   # code vector j: 4 weights of 16 rows
+            if unit == NIBBLES:   # vector j in run j % 4, the high nibbles from j = 4
+                return (vecs[:, :, :4] | (vecs[:, :, 4:] << np.uint8(4))).reshape(n, -1)
+            runs = vecs.reshape(n, -1, 2, 4, 4 * R)   # vector j in run j // 4 at 2 * (j % 4) bits
+            return (runs[:, :, :, 0] | (runs[:, :, :, 1] << np.uint8(2)) | (runs[:, :, :, 2] << np.uint8(4))
+                    | (runs[:, :, :, 3] << np.uint8(6))).reshape(n, -1)
+        out = _chunked(a.reshape(-1, R, W), R * W, np.uint8, 5 * R * W, pack)
     else:
         out = _chunked(a.reshape(-1, R, W // unit, unit), R * W, a.dtype, R * W * a.itemsize,
                        lambda g: g.transpose(0, 2, 1, 3).reshape(len(g), -1))

@@ -25,12 +25,14 @@ benchmarks/int8_interleaved.py times it against kernels/cpu.py's int8 kernel.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..gguf.quant import INTERLEAVE_ROWS, INTERLEAVED_FIELDS, MXFP4_VALUES, NIBBLES, plane_format
+from ..gguf.quant import CRUMBS, INTERLEAVE_ROWS, INTERLEAVED_FIELDS, MXFP4_VALUES, NIBBLES, plane_format
 from . import cpu_int8
 from .cpu import _parallel, _parsed_once, _row_of_2d, _sort_by_expert, takes_int8
 from .cpu_int8 import _bc, _e8m0_half, _vec
@@ -68,18 +70,31 @@ class _RowMajor:
         self.buf, self.qtype, self.name = buf, qtype, name
         self.unit = INTERLEAVED_FIELDS[qtype][name]
 
-    def _code(self, lead, g, i, w):   # 4-bit code of weight w of row i of group g
-        j = w % BLOCK // 4
-        byte = self.buf[(*lead, g, w // BLOCK * (BLOCK * R // 2) + j % 4 * (4 * R) + i * 4 + w % 4)]
-        return (byte >> (j // 4 * 4).astype("uint8")) & tirx.const(15, "uint8")
+    def _code(self, lead, g, i, w):   # the code of weight w of row i of group g (4 or 2 bits)
+        j, bits = w % BLOCK // 4, 4 if self.unit == NIBBLES else 2
+        run, slot = (j % 4, j // 4) if self.unit == NIBBLES else (j // 4, j % 4)
+        byte = self.buf[(*lead, g, w // BLOCK * (BLOCK * R * bits // 8) + run * (4 * R) + i * 4 + w % 4)]
+        return (byte >> (slot * bits).astype("uint8")) & tirx.const((1 << bits) - 1, "uint8")
+
+    def _packed(self, lead, g, i, c):   # byte c of a row's packed codes, in the file's order
+        if self.unit == CRUMBS:   # Q2_K: 4 weights 32 apart per byte, per half of 128
+            first = c // 64 * 256 + c % 64 // 32 * 128 + c % 32
+            parts = [(first + q * 32, 2 * q) for q in range(4)]
+        else:   # MXFP4: weights i, i + 16 per 32; Q4_K: i, i + 32 per 64
+            per = 16 if self.qtype == QT.MXFP4 else 32
+            first = c // per * (2 * per) + c % per
+            parts = [(first, 0), (first + per, 4)]
+        value = None
+        for w, shift in parts:
+            v = self._code(lead, g, i, w) << tirx.const(shift, "uint8")
+            value = v if value is None else value | v
+        return value
 
     def __getitem__(self, idx):
         *lead, n, c = idx
         g, i = n // R, n % R
-        if self.unit == NIBBLES:   # byte c of a row: two weights' codes
-            per = 16 if self.qtype == QT.MXFP4 else 32
-            lo = c // per * (2 * per) + c % per
-            return self._code(lead, g, i, lo) | (self._code(lead, g, i, lo + per) << tirx.const(4, "uint8"))
+        if self.unit in (NIBBLES, CRUMBS):
+            return self._packed(lead, g, i, c)
         v = self.buf[(*lead, g, c // self.unit * (self.unit * R) + i * self.unit + c % self.unit)]
         if self.qtype == QT.Q8_0 and self.name == "qs":
             return (v.astype("int32") - 128).astype("int8")
@@ -98,50 +113,63 @@ def _ramp(start, n: int = R):
     return tirx.Ramp(start, 1, n)
 
 
-@T.macro
-def _quantize_row(x, x2, r, Kx, xq, DX, NS):
-    amax = T.decl_buffer((1,), F32, scope="local")
-    total = T.decl_buffer((1,), "int32", scope="local")
-    for b in range(Kx // BLOCK):
-        cpu_int8.block_codes(x, x2, r, b, xq, amax)
-        DX[r, b] = amax[0] / T.float32(127)
-        total[0] = 0
-        for i in range(BLOCK):
-            total[0] = total[0] + T.Cast("int32", xq[r, b * BLOCK + i])
-        NS[r, b] = total[0] * -128
+def sums_of(qtype: QT) -> tuple[str, int]:
+    """(dtype, inputs per value) of what a format needs of the inputs' code sums: -128 times the
+    sum per block for the biased formats, whose block sums start there; the block's scale times
+    the sum for Q4_K's offsets, per 16 inputs for Q2_K's."""
+    return ("int32", BLOCK) if qtype in BIASED else (F32, 16 if qtype == QT.Q2_K else BLOCK)
 
 
-def quantizer(parallel: bool):
-    """A macro quantize(x, x2, rows, Kx, xq, DX, NS): xq[r, k] the int8 codes of rows x2(x, r, k) in
-    blocks of 32 (gguf's Q8_0 rounding), DX[r, b] block b's scale, NS[r, b] -128 times the sum of
-    its codes; the rows on the cores for a prefill's hundreds, on the calling core for a few."""
+def _quantize_row(qtype: QT):
+    dtype, per = sums_of(qtype)
+
     @T.macro
-    def quantize(x, x2, rows, Kx, xq, DX, NS):
+    def quantize_row(x, x2, r, Kx, xq, DX, SUM):
+        amax = T.decl_buffer((1,), F32, scope="local")
+        total = T.decl_buffer((1,), "int32", scope="local")
+        for b in range(Kx // BLOCK):
+            cpu_int8.block_codes(x, x2, r, b, xq, amax)
+            DX[r, b] = amax[0] / T.float32(127)
+            for h in range(BLOCK // per):
+                total[0] = 0
+                for i in range(per):
+                    total[0] = total[0] + T.Cast("int32", xq[r, b * BLOCK + h * per + i])
+                if dtype == "int32":
+                    SUM[r, b] = total[0] * -128
+                else:
+                    SUM[r, b * (BLOCK // per) + h] = DX[r, b] * T.Cast(F32, total[0])
+
+    return quantize_row
+
+
+def quantizer(qtype: QT, parallel: bool):
+    """A macro quantize(x, x2, rows, Kx, xq, DX, SUM): xq[r, k] the int8 codes of rows x2(x, r, k)
+    in blocks of 32 (gguf's Q8_0 rounding), DX[r, b] block b's scale, SUM what sums_of(qtype) says;
+    the rows on the cores for a prefill's hundreds, on the calling core for a few."""
+    quantize_row = _quantize_row(qtype)
+
+    @T.macro
+    def quantize(x, x2, rows, Kx, xq, DX, SUM):
         if parallel:
             for r in T.parallel(rows):
-                _quantize_row(x, x2, r, Kx, xq, DX, NS)
+                quantize_row(x, x2, r, Kx, xq, DX, SUM)
         else:
             for r in range(rows):
-                _quantize_row(x, x2, r, Kx, xq, DX, NS)
+                quantize_row(x, x2, r, Kx, xq, DX, SUM)
 
     return quantize
-
-
-def _chains(nt: int) -> int:
-    """Independent chains of dot products per token: two for one or two tokens, whose 8 dot
-    products per block would otherwise wait on each other."""
-    return 2 if nt <= 2 else 1
-
-
-def _block_sum(ia, t, nt: int):
-    s = _vec(ia, (0, t), 0, R)
-    return s + _vec(ia, (1, t), 0, R) if _chains(nt) == 2 else s
 
 
 def _nibbles(P, grp, kb, j):
     """Code vector j (0..7) of block kb: the low or high nibbles of one 64-byte run."""
     v = _vec(P["qs"], grp, kb * (BLOCK * R // 2) + j % 4 * (4 * R), 4 * R)
     return (v >> tirx.Broadcast((j // 4 * 4).astype("uint8"), 4 * R)) & _bc(15, "uint8", 4 * R)
+
+
+def _crumbs(P, grp, kb, j):
+    """Code vector j (0..7) of block kb, 2 bits each: run j // 4 shifted by 2 * (j % 4)."""
+    v = _vec(P["qs"], grp, kb * (BLOCK * R // 4) + j // 4 * (4 * R), 4 * R)
+    return (v >> tirx.Broadcast((j % 4 * 2).astype("uint8"), 4 * R)) & _bc(3, "uint8", 4 * R)
 
 
 def _q8_0(P, grp, kb, j):
@@ -155,17 +183,25 @@ def _mxfp4(P, grp, kb, j):
         "int8x64", "llvm.x86.avx512.pshuf.b.512", table, tirx.reinterpret("int8x64", _nibbles(P, grp, kb, j))))
 
 
-def _f32x16(P, name, grp, at):
-    return _vec(P[name], grp, at, R).astype("float32x16")
+def _f32x16(v):
+    return v.astype("float32x16")
 
 
-SCALES = {   # block kb's scale per row S and offset per row M (None: none), weight = S * code - M
-    QT.Q8_0: lambda P, grp, kb: (_f32x16(P, "d", grp, kb * R), None),
-    QT.MXFP4: lambda P, grp, kb: (_e8m0_half(_vec(P["e"], grp, kb * R, R)), None),
-    QT.Q4_K: lambda P, grp, kb: (_f32x16(P, "d", grp, kb // 8 * R) * _f32x16(P, "sc", grp, kb * R),
-                                 _f32x16(P, "dmin", grp, kb // 8 * R) * _f32x16(P, "mn", grp, kb * R)),
+def _q2_k_scales(P, grp, kb):
+    """Per half of the block (16 weights, one scale byte each: scale low nibble, offset high)."""
+    d, dmin = (_f32x16(_vec(P[n], grp, kb // 8 * R, R)) for n in ("d", "dmin"))
+    sc = [_vec(P["sc"], grp, (kb * 2 + h) * R, R) for h in range(2)]
+    return [(d * _f32x16(b & _bc(15, "uint8", R)), dmin * _f32x16(b >> _bc(4, "uint8", R))) for b in sc]
+
+
+SCALES = {   # per part of a block (the whole block, or Q2_K's halves): (S, M), weight = S * code - M
+    QT.Q8_0: lambda P, grp, kb: [(_f32x16(_vec(P["d"], grp, kb * R, R)), None)],
+    QT.MXFP4: lambda P, grp, kb: [(_e8m0_half(_vec(P["e"], grp, kb * R, R)), None)],
+    QT.Q4_K: lambda P, grp, kb: [(_f32x16(_vec(P["d"], grp, kb // 8 * R, R)) * _f32x16(_vec(P["sc"], grp, kb * R, R)),
+                                  _f32x16(_vec(P["dmin"], grp, kb // 8 * R, R)) * _f32x16(_vec(P["mn"], grp, kb * R, R)))],
+    QT.Q2_K: _q2_k_scales,
 }
-CODES = {QT.Q8_0: _q8_0, QT.MXFP4: _mxfp4, QT.Q4_K: _nibbles}
+CODES = {QT.Q8_0: _q8_0, QT.MXFP4: _mxfp4, QT.Q4_K: _nibbles, QT.Q2_K: _crumbs}
 
 
 def tables(qtype: QT) -> dict:
@@ -174,12 +210,22 @@ def tables(qtype: QT) -> dict:
         if qtype == QT.MXFP4 else {}
 
 
+def _chains(qtype: QT, nt: int) -> int:
+    """Chains of dot products per token: Q2_K's two halves apart, and two for one or two tokens,
+    whose 8 dot products per block would otherwise wait on each other."""
+    return 2 if qtype == QT.Q2_K or nt <= 2 else 1
+
+
+def _chain(qtype: QT, nt: int, j):
+    return j // 4 if qtype == QT.Q2_K else j % _chains(qtype, nt)
+
+
 def _token_blocks(qtype: QT, K: int, x_loc, w_group, y_at):
     """A macro blocks(first, count, g, x, y, ctx, ws) over token rows first .. first+count-1 of a
     list for row group g: x_loc(ctx, i, g) the quantized row of list entry i and its first input
     column, w_group(g) the group's leading plane indices, y_at(ctx, i, g) its 16 outputs' index
-    (the last a Ramp); x = (xq as int32 words, DX, NS), ws = the planes then the tables."""
-    KB, biased = K // BLOCK, qtype in BIASED
+    (the last a Ramp); x = (xq as int32 words, DX, SUM), ws = the planes then the tables."""
+    KB, biased, halves = K // BLOCK, qtype in BIASED, qtype == QT.Q2_K
     names = [f.name for f in plane_format(qtype).fields] + list(tables(qtype))
     codes, scales = CODES[qtype], SCALES[qtype]
 
@@ -189,48 +235,71 @@ def _token_blocks(qtype: QT, K: int, x_loc, w_group, y_at):
     def blk(ctx, i, g, kb):   # the input block of weight block kb
         return x_loc(ctx, i, g)[1] // BLOCK + kb
 
+    def input_sum(x, ctx, i, g, kb, part):   # sums_of's value for a part of the block (a half, or all)
+        return x[2][row(ctx, i, g), blk(ctx, i, g, kb) * (2 if halves else 1) + part]
+
     def dot(acc, w, q):
         return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc, w,
                                        tirx.reinterpret("int8x64", tirx.Broadcast(q, R)))
 
     def start(x, ctx, i, g, kb):   # a biased block's sum starts at -128 times its inputs' code sum
-        return tirx.Broadcast(x[2][row(ctx, i, g), blk(ctx, i, g, kb)], R) if biased else _bc(0, "int32", R)
+        return tirx.Broadcast(input_sum(x, ctx, i, g, kb, 0), R) if biased else _bc(0, "int32", R)
 
-    def block_value(acc, ia, t, nt, S, M, x, ctx, i, g, kb):   # acc + S * DX * sum (- M * DX * the inputs' sum)
-        dx = x[1][row(ctx, i, g), blk(ctx, i, g, kb)]
-        v = acc + _block_sum(ia, t, nt).astype("float32x16") * (S * tirx.Broadcast(dx, R))
-        if M is None:
-            return v
-        total = x[2][row(ctx, i, g), blk(ctx, i, g, kb)].astype(F32) * tirx.const(-1 / 128, F32)
-        return v - M * tirx.Broadcast(dx * total, R)
+    def block_value(acc, ia, t, nt, parts, x, ctx, i, g, kb):   # acc + sum over parts of S * DX * sum - M * DX * x's sum
+        dx = tirx.Broadcast(x[1][row(ctx, i, g), blk(ctx, i, g, kb)], R)
+        sums = [_vec(ia, (c, t), 0, R) for c in range(_chains(qtype, nt))]
+        if not halves:
+            sums = [functools.reduce(lambda a, b: a + b, sums)]
+        v = acc
+        for p, ((S, M), isum) in enumerate(zip(parts, sums)):
+            v = v + isum.astype("float32x16") * (S * dx)
+            if M is not None:
+                v = v - M * tirx.Broadcast(input_sum(x, ctx, i, g, kb, p), R)
+        return v
+
+    def parts(ws, g, kb):
+        return scales(dict(zip(names, ws)), w_group(g), kb)
+
+    @T.macro
+    def scaled(acc, ia, nt, i0, g, kb, x, ctx, ws):   # the block's sums scaled into acc (scales bound once)
+        if halves:
+            S0 = T.bind(parts(ws, g, kb)[0][0])
+            M0 = T.bind(parts(ws, g, kb)[0][1])
+            S1 = T.bind(parts(ws, g, kb)[1][0])
+            M1 = T.bind(parts(ws, g, kb)[1][1])
+            for t in T.unroll(nt):
+                T.buffer_store(acc, block_value(_vec(acc, (t,), 0, R), ia, t, nt, [(S0, M0), (S1, M1)], x, ctx,
+                                                i0 + t, g, kb), [t, _ramp(0)])
+        elif parts(ws, g, kb)[0][1] is not None:
+            S = T.bind(parts(ws, g, kb)[0][0])
+            M = T.bind(parts(ws, g, kb)[0][1])
+            for t in T.unroll(nt):
+                T.buffer_store(acc, block_value(_vec(acc, (t,), 0, R), ia, t, nt, [(S, M)], x, ctx, i0 + t, g, kb),
+                               [t, _ramp(0)])
+        else:
+            S = T.bind(parts(ws, g, kb)[0][0])
+            for t in T.unroll(nt):
+                T.buffer_store(acc, block_value(_vec(acc, (t,), 0, R), ia, t, nt, [(S, None)], x, ctx, i0 + t, g, kb),
+                               [t, _ramp(0)])
 
     @T.macro
     def micro(nt, i0, g, x, y, ctx, ws):
         acc = T.decl_buffer((nt, R), F32)   # global scope: in registers (kernels/cpu.py's docstring)
-        ia = T.decl_buffer((_chains(nt), nt, R), "int32")
+        ia = T.decl_buffer((_chains(qtype, nt), nt, R), "int32")
         for t in T.unroll(nt):
             T.buffer_store(acc, _bc(0.0, F32, R), [t, _ramp(0)])
         for kb in range(KB):
             for t in T.unroll(nt):
                 T.buffer_store(ia, start(x, ctx, i0 + t, g, kb), [0, t, _ramp(0)])
-                if _chains(nt) == 2:
+                if _chains(qtype, nt) == 2:
                     T.buffer_store(ia, _bc(0, "int32", R), [1, t, _ramp(0)])
             for j in T.unroll(8):
                 w = T.bind(codes(dict(zip(names, ws)), w_group(g), kb, j))
                 for t in T.unroll(nt):
-                    T.buffer_store(ia, dot(_vec(ia, (j % _chains(nt), t), 0, R), w,
+                    T.buffer_store(ia, dot(_vec(ia, (_chain(qtype, nt, j), t), 0, R), w,
                                            x[0][row(ctx, i0 + t, g), blk(ctx, i0 + t, g, kb) * 8 + j]),
-                                   [j % _chains(nt), t, _ramp(0)])
-            S = T.bind(scales(dict(zip(names, ws)), w_group(g), kb)[0])
-            if scales(dict(zip(names, ws)), w_group(g), kb)[1] is None:
-                for t in T.unroll(nt):
-                    T.buffer_store(acc, block_value(_vec(acc, (t,), 0, R), ia, t, nt, S, None, x, ctx, i0 + t, g, kb),
-                                   [t, _ramp(0)])
-            else:
-                M = T.bind(scales(dict(zip(names, ws)), w_group(g), kb)[1])
-                for t in T.unroll(nt):
-                    T.buffer_store(acc, block_value(_vec(acc, (t,), 0, R), ia, t, nt, S, M, x, ctx, i0 + t, g, kb),
-                                   [t, _ramp(0)])
+                                   [_chain(qtype, nt, j), t, _ramp(0)])
+            scaled(acc, ia, nt, i0, g, kb, x, ctx, ws)
         for t in T.unroll(nt):
             T.buffer_store(y, _vec(acc, (t,), 0, R), y_at(ctx, i0 + t, g))
 
@@ -273,7 +342,7 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, few: bool, groups: int
     inputs are quantized on the calling core."""
     G, per_group = N // R, N // groups
     parallel = _parallel(threads, N, K)
-    quantize = quantizer(threads > 1 and not few)
+    quantize = quantizer(qtype, threads > 1 and not few)
 
     def x_loc(_ctx, i, g):
         return i, g * R // per_group * K
@@ -295,14 +364,14 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, few: bool, groups: int
         xq = T.decl_buffer((n_tok, width), "int8")
         words = T.decl_buffer((n_tok, width // 4), "int32", data=xq.data)
         DX = T.decl_buffer((n_tok, width // BLOCK), F32)
-        NS = T.decl_buffer((n_tok, width // BLOCK), "int32")
-        quantize(x, _row_of_2d, n_tok, width, xq, DX, NS)
+        SUM = T.decl_buffer((n_tok, width // sums_of(qtype)[1]), sums_of(qtype)[0])
+        quantize(x, _row_of_2d, n_tok, width, xq, DX, SUM)
         if parallel:   # a contiguous run of groups per core: one sequential stream each
             for g in T.parallel(G):
-                blocks(0, n_tok, g, (words, DX, NS), y, None, (w0, w1, w2, w3, w4, w5))
+                blocks(0, n_tok, g, (words, DX, SUM), y, None, (w0, w1, w2, w3, w4, w5))
         else:
             for g in T.serial(G):
-                blocks(0, n_tok, g, (words, DX, NS), y, None, (w0, w1, w2, w3, w4, w5))
+                blocks(0, n_tok, g, (words, DX, SUM), y, None, (w0, w1, w2, w3, w4, w5))
 
     return main
 
@@ -315,7 +384,7 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
     round-robin otherwise (balanced whatever the experts' token counts)."""
     NG, XJ = N // R, (J if per_slot_input else 1)
     parallel = _parallel(threads, N, K)
-    quantize = quantizer(threads > 1 and not few)
+    quantize = quantizer(qtype, threads > 1 and not few)
 
     def x_loc(slots, i, _eg):   # the quantized inputs are x's rows flattened: [T * XJ, K]
         return slots[i] // J * XJ + (slots[i] % J if per_slot_input else 0), 0
@@ -365,8 +434,8 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
         xq = T.decl_buffer((n_tok * XJ, K), "int8")
         words = T.decl_buffer((n_tok * XJ, K // 4), "int32", data=xq.data)
         DX = T.decl_buffer((n_tok * XJ, K // BLOCK), F32)
-        NS = T.decl_buffer((n_tok * XJ, K // BLOCK), "int32")
-        quantize(x, x_row, n_tok * XJ, K, xq, DX, NS)
-        groups(n_used, (words, DX, NS), y, slots, cnt, off, used, (w0, w1, w2, w3, w4, w5))
+        SUM = T.decl_buffer((n_tok * XJ, K // sums_of(qtype)[1]), sums_of(qtype)[0])
+        quantize(x, x_row, n_tok * XJ, K, xq, DX, SUM)
+        groups(n_used, (words, DX, SUM), y, slots, cnt, off, used, (w0, w1, w2, w3, w4, w5))
 
     return main

@@ -153,9 +153,9 @@ def test_int8_activation_kernels_match_gguf_q8_0_inputs(qtype, dot):
     _check_cpu_kernels(qtype, int8=dot, interleaved=False)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.MXFP4, QT.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.MXFP4, QT.Q4_K, QT.Q2_K], ids=lambda t: t.name)
 def test_interleaved_kernels_match_gguf_q8_0_inputs(qtype):
-    """Q8_0, MXFP4 and Q4_K on AVX-512 VNNI (kernels/cpu_interleaved.py, 16 rows interleaved, the
+    """Q8_0, MXFP4, Q4_K and Q2_K on AVX-512 VNNI (kernels/cpu_interleaved.py, 16 rows interleaved, the
     default there): every form and token count against the same reference as the row-major int8
     kernels, a token's outputs bit for bit alike whatever the tokens beside it, and an embedding's
     rows read from the interleaved planes equal to gguf's dequantized rows, bit for bit."""
@@ -236,7 +236,7 @@ def _check_cpu_kernels(qtype, int8: str | None, blocking=None, interleaved: bool
     assert ("expert_matmul" in script) == (qtype in cpu_kernels.ONE_PLANE and not int8)
     assert ("vpdpbusd" in script) == (int8 == "vpdpbusd") and ("pmadd.ub.sw" in script) == (int8 == "vpmaddubsw")
     assert all((sources[id(p)][1].endswith(":r16")) == (interleaved and int8 == "vpdpbusd"
-                                                         and qtype in (QT.Q8_0, QT.MXFP4, QT.Q4_K)) for _, p in params)
+                                                         and qtype in (QT.Q8_0, QT.MXFP4, QT.Q4_K, QT.Q2_K)) for _, p in params)
     target = tvm.target.Target({"kind": "llvm", "num-cores": 2,
                                 **({"mcpu": codegen.llvm_get_system_cpu()} if int8 else {})})
     vm = relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu())
