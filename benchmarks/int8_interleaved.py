@@ -1,10 +1,10 @@
-"""Q8_0 int8 linears in both layouts, side by side in one run: the row-major int8 kernel of
+"""int8 linears in both layouts, side by side in one run: the row-major int8 kernel of
 kernels/cpu.py and kernels/cpu_interleaved.py's 16 rows interleaved (the default on AVX-512 VNNI),
 at the token counts of a decode, batched decodes, verify and prefill, for a dense matrix and for
 routed experts. Weights in the cache by default; --cold COPIES reads them from memory.
 
-    python benchmarks/int8_interleaved.py [--shape 16,512,512,4] [--tokens 1,2,4,8,64,256]
-        [--threads 2] [--cold 0]
+    python benchmarks/int8_interleaved.py [--types q8_0,q4_k,q2_k,iq2_xxs,mxfp4] [--shape 16,512,512,4]
+        [--tokens 1,2,4,8,64,256] [--threads 2] [--cold 0]
 
 --shape is E,N,K,J as in benchmarks/cpu_kernels.py (the dense matrix is N*E/4 x K: 2048 x 512 by
 default; 32768,512 for E,N gives the benchmark model's output head as the dense one)."""
@@ -27,6 +27,7 @@ LAYOUTS = {"rows": "int8-rows", "interleaved": "int8"}
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--types", default="q8_0,q4_k,q2_k,iq2_xxs,mxfp4")
     ap.add_argument("--shape", default="16,512,512,4")
     ap.add_argument("--tokens", default="1,2,4,8,64,256")
     ap.add_argument("--threads", type=int, default=2)
@@ -39,12 +40,21 @@ def main() -> None:
             "avx512vnni", tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})):
         raise SystemExit("this CPU has no AVX-512 VNNI: the interleaved kernels are not built for it")
     E, N, K, J = (int(v) for v in a.shape.split(","))
+    print(f"dense {N * E // 4} x {K}, experts {E} x {N} x {K} ({J} chosen), {a.threads} threads, "
+          f"{'weights from memory' if a.cold else 'weights in the cache'}; us per call (GMAC/s)")
+    print("| type | tokens | linear | row-major int8 | interleaved | speed-up |")
+    print("|---|---|---|---|---|---|")
+    for name in a.types.split(","):
+        compare(QT[name.upper()], E, N, K, J, a)
+
+
+def compare(qtype: QT, E: int, N: int, K: int, J: int, a) -> None:
     rng = np.random.default_rng(0)
     shapes = {"w": (N * E // 4, K), "we": (E, N, K)}
-    planes = {o: to_planes(random_blocks(QT.Q8_0, s, rng), QT.Q8_0, s) for o, s in shapes.items()}
+    planes = {o: to_planes(random_blocks(qtype, s, rng), qtype, s) for o, s in shapes.items()}
     built = {}
     for label, kernel in LAYOUTS.items():
-        vm, bind = build(QT.Q8_0, E, N, K, J, a.threads, kernel)
+        vm, bind = build(qtype, E, N, K, J, a.threads, kernel)
         built[label] = vm, [bind(planes) for _ in range(max(1, a.cold))]
     cases = []
     for t in (int(v) for v in a.tokens.split(",")):
@@ -58,16 +68,11 @@ def main() -> None:
             for i, (_, _, fn, inputs) in enumerate(cases):
                 samples[label][i].append(_seconds_per_call(vm, fn, inputs, copies))
     med = {label: [float(np.median(s)) for s in rows] for label, rows in samples.items()}
-    print(f"Q8_0, dense {N * E // 4} x {K}, experts {E} x {N} x {K} ({J} chosen), {a.threads} threads, "
-          f"{'weights from memory' if a.cold else 'weights in the cache'}; us per call (GMAC/s)")
-    print("| tokens | linear | row-major int8 | interleaved | speed-up |")
-    print("|---|---|---|---|---|")
     for i, (t, kind, _, _) in enumerate(cases):
         macs = t * K * (N * E // 4 if kind == "dense" else N * J)
         r, il = med["rows"][i], med["interleaved"][i]
-        print(f"| {t} | {kind} | {r * 1e6:.1f} ({macs / r / 1e9:.0f}) | {il * 1e6:.1f} ({macs / il / 1e9:.0f}) "
-              f"| {r / il:.2f}x |")
-
+        print(f"| {qtype.name} | {t} | {kind} | {r * 1e6:.1f} ({macs / r / 1e9:.0f}) | {il * 1e6:.1f} "
+              f"({macs / il / 1e9:.0f}) | {r / il:.2f}x |", flush=True)
 
 if __name__ == "__main__":
     main()

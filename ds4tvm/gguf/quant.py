@@ -311,7 +311,8 @@ INTERLEAVE_ROWS = 16
 NIBBLES, CRUMBS = 0, -1   # 4-bit codes, 2-bit codes
 INTERLEAVED_FIELDS = {QT.Q8_0: {"d": 1, "qs": 4}, QT.MXFP4: {"e": 1, "qs": NIBBLES},
                       QT.Q4_K: {"d": 1, "dmin": 1, "sc": 1, "mn": 1, "qs": NIBBLES},
-                      QT.Q2_K: {"sc": 1, "qs": CRUMBS, "d": 1, "dmin": 1}}
+                      QT.Q2_K: {"sc": 1, "qs": CRUMBS, "d": 1, "dmin": 1},
+                      QT.IQ2_XXS: {"d": 1, "grid": 4, "aux": 1}}
 
 
 def packed_codes(qtype: QT, qs: np.ndarray) -> np.ndarray:

@@ -43,7 +43,7 @@ R = INTERLEAVE_ROWS   # rows per group: one int32 sum each in a 512-bit vector
 BLOCK = 32            # weights per block (an input scale; Q8_0's and MXFP4's block, a Q4_K sub-block)
 TB = 8                # tokens per block of accumulators (2 x 8 of the 32 vector registers)
 FORMATS = tuple(INTERLEAVED_FIELDS)
-BIASED = (QT.Q8_0, QT.MXFP4)   # signed codes stored or looked up + 128
+BIASED = (QT.Q8_0, QT.MXFP4, QT.IQ2_XXS)   # signed codes stored or looked up + 128
 
 
 def takes(qtype: QT, shape: tuple, forms) -> bool:
@@ -183,8 +183,31 @@ def _mxfp4(P, grp, kb, j):
         "int8x64", "llvm.x86.avx512.pshuf.b.512", table, tirx.reinterpret("int8x64", _nibbles(P, grp, kb, j))))
 
 
+def _iq2_xxs(P, grp, kb, j):
+    """Code vector j of block kb: grid entry j // 2 of each row (its 4 grid bytes are one u32 lane,
+    its sign patterns 7 bits each of its aux word) gathered from the table of every (grid entry,
+    sign pattern) pair's 8 biased codes (kernels/cpu_int8.tables), 8 rows a gather, then the low
+    or high 4 codes of each row's 8 (j % 2). LLVM computes the two gathers once for both halves."""
+    m = (j // 2).astype("uint32")
+    grid = tirx.reinterpret("uint32x16", _vec(P["grid"], grp, kb * (4 * R), 4 * R))
+    signs = _vec(P["aux"], grp, kb * R, R)
+    idx = ((grid >> tirx.Broadcast(m * 8, R)) & _bc(255, "uint32", R)) * _bc(128, "uint32", R) \
+        + ((signs >> tirx.Broadcast(m * 7, R)) & _bc(127, "uint32", R))
+    idx = idx.astype("int32x16")
+    rows = [tirx.reinterpret("uint32x16", cpu_int8._gather_rows(P["iq2_codes"], tirx.Shuffle([idx], list(range(h, h + 8)))))
+            for h in (0, 8)]
+    low, high = (tirx.Shuffle(rows, [2 * i + half for i in range(R)]) for half in (0, 1))
+    return tirx.reinterpret("uint8x64", tirx.Select(j % 2 == 0, low, high))
+
+
 def _f32x16(v):
     return v.astype("float32x16")
+
+
+def _iq2_xxs_scales(P, grp, kb):
+    """gguf's d * (0.5 + the block's 4-bit scale) * 0.25, in its float operations."""
+    top = (_vec(P["aux"], grp, kb * R, R) >> _bc(28, "uint32", R)).astype("float32x16")
+    return [(_f32x16(_vec(P["d"], grp, kb // 8 * R, R)) * (_bc(0.5, F32, R) + top) * _bc(0.25, F32, R), None)]
 
 
 def _q2_k_scales(P, grp, kb):
@@ -200,12 +223,16 @@ SCALES = {   # per part of a block (the whole block, or Q2_K's halves): (S, M), 
     QT.Q4_K: lambda P, grp, kb: [(_f32x16(_vec(P["d"], grp, kb // 8 * R, R)) * _f32x16(_vec(P["sc"], grp, kb * R, R)),
                                   _f32x16(_vec(P["dmin"], grp, kb // 8 * R, R)) * _f32x16(_vec(P["mn"], grp, kb * R, R)))],
     QT.Q2_K: _q2_k_scales,
+    QT.IQ2_XXS: _iq2_xxs_scales,
 }
-CODES = {QT.Q8_0: _q8_0, QT.MXFP4: _mxfp4, QT.Q4_K: _nibbles, QT.Q2_K: _crumbs}
+CODES = {QT.Q8_0: _q8_0, QT.MXFP4: _mxfp4, QT.Q4_K: _nibbles, QT.Q2_K: _crumbs, QT.IQ2_XXS: _iq2_xxs}
 
 
 def tables(qtype: QT) -> dict:
-    """The constants a format's decoder reads: MXFP4's doubled values + 128, once per 16-byte lane."""
+    """The constants a format's decoder reads: MXFP4's doubled values + 128, once per 16-byte lane;
+    IQ2_XXS's biased codes of every (grid entry, sign pattern) pair."""
+    if qtype == QT.IQ2_XXS:
+        return cpu_int8.tables(qtype, cpu_int8.VPDPBUSD)
     return {"mxfp4_biased": (np.tile(MXFP4_VALUES, 4).astype(np.int16) + 128).astype(np.uint8)} \
         if qtype == QT.MXFP4 else {}
 

@@ -6,7 +6,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from ds4tvm.gguf.quant import derived_plane, random_blocks, to_planes
-from ds4tvm.kernels import cpu_int8
+from ds4tvm.kernels import cpu_int8, cpu_interleaved
 
 tvm = pytest.importorskip("tvm")
 pytestmark = pytest.mark.compile
@@ -153,9 +153,9 @@ def test_int8_activation_kernels_match_gguf_q8_0_inputs(qtype, dot):
     _check_cpu_kernels(qtype, int8=dot, interleaved=False)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.MXFP4, QT.Q4_K, QT.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.MXFP4, QT.Q4_K, QT.Q2_K, QT.IQ2_XXS], ids=lambda t: t.name)
 def test_interleaved_kernels_match_gguf_q8_0_inputs(qtype):
-    """Q8_0, MXFP4, Q4_K and Q2_K on AVX-512 VNNI (kernels/cpu_interleaved.py, 16 rows interleaved, the
+    """Q8_0, MXFP4, Q4_K, Q2_K and IQ2_XXS on AVX-512 VNNI (kernels/cpu_interleaved.py, 16 rows interleaved, the
     default there): every form and token count against the same reference as the row-major int8
     kernels, a token's outputs bit for bit alike whatever the tokens beside it, and an embedding's
     rows read from the interleaved planes equal to gguf's dequantized rows, bit for bit."""
@@ -163,6 +163,7 @@ def test_interleaved_kernels_match_gguf_q8_0_inputs(qtype):
 
     from ds4tvm.compile.targets import resolve
     from ds4tvm.kernels.cpu import BLOCKINGS
+    from ds4tvm.kernels.dequant import tables
     from ds4tvm.kernels.forms import CpuLinears, Forms
     from ds4tvm.nn.qweight import QWeight, set_forms
 
@@ -175,12 +176,15 @@ def test_interleaved_kernels_match_gguf_q8_0_inputs(qtype):
     raw = random_blocks(qtype, (N, K), np.random.default_rng(5))
     planes = to_planes(raw, qtype, (N, K))
     P = {f: tvm.te.placeholder(getattr(w, f"plane_{f}").shape, getattr(w, f"plane_{f}").dtype, f) for f in w.fields}
+    consts = tables(qtype)   # the TE expressions' lookup tables (IQ2_XXS)
+    P.update({n: tvm.te.placeholder(v.shape, str(v.dtype), n) for n, v in consts.items()})
     ids = tvm.te.placeholder((N,), "int32", "ids")
     rows = tvm.te.compute((N, K), lambda t, k: w._deq(P, (ids[t],), k))
     f = tvm.compile(tvm.te.create_prim_func([ids, *P.values(), rows]), target="llvm")
     order = np.random.default_rng(6).permutation(N).astype(np.int32)
     out = tvm.runtime.empty((N, K), "float32")
-    f(tvm.runtime.tensor(order), *(tvm.runtime.tensor(derived_plane(planes, f"{n}:r16")) for n in w.fields), out)
+    f(tvm.runtime.tensor(order), *(tvm.runtime.tensor(derived_plane(planes, f"{n}:r16")) for n in w.fields),
+      *(tvm.runtime.tensor(v) for v in consts.values()), out)
     assert np.array_equal(out.numpy(), quants.dequantize(raw, qtype)[order])
 
 
@@ -236,7 +240,7 @@ def _check_cpu_kernels(qtype, int8: str | None, blocking=None, interleaved: bool
     assert ("expert_matmul" in script) == (qtype in cpu_kernels.ONE_PLANE and not int8)
     assert ("vpdpbusd" in script) == (int8 == "vpdpbusd") and ("pmadd.ub.sw" in script) == (int8 == "vpmaddubsw")
     assert all((sources[id(p)][1].endswith(":r16")) == (interleaved and int8 == "vpdpbusd"
-                                                         and qtype in (QT.Q8_0, QT.MXFP4, QT.Q4_K, QT.Q2_K)) for _, p in params)
+                                                         and qtype in cpu_interleaved.FORMATS) for _, p in params)
     target = tvm.target.Target({"kind": "llvm", "num-cores": 2,
                                 **({"mcpu": codegen.llvm_get_system_cpu()} if int8 else {})})
     vm = relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu())
