@@ -247,67 +247,90 @@ def _chain(qtype: QT, nt: int, j):
     return j // 4 if qtype == QT.Q2_K else j % _chains(qtype, nt)
 
 
-def _token_blocks(qtype: QT, K: int, x_loc, w_group, y_at):
-    """A macro blocks(first, count, g, x, y, ctx, ws) over token rows first .. first+count-1 of a
-    list for row group g: x_loc(ctx, i, g) the quantized row of list entry i and its first input
-    column, w_group(g) the group's leading plane indices, y_at(ctx, i, g) its 16 outputs' index
-    (the last a Ramp); x = (xq as int32 words, DX, SUM), ws = the planes then the tables."""
-    KB, biased, halves = K // BLOCK, qtype in BIASED, qtype == QT.Q2_K
-    names = [f.name for f in plane_format(qtype).fields] + list(tables(qtype))
-    codes, scales = CODES[qtype], SCALES[qtype]
+class _Block:
+    """The expressions of one block of a row group for one token: where its inputs are (x_loc(ctx,
+    i, g): the quantized row of list entry i and its first input column), its dot products, and
+    its int32 sums scaled into the token's accumulator."""
 
-    def row(ctx, i, g):
-        return x_loc(ctx, i, g)[0]
+    def __init__(self, qtype: QT, x_loc):
+        self.qtype, self.x_loc = qtype, x_loc
+        self.biased, self.halves = qtype in BIASED, qtype == QT.Q2_K
 
-    def blk(ctx, i, g, kb):   # the input block of weight block kb
-        return x_loc(ctx, i, g)[1] // BLOCK + kb
+    def row(self, ctx, i, g):
+        return self.x_loc(ctx, i, g)[0]
 
-    def input_sum(x, ctx, i, g, kb, part):   # sums_of's value for a part of the block (a half, or all)
-        return x[2][row(ctx, i, g), blk(ctx, i, g, kb) * (2 if halves else 1) + part]
+    def blk(self, ctx, i, g, kb):   # the input block of weight block kb
+        return self.x_loc(ctx, i, g)[1] // BLOCK + kb
 
-    def dot(acc, w, q):
+    def input_sum(self, x, ctx, i, g, kb, part):   # sums_of's value for a part of the block (a half, or all)
+        return x[2][self.row(ctx, i, g), self.blk(ctx, i, g, kb) * (2 if self.halves else 1) + part]
+
+    def start(self, x, ctx, i, g, kb):   # a biased block's sum starts at -128 times its inputs' code sum
+        return tirx.Broadcast(self.input_sum(x, ctx, i, g, kb, 0), R) if self.biased else _bc(0, "int32", R)
+
+    def dot(self, acc, w, x, ctx, i, g, kb, j):   # acc + 4 codes of 16 rows times input j of the block
+        q = x[0][self.row(ctx, i, g), self.blk(ctx, i, g, kb) * 8 + j]
         return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc, w,
                                        tirx.reinterpret("int8x64", tirx.Broadcast(q, R)))
 
-    def start(x, ctx, i, g, kb):   # a biased block's sum starts at -128 times its inputs' code sum
-        return tirx.Broadcast(input_sum(x, ctx, i, g, kb, 0), R) if biased else _bc(0, "int32", R)
-
-    def block_value(acc, ia, t, nt, parts, x, ctx, i, g, kb):   # acc + sum over parts of S * DX * sum - M * DX * x's sum
-        dx = tirx.Broadcast(x[1][row(ctx, i, g), blk(ctx, i, g, kb)], R)
-        sums = [_vec(ia, (c, t), 0, R) for c in range(_chains(qtype, nt))]
-        if not halves:
+    def value(self, acc, ia, t, nt, parts, x, ctx, i, g, kb):
+        """acc + over the parts of the block: S * DX * the int32 sum, less M * (DX * the inputs' sum)."""
+        dx = tirx.Broadcast(x[1][self.row(ctx, i, g), self.blk(ctx, i, g, kb)], R)
+        sums = [_vec(ia, (c, t), 0, R) for c in range(_chains(self.qtype, nt))]
+        if not self.halves:
             sums = [functools.reduce(lambda a, b: a + b, sums)]
         v = acc
         for p, ((S, M), isum) in enumerate(zip(parts, sums)):
             v = v + isum.astype("float32x16") * (S * dx)
             if M is not None:
-                v = v - M * tirx.Broadcast(input_sum(x, ctx, i, g, kb, p), R)
+                v = v - M * tirx.Broadcast(self.input_sum(x, ctx, i, g, kb, p), R)
         return v
 
-    def parts(ws, g, kb):
-        return scales(dict(zip(names, ws)), w_group(g), kb)
 
+def _scaler(qtype: QT, parts, value):
+    """A macro scaled(acc, ia, nt, i0, g, kb, x, ctx, ws): every token's block sums scaled into its
+    accumulator, the block's scales (parts(ws, g, kb)) loaded and converted once for all."""
     @T.macro
-    def scaled(acc, ia, nt, i0, g, kb, x, ctx, ws):   # the block's sums scaled into acc (scales bound once)
-        if halves:
+    def scaled(acc, ia, nt, i0, g, kb, x, ctx, ws):
+        if qtype == QT.Q2_K:
             S0 = T.bind(parts(ws, g, kb)[0][0])
             M0 = T.bind(parts(ws, g, kb)[0][1])
             S1 = T.bind(parts(ws, g, kb)[1][0])
             M1 = T.bind(parts(ws, g, kb)[1][1])
             for t in T.unroll(nt):
-                T.buffer_store(acc, block_value(_vec(acc, (t,), 0, R), ia, t, nt, [(S0, M0), (S1, M1)], x, ctx,
-                                                i0 + t, g, kb), [t, _ramp(0)])
-        elif parts(ws, g, kb)[0][1] is not None:
+                T.buffer_store(acc, value(_vec(acc, (t,), 0, R), ia, t, nt, [(S0, M0), (S1, M1)], x, ctx, i0 + t, g, kb),
+                               [t, _ramp(0)])
+        elif qtype == QT.Q4_K:
             S = T.bind(parts(ws, g, kb)[0][0])
             M = T.bind(parts(ws, g, kb)[0][1])
             for t in T.unroll(nt):
-                T.buffer_store(acc, block_value(_vec(acc, (t,), 0, R), ia, t, nt, [(S, M)], x, ctx, i0 + t, g, kb),
+                T.buffer_store(acc, value(_vec(acc, (t,), 0, R), ia, t, nt, [(S, M)], x, ctx, i0 + t, g, kb),
                                [t, _ramp(0)])
         else:
             S = T.bind(parts(ws, g, kb)[0][0])
             for t in T.unroll(nt):
-                T.buffer_store(acc, block_value(_vec(acc, (t,), 0, R), ia, t, nt, [(S, None)], x, ctx, i0 + t, g, kb),
+                T.buffer_store(acc, value(_vec(acc, (t,), 0, R), ia, t, nt, [(S, None)], x, ctx, i0 + t, g, kb),
                                [t, _ramp(0)])
+
+    return scaled
+
+
+def _token_blocks(qtype: QT, K: int, x_loc, w_group, y_at):
+    """A macro blocks(first, count, g, x, y, ctx, ws) over token rows first .. first+count-1 of a
+    list for row group g: x_loc(ctx, i, g) the quantized row of list entry i and its first input
+    column, w_group(g) the group's leading plane indices, y_at(ctx, i, g) its 16 outputs' index
+    (the last a Ramp); x = (xq as int32 words, DX, SUM), ws = the planes then the tables."""
+    KB = K // BLOCK
+    names = [f.name for f in plane_format(qtype).fields] + list(tables(qtype))
+    b = _Block(qtype, x_loc)
+
+    def codes(ws, g, kb, j):
+        return CODES[qtype](dict(zip(names, ws)), w_group(g), kb, j)
+
+    def parts(ws, g, kb):
+        return SCALES[qtype](dict(zip(names, ws)), w_group(g), kb)
+
+    scaled = _scaler(qtype, parts, b.value)
 
     @T.macro
     def micro(nt, i0, g, x, y, ctx, ws):
@@ -317,14 +340,13 @@ def _token_blocks(qtype: QT, K: int, x_loc, w_group, y_at):
             T.buffer_store(acc, _bc(0.0, F32, R), [t, _ramp(0)])
         for kb in range(KB):
             for t in T.unroll(nt):
-                T.buffer_store(ia, start(x, ctx, i0 + t, g, kb), [0, t, _ramp(0)])
+                T.buffer_store(ia, b.start(x, ctx, i0 + t, g, kb), [0, t, _ramp(0)])
                 if _chains(qtype, nt) == 2:
                     T.buffer_store(ia, _bc(0, "int32", R), [1, t, _ramp(0)])
             for j in T.unroll(8):
-                w = T.bind(codes(dict(zip(names, ws)), w_group(g), kb, j))
+                w = T.bind(codes(ws, g, kb, j))
                 for t in T.unroll(nt):
-                    T.buffer_store(ia, dot(_vec(ia, (_chain(qtype, nt, j), t), 0, R), w,
-                                           x[0][row(ctx, i0 + t, g), blk(ctx, i0 + t, g, kb) * 8 + j]),
+                    T.buffer_store(ia, b.dot(_vec(ia, (_chain(qtype, nt, j), t), 0, R), w, x, ctx, i0 + t, g, kb, j),
                                    [_chain(qtype, nt, j), t, _ramp(0)])
             scaled(acc, ia, nt, i0, g, kb, x, ctx, ws)
         for t in T.unroll(nt):
