@@ -252,20 +252,21 @@ def _quantize_row(x, x2, r, Kx, xq, D, X):
             X[r, b * 2 + h] = d * X[r, b * 2 + h]
 
 
-def quantizer(parallel: bool):
+def quantizer(parallel: bool, quantize_row=_quantize_row):
     """A macro quantize(x, x2, rows, Kx, xq, D, X): xq[r, k] int8, D[r, k/4] each dot-product
     lane's input scale, X[r, k/16] the scale times the sum of 16 inputs' codes, of rows x2(x, r, k)
-    in blocks of 32 as gguf's Q8_0 quantizer rounds them. parallel: the rows on the cores (a
-    prefill's hundreds of rows; the routed experts' down inputs are four per token: prefill of 512
-    tokens 821 -> 855 tok/s on the benchmark model); a decode's one row stays on the calling core."""
+    in blocks of 32 as gguf's Q8_0 quantizer rounds them (or what another quantize_row macro
+    writes: kernels/cpu_interleaved.py's). parallel: the rows on the cores (a prefill's hundreds
+    of rows; the routed experts' down inputs are four per token: prefill of 512 tokens 821 -> 855
+    tok/s on the benchmark model); a decode's one row stays on the calling core."""
     @T.macro
     def quantize(x, x2, rows, Kx, xq, D, X):
         if parallel:
             for r in T.parallel(rows):
-                _quantize_row(x, x2, r, Kx, xq, D, X)
+                quantize_row(x, x2, r, Kx, xq, D, X)
         else:
             for r in range(rows):
-                _quantize_row(x, x2, r, Kx, xq, D, X)
+                quantize_row(x, x2, r, Kx, xq, D, X)
 
     return quantize
 

@@ -1,17 +1,22 @@
 """Linears on CPUs with AVX-512 VNNI whose weights are laid out 16 rows interleaved (the way
-ik_llama.cpp repacks its weights at load; our own kernels), for Q8_0, MXFP4 and Q4_K: one
-vpdpbusd multiplies 4 weights of each of 16 rows by the same 4 inputs, broadcast, so a 32-weight
-block of 16 rows is 8 dot products into one vector of 16 int32 sums, converted and scaled once,
-where kernels/cpu.py's int8 kernel spends a conversion, a multiply and a multiply-add per 64
-weights of one row and then sums 16 lanes per output. The planes (gguf/quant.INTERLEAVED, derived
-at load in place of the row-major ones) hold per 16-row group 4 codes of each row in turn (Q8_0's
-bytes made unsigned, +128; the 4-bit formats' codes two runs to a byte, the second in the high
-nibbles) and each field of scales one value of each row in turn. Each format decodes a block's
-8 code vectors (u8 x 64), its scale per row S and, for Q4_K, its offset per row M (weight =
-S * code - M); MXFP4 looks its codes up with vpshufb in its doubled e2m1 values + 128. The inputs
-are quantized as kernels/cpu_int8.py quantizes them (gguf's Q8_0 rounding); a block's sum of a
-biased format starts at -128 times the sum of its input codes, which takes the +128 back out,
-exactly, and Q4_K's subtracts M times the inputs' sum.
+ik_llama.cpp repacks its weights at load; our own kernels), for Q8_0, Q4_K, Q2_K, IQ2_XXS and
+MXFP4: one vpdpbusd multiplies 4 weights of each of 16 rows by the same 4 inputs, broadcast, so a
+32-weight block of 16 rows is 8 dot products into one vector of 16 int32 sums, converted and
+scaled once, where kernels/cpu.py's int8 kernel spends a conversion, a multiply and a
+multiply-add per 64 weights of one row and then sums 16 lanes per output.
+
+The planes (gguf/quant.INTERLEAVED, derived at load in place of the row-major ones) hold per
+16-row group the codes of 4 weights of each row in turn, one 64-byte code vector per 4 weights:
+Q8_0's bytes made unsigned (+128); the 4-bit codes two vectors to a run of 64 bytes, the second in
+the high nibbles; Q2_K's four to a run; IQ2_XXS keeps its grid bytes and sign words (a row's 4
+grid bytes one u32 lane) and gathers each grid entry's 8 codes for 8 rows at once from
+kernels/cpu_int8's table of every (entry, sign pattern) pair. Every field of scales holds one
+value of each row in turn. A format decodes a block's 8 code vectors and its scale S and offset M
+per row (weight = S * code - M; Q2_K per half of the block, whose sums are kept apart); MXFP4
+looks its codes up with vpshufb in its doubled e2m1 values + 128. The inputs are quantized as
+kernels/cpu_int8.py quantizes them (gguf's Q8_0 rounding); a block's sum of a biased format (signed
+codes + 128) starts at -128 times the sum of its input codes, which takes the bias back out,
+exactly; Q4_K and Q2_K subtract M times the inputs' sum.
 
 One kernel serves every token count of a linear (decode, a batched decode, verify, prefill): a
 row's sum is its blocks' exact int32 dot products, each converted and scaled in block order, so a
@@ -40,7 +45,7 @@ from .dequant import DEQUANT
 
 F32 = "float32"
 R = INTERLEAVE_ROWS   # rows per group: one int32 sum each in a 512-bit vector
-BLOCK = 32            # weights per block (an input scale; Q8_0's and MXFP4's block, a Q4_K sub-block)
+BLOCK = 32            # weights per block: an input scale; Q8_0's, MXFP4's and an IQ2_XXS sub-block, a Q4_K sub-block
 TB = 8                # tokens per block of accumulators (2 x 8 of the 32 vector registers)
 FORMATS = tuple(INTERLEAVED_FIELDS)
 BIASED = (QT.Q8_0, QT.MXFP4, QT.IQ2_XXS)   # signed codes stored or looked up + 128
@@ -146,18 +151,7 @@ def quantizer(qtype: QT, parallel: bool):
     """A macro quantize(x, x2, rows, Kx, xq, DX, SUM): xq[r, k] the int8 codes of rows x2(x, r, k)
     in blocks of 32 (gguf's Q8_0 rounding), DX[r, b] block b's scale, SUM what sums_of(qtype) says;
     the rows on the cores for a prefill's hundreds, on the calling core for a few."""
-    quantize_row = _quantize_row(qtype)
-
-    @T.macro
-    def quantize(x, x2, rows, Kx, xq, DX, SUM):
-        if parallel:
-            for r in T.parallel(rows):
-                quantize_row(x, x2, r, Kx, xq, DX, SUM)
-        else:
-            for r in range(rows):
-                quantize_row(x, x2, r, Kx, xq, DX, SUM)
-
-    return quantize
+    return cpu_int8.quantizer(parallel, _quantize_row(qtype))
 
 
 def _nibbles(P, grp, kb, j):
