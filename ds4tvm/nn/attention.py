@@ -13,6 +13,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 
+from ..kernels import cpu_attention
 from ..kernels import gpu as gpu_kernels
 from ..kernels.slots import NEG_INF, window_slots
 from ..kernels.forms import Forms
@@ -125,7 +126,16 @@ def sparse_window_attention(q: nn.Tensor, kv_ctx, comp: nn.Tensor | None, sel: n
             return out, ring
         out = op.tensor_ir_op(func, name, args, nn.Tensor.placeholder(q.shape, F32))
     else:
-        out = _te_window_attention(q, kv_ctx, comp, sel, sinks, start, window, ratio, name)
+        if forms.for_cpu and not isinstance(kv_ctx, RingRows) and cpu_attention.supports(int(H), int(D)):
+            func = cpu_attention.window_attention(int(H), int(D), window, ratio, int(comp.shape[0]) if has_comp else None,
+                                                  M if use_sel else None,
+                                                  forms.cpu_linears.threads > 1 and not isinstance(n, int))
+            args = [q, kv_ctx, sinks, start,
+                    comp if has_comp else nn.Tensor.from_const(np.zeros((1, int(D)), np.float32)),
+                    sel if use_sel else nn.Tensor.from_const(np.zeros((1, 1), np.int32))]
+            out = op.tensor_ir_op(func, name, args, nn.Tensor.placeholder(q.shape, F32))
+        else:
+            out = _te_window_attention(q, kv_ctx, comp, sel, sinks, start, window, ratio, name)
         if rope_back is not None:
             out = rope(out, start, rope_back, inverse=True)
     if write_ring is None:

@@ -1,0 +1,139 @@
+"""The window attention of DeepSeek-V4 (nn/attention.sparse_window_attention) written for the CPU:
+one token at a time, all its heads, over its slots (kernels/slots.window_slots: the raw window's
+context rows, then the compressed rows it sees, all or those the indexer chose), with one learned
+sink logit per head in the denominator and the keys as values. A slot's key row is read once for
+every head's score (16-lane partial sums over the channels, then halved), and once per 16
+channels for the output, whose accumulators hold 16 channels of every head in a block of heads.
+The TE form computed each stage over all tokens apart (scores, maxima, weights, sums, output),
+reading each key row once per head and stage: ~27 GFLOP/s for a 512-token prefill.
+
+Every call (decode, a batched decode's sequences, verify, prefill) runs this kernel, a token's
+outputs computed alone in the same operations, so a token gets the same outputs bit for bit
+whatever the tokens beside it (the rollback and identity tests rely on it). Prefill and verify
+put tokens on the cores; decode's one token stays on the calling core.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .slots import NEG_INF
+
+F32 = "float32"
+L = 16          # lanes of a float32 vector (AVX-512)
+HB = 8          # heads per block of output accumulators
+
+
+def _vec(buf, lead: tuple, start):
+    return tirx.BufferLoad(buf, [*lead, tirx.Ramp(start, 1, L)])
+
+
+def _lane_sum(v):
+    w = L
+    while w > 1:
+        w //= 2
+        v = tirx.Shuffle([v], list(range(w))) + tirx.Shuffle([v], list(range(w, 2 * w)))
+    return v
+
+
+@functools.lru_cache(maxsize=None)
+def window_attention(H: int, D: int, window: int, ratio: int, comp_rows: int | None, selected: int | None,
+                     parallel: bool):
+    """out[t, h] = sum over token t's slots a of softmax_a(q[t, h] . key_a / sqrt(D), with sink h)
+    * key_a, for q [n, H, D], ctx [R, D] (row j: position start - window + 1 + j... as
+    sparse_window_attention takes it), sinks [H], start, comp [C, D] and sel [n, M] (the chosen
+    compressed rows; None: all C in order). comp_rows None: no compressed rows."""
+    has_comp, use_sel = comp_rows is not None, selected is not None
+    M = (selected if use_sel else comp_rows) if has_comp else 0
+    A, C = window + M, comp_rows or 1
+    scale = 1.0 / math.sqrt(D)
+    HBk = min(HB, H)
+
+    def valid(t, a, s, sel):   # kernels/slots.window_slots' valid(t, a) for token t at position s + t
+        pos = s + t
+        in_window = pos - window + 1 + a.astype("int64") >= 0
+        if not has_comp:
+            return in_window
+        return tirx.Select(a < window, in_window, comp_index(t, a, sel) < tirx.floordiv(pos + 1, ratio))
+
+    def comp_index(t, a, sel):
+        return sel[t, a - window].astype("int64") if use_sel else (a - window).astype("int64")
+
+    def row(t, a, sel, R):   # the key row of slot a: ctx row r as r, comp row c as -1 - c
+        ctx_row = tirx.min(t + a.astype("int64"), R - 1)
+        if not has_comp:
+            return ctx_row
+        return tirx.Select(a < window, ctx_row, -1 - tirx.max(tirx.min(comp_index(t, a, sel), C - 1), 0))
+
+    def key(ctx, comp, r, c):   # 16 channels from c of key row r (as row() gives it)
+        return tirx.Select(r >= 0, _vec(ctx, (tirx.max(r, 0),), c), _vec(comp, (tirx.max(-1 - r, 0),), c))
+
+    def lanes(buf, lead):
+        return [*lead, tirx.Ramp(0, 1, L)]
+
+    @T.macro
+    def token(t, s, q, ctx, sinks, comp, sel, out, R):
+        sc = T.decl_buffer((H, A), F32)       # scores, then weights
+        rows = T.decl_buffer((A,), "int64")
+        ok = T.decl_buffer((A,), "int32")
+        stat = T.decl_buffer((2, H), F32)     # per head: maximum, then denominator
+        acc = T.decl_buffer((HBk, L), F32)
+        for a in range(A):
+            ok[a] = T.Cast("int32", valid(t, a, s, sel))
+            rows[a] = row(t, a, sel, R)
+        for a in range(A):
+            for h in range(H):
+                if ok[a] == 0:
+                    sc[h, a] = T.float32(NEG_INF)
+                else:
+                    T.buffer_store(acc, tirx.Broadcast(T.float32(0), L), lanes(acc, (0,)))
+                    for ko in T.unroll(D // L):
+                        T.buffer_store(acc, _vec(acc, (0,), 0) + _vec(q, (t, h), ko * L) * key(ctx, comp, rows[a], ko * L),
+                                       lanes(acc, (0,)))
+                    sc[h, a] = _lane_sum(_vec(acc, (0,), 0)) * T.float32(scale)
+        for h in range(H):
+            stat[0, h] = sinks[h]
+            for a in range(A):
+                stat[0, h] = T.max(stat[0, h], sc[h, a])
+            stat[1, h] = T.exp(sinks[h] - stat[0, h])
+            for a in range(A):
+                sc[h, a] = T.Select(ok[a] != 0, T.exp(sc[h, a] - stat[0, h]), T.float32(0))
+                stat[1, h] = stat[1, h] + sc[h, a]
+        for hb in range(H // HBk):
+            for dc in range(D // L):
+                for i in T.unroll(HBk):
+                    T.buffer_store(acc, tirx.Broadcast(T.float32(0), L), lanes(acc, (i,)))
+                for a in range(A):
+                    if ok[a] != 0:
+                        for i in T.unroll(HBk):
+                            T.buffer_store(acc, _vec(acc, (i,), 0) + tirx.Broadcast(sc[hb * HBk + i, a], L)
+                                           * key(ctx, comp, rows[a], dc * L), lanes(acc, (i,)))
+                for i in T.unroll(HBk):
+                    T.buffer_store(out, _vec(acc, (i,), 0) / tirx.Broadcast(stat[1, hb * HBk + i], L),
+                                   [t, hb * HBk + i, tirx.Ramp(dc * L, 1, L)])
+
+    @T.prim_func(private=True)
+    def main(q_h: T.handle, ctx_h: T.handle, sinks: T.Buffer((H,), F32), s: T.int64, comp: T.Buffer((C, D), F32),
+             sel_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "ds4.schedule": "hand"})
+        n, R = T.int64(), T.int64()
+        q = T.match_buffer(q_h, (n, H, D), F32)
+        ctx = T.match_buffer(ctx_h, (R, D), F32)
+        sel = T.match_buffer(sel_h, (n if use_sel else 1, selected or 1), "int32")
+        out = T.match_buffer(out_h, (n, H, D), F32)
+        if parallel:
+            for t in T.parallel(n):
+                token(t, s, q, ctx, sinks, comp, sel, out, R)
+        else:
+            for t in range(n):
+                token(t, s, q, ctx, sinks, comp, sel, out, R)
+
+    return main
+
+
+def supports(H: int, D: int) -> bool:
+    return D % L == 0 and H % min(HB, H) == 0
