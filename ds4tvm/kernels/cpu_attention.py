@@ -40,40 +40,40 @@ def _lane_sum(v):
     return v
 
 
-@functools.lru_cache(maxsize=None)
-def window_attention(H: int, D: int, window: int, ratio: int, comp_rows: int | None, selected: int | None,
-                     parallel: bool):
-    """out[t, h] = sum over token t's slots a of softmax_a(q[t, h] . key_a / sqrt(D), with sink h)
-    * key_a, for q [n, H, D], ctx [R, D] (row j: position start - window + 1 + j... as
-    sparse_window_attention takes it), sinks [H], start, comp [C, D] and sel [n, M] (the chosen
-    compressed rows; None: all C in order). comp_rows None: no compressed rows."""
-    has_comp, use_sel = comp_rows is not None, selected is not None
-    M = (selected if use_sel else comp_rows) if has_comp else 0
-    A, C = window + M, comp_rows or 1
-    scale = 1.0 / math.sqrt(D)
-    HBk = min(HB, H)
+def _slots(window: int, ratio: int, C: int, has_comp: bool, use_sel: bool):
+    """(valid(t, a, s, sel), row(t, a, sel, R), key(ctx, comp, r, c)) of kernels/slots.window_slots'
+    slots: whether slot a is visible to token t at position s + t, its key row (ctx row r as r,
+    compressed row c as -1 - c), and 16 channels from c of such a row."""
+    def comp_index(t, a, sel):
+        return sel[t, a - window].astype("int64") if use_sel else (a - window).astype("int64")
 
-    def valid(t, a, s, sel):   # kernels/slots.window_slots' valid(t, a) for token t at position s + t
+    def valid(t, a, s, sel):
         pos = s + t
         in_window = pos - window + 1 + a.astype("int64") >= 0
         if not has_comp:
             return in_window
         return tirx.Select(a < window, in_window, comp_index(t, a, sel) < tirx.floordiv(pos + 1, ratio))
 
-    def comp_index(t, a, sel):
-        return sel[t, a - window].astype("int64") if use_sel else (a - window).astype("int64")
-
-    def row(t, a, sel, R):   # the key row of slot a: ctx row r as r, comp row c as -1 - c
+    def row(t, a, sel, R):
         ctx_row = tirx.min(t + a.astype("int64"), R - 1)
         if not has_comp:
             return ctx_row
         return tirx.Select(a < window, ctx_row, -1 - tirx.max(tirx.min(comp_index(t, a, sel), C - 1), 0))
 
-    def key(ctx, comp, r, c):   # 16 channels from c of key row r (as row() gives it)
+    def key(ctx, comp, r, c):
         return tirx.Select(r >= 0, _vec(ctx, (tirx.max(r, 0),), c), _vec(comp, (tirx.max(-1 - r, 0),), c))
 
-    def lanes(buf, lead):
-        return [*lead, tirx.Ramp(0, 1, L)]
+    return valid, row, key
+
+
+def _lanes(lead):
+    return [*lead, tirx.Ramp(0, 1, L)]
+
+
+def _token(H: int, D: int, A: int, slots):
+    """A macro token(t, s, q, ctx, sinks, comp, sel, out, R): token t's outputs, all heads."""
+    valid, row, key = slots
+    scale, HBk = 1.0 / math.sqrt(D), min(HB, H)
 
     @T.macro
     def token(t, s, q, ctx, sinks, comp, sel, out, R):
@@ -90,10 +90,10 @@ def window_attention(H: int, D: int, window: int, ratio: int, comp_rows: int | N
                 if ok[a] == 0:
                     sc[h, a] = T.float32(NEG_INF)
                 else:
-                    T.buffer_store(acc, tirx.Broadcast(T.float32(0), L), lanes(acc, (0,)))
+                    T.buffer_store(acc, tirx.Broadcast(T.float32(0), L), _lanes((0,)))
                     for ko in T.unroll(D // L):
                         T.buffer_store(acc, _vec(acc, (0,), 0) + _vec(q, (t, h), ko * L) * key(ctx, comp, rows[a], ko * L),
-                                       lanes(acc, (0,)))
+                                       _lanes((0,)))
                     sc[h, a] = _lane_sum(_vec(acc, (0,), 0)) * T.float32(scale)
         for h in range(H):
             stat[0, h] = sinks[h]
@@ -106,15 +106,29 @@ def window_attention(H: int, D: int, window: int, ratio: int, comp_rows: int | N
         for hb in range(H // HBk):
             for dc in range(D // L):
                 for i in T.unroll(HBk):
-                    T.buffer_store(acc, tirx.Broadcast(T.float32(0), L), lanes(acc, (i,)))
+                    T.buffer_store(acc, tirx.Broadcast(T.float32(0), L), _lanes((i,)))
                 for a in range(A):
                     if ok[a] != 0:
                         for i in T.unroll(HBk):
                             T.buffer_store(acc, _vec(acc, (i,), 0) + tirx.Broadcast(sc[hb * HBk + i, a], L)
-                                           * key(ctx, comp, rows[a], dc * L), lanes(acc, (i,)))
+                                           * key(ctx, comp, rows[a], dc * L), _lanes((i,)))
                 for i in T.unroll(HBk):
                     T.buffer_store(out, _vec(acc, (i,), 0) / tirx.Broadcast(stat[1, hb * HBk + i], L),
                                    [t, hb * HBk + i, tirx.Ramp(dc * L, 1, L)])
+
+    return token
+
+
+@functools.lru_cache(maxsize=None)
+def window_attention(H: int, D: int, window: int, ratio: int, comp_rows: int | None, selected: int | None,
+                     parallel: bool):
+    """out[t, h] = sum over token t's slots a of softmax_a(q[t, h] . key_a / sqrt(D), with sink h)
+    * key_a, for q [n, H, D], ctx [R, D] (as sparse_window_attention takes it: row j holds position
+    start - window + 1 + j), sinks [H], start, comp [C, D] and sel [n, M] (the chosen compressed
+    rows; None: all C in order; [1, 1] unread). comp_rows None: no compressed rows ([1, D] unread)."""
+    has_comp, use_sel = comp_rows is not None, selected is not None
+    A, C = window + ((selected if use_sel else comp_rows) if has_comp else 0), comp_rows or 1
+    token = _token(H, D, A, _slots(window, ratio, C, has_comp, use_sel))
 
     @T.prim_func(private=True)
     def main(q_h: T.handle, ctx_h: T.handle, sinks: T.Buffer((H,), F32), s: T.int64, comp: T.Buffer((C, D), F32),

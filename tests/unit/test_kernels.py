@@ -292,3 +292,46 @@ def test_parsed_kernels_are_kept_on_disk_and_a_damaged_one_is_parsed_again(tmp_p
     assert tvm_ffi.structural_equal(parse_or_load(*args), first)
     assert tvm_ffi.structural_equal(tvm.ir.load_json(files[0].read_text()), first)
     assert list((tmp_path / "kernels").iterdir()) == files   # no temporary file left
+
+
+@pytest.mark.parametrize("comp,sel", [(None, None), (6, None), (6, 3)], ids=["window", "all-compressed", "selected"])
+def test_cpu_window_attention_matches_the_te_form(comp, sel):
+    """kernels/cpu_attention.py against nn/attention's TE form (attend_with_sinks over
+    kernels/slots.window_slots) on the same inputs: windows still filling (start 0) and full,
+    compressed rows all or selected, one token (decode) and several (prefill, on the cores), to
+    float32 rounding (the sums run in another order); and a token's outputs alike bit for bit
+    whatever the tokens beside it."""
+    from tvm import te, tirx
+
+    from ds4tvm.kernels import cpu_attention
+    from ds4tvm.kernels.slots import window_slots
+    from ds4tvm.nn.attention import attend_with_sinks
+
+    H, D, W, ratio = 2, 32, 8, 4
+    nv = te.var("n", "int64")
+    q, ctx = te.placeholder((nv, H, D), "float32", "q"), te.placeholder((nv + W - 1, D), "float32", "ctx")
+    comp_te = te.placeholder((comp, D), "float32", "comp") if comp else None
+    sel_te = te.placeholder((nv, sel), "int32", "sel") if sel else None
+    sinks, s = te.placeholder((H,), "float32", "sinks"), tirx.Var("s", "int64")
+    A, valid, key = window_slots(lambda r, c: ctx[r, c], ctx.shape[0], comp_te, sel_te, s, W, ratio)
+    out = attend_with_sinks(q, key, valid, A, sinks, "attention")
+    te_args = [q, ctx, *([comp_te] if comp else []), *([sel_te] if sel else []), sinks, s, out]
+    ref = tvm.compile(te.create_prim_func(te_args), target="llvm")
+    hand = {p: tvm.compile(cpu_attention.window_attention(H, D, W, ratio, comp, sel, p).with_attr("global_symbol", "main"),
+                           target=tvm.target.Target({"kind": "llvm", "num-cores": 2})) for p in (True, False)}
+    rng = np.random.default_rng(3)
+    for n, start in ((1, 0), (5, 0), (5, 30), (1, 41)):
+        x = [rng.standard_normal(shape).astype(np.float32) for shape in ((n, H, D), (n + W - 1, D), (comp or 1, D))]
+        chosen = rng.integers(0, comp or 1, (n, sel) if sel else (1, 1)).astype(np.int32)
+        sink = rng.standard_normal(H).astype(np.float32)
+        want = tvm.runtime.empty((n, H, D), "float32")
+        ref(*map(tvm.runtime.tensor, [x[0], x[1], *([x[2]] if comp else []), *([chosen] if sel else []), sink]),
+            start, want)
+        for parallel, f in hand.items():
+            got = tvm.runtime.empty((n, H, D), "float32")
+            f(*map(tvm.runtime.tensor, (x[0], x[1], sink)), start, tvm.runtime.tensor(x[2]), tvm.runtime.tensor(chosen), got)
+            assert np.abs(got.numpy() - want.numpy()).max() <= 2e-6 * np.abs(want.numpy()).max(), (n, start, parallel)
+            last = tvm.runtime.empty((1, H, D), "float32")
+            f(tvm.runtime.tensor(x[0][-1:]), tvm.runtime.tensor(x[1][n - 1:]), tvm.runtime.tensor(sink), start + n - 1,
+              tvm.runtime.tensor(x[2]), tvm.runtime.tensor(chosen[-1:] if sel else chosen), last)
+            assert np.array_equal(last.numpy(), got.numpy()[-1:]), (n, start, parallel)
