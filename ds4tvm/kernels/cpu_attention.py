@@ -7,10 +7,13 @@ channels for the output, whose accumulators hold 16 channels of every head in a 
 The TE form computed each stage over all tokens apart (scores, maxima, weights, sums, output),
 reading each key row once per head and stage: ~27 GFLOP/s for a 512-token prefill.
 
-Every call (decode, a batched decode's sequences, verify, prefill) runs this kernel, a token's
-outputs computed alone in the same operations, so a token gets the same outputs bit for bit
-whatever the tokens beside it (the rollback and identity tests rely on it). Prefill and verify
-put tokens on the cores; decode's one token stays on the calling core.
+Every call of a build with int8 inputs (decode, a batched decode's sequences, verify, prefill)
+runs this kernel, a token's outputs computed alone in the same operations, so a token gets the
+same outputs bit for bit whatever the tokens beside it (the rollback and identity tests rely on
+it). Prefill and verify put tokens on the cores; decode's one token stays on the calling core.
+Its sums run in another order than the TE form's (within ~4e-7 of it): the float build
+(`--float-activations`, the numerics the oracle tests compare) keeps the TE form and its logits,
+bit for bit.
 """
 
 from __future__ import annotations

@@ -126,7 +126,8 @@ def sparse_window_attention(q: nn.Tensor, kv_ctx, comp: nn.Tensor | None, sel: n
             return out, ring
         out = op.tensor_ir_op(func, name, args, nn.Tensor.placeholder(q.shape, F32))
     else:
-        if forms.for_cpu and not isinstance(kv_ctx, RingRows) and cpu_attention.supports(int(H), int(D)):
+        if forms.for_cpu and forms.cpu_linears.int8_dot and not isinstance(kv_ctx, RingRows) \
+                and cpu_attention.supports(int(H), int(D)):   # the float build keeps its logits bit for bit
             func = cpu_attention.window_attention(int(H), int(D), window, ratio, int(comp.shape[0]) if has_comp else None,
                                                   M if use_sel else None,
                                                   forms.cpu_linears.threads > 1 and not isinstance(n, int))
