@@ -84,8 +84,8 @@ class QWeight(nn.Module):
 
     @forms.setter
     def forms(self, forms: Forms) -> None:
-        """The target's forms, and with them the planes' layout: Q8_0 weights that
-        kernels/cpu_interleaved.py multiplies are bound 16 rows interleaved."""
+        """The target's forms, and with them the planes' layout: the weights kernels/cpu_interleaved.py
+        multiplies (its formats, on AVX-512 VNNI) are bound 16 rows interleaved."""
         self._forms = forms
         if self.derive in (None, INTERLEAVED):
             self._lay_out(INTERLEAVED if cpu_interleaved.takes(self.qtype, self.shape, forms) else None)
