@@ -151,21 +151,18 @@ class Service:
                 return
             if job.cancelled.is_set():
                 continue
-            outcome = "ok"
             try:
-                job.send("done", self.run(job, worker))
+                outcome, event = "ok", ("done", self.run(job, worker))
             except Cancelled:
-                outcome = "cancelled"
-                job.send("error", (499, "the client went away"))
+                outcome, event = "cancelled", ("error", (499, "the client went away"))
             except Ds4Error as e:
-                outcome = "client_error"
-                job.send("error", (400, e.message))
+                outcome, event = "client_error", ("error", (400, e.message))
             except Exception as e:  # keep serving: the request gets a 500, the log the trace
-                outcome = "server_error"
                 traceback.print_exc()
-                job.send("error", (500, f"{type(e).__name__}: {e}"))
-            with self._lock:
+                outcome, event = "server_error", ("error", (500, f"{type(e).__name__}: {e}"))
+            with self._lock:   # counted before the client has its answer: /metrics read after it includes it
                 self._outcomes[outcome] += 1
+            job.send(*event)
 
     def counters(self) -> dict:
         """What /metrics reports of the jobs: running, outcomes, prompt, cached and generated tokens,
