@@ -345,8 +345,12 @@ def _chunked(flat: np.ndarray, view_shape: tuple, dtype, step_bytes: int, conver
         if after is not None:
             after(out[g0:g0 + step])
 
+    starts = range(0, G, step)
+    if len(starts) == 1:   # one chunk: a pool would only cost its start
+        work(0)
+        return out
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:   # 16 x CHUNK_BYTES at most
-        list(pool.map(work, range(0, G, step)))
+        list(pool.map(work, starts))
     return out
 
 
@@ -371,12 +375,14 @@ def interleaved_plane(p: Planes, name: str) -> np.ndarray:
             return (runs[:, :, :, 0] | (runs[:, :, :, 1] << np.uint8(2)) | (runs[:, :, :, 2] << np.uint8(4))
                     | (runs[:, :, :, 3] << np.uint8(6))).reshape(n, -1)
         out = _chunked(a.reshape(-1, R, W), (R * W,), np.uint8, 5 * R * W, pack)
-    else:   # one strided copy per chunk: unit values of each row in turn
-        out = _chunked(a.reshape(-1, R, W // unit, unit), (W // unit, R, unit), a.dtype, R * W * a.itemsize,
+    else:   # one strided copy per chunk: unit values of each row in turn, moved as one wider word
+        word = np.dtype(f"u{unit * a.itemsize}") if unit * a.itemsize in (2, 4, 8) else a.dtype
+        words = a.reshape(-1, W).view(word) if word != a.dtype else a.reshape(-1, W)
+        per = words.shape[-1] // (W // unit)   # values of a unit per word: 1, or unit where no word fits
+        out = _chunked(words.reshape(-1, R, W // unit, per), (W // unit, R, per), word, R * W * a.itemsize,
                        lambda g: g.transpose(0, 2, 1, 3),
                        _unbias if p.qtype == QT.Q8_0 and name == "qs" else None)
-        if p.qtype == QT.Q8_0 and name == "qs":
-            out = out.view(np.uint8)
+        out = out.view(np.uint8 if p.qtype == QT.Q8_0 and name == "qs" else a.dtype)
     return out.reshape(*lead, N // R, -1)
 
 

@@ -27,7 +27,7 @@ from tvm.script import tirx as T
 from .slots import NEG_INF
 
 F32 = "float32"
-L = 16          # lanes of a float32 vector (AVX-512)
+L = 16          # lanes of the vectors: one AVX-512 register, two AVX2 ones
 HB = 8          # heads per block of output accumulators
 
 
