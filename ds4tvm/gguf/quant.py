@@ -304,9 +304,10 @@ HOST_DERIVED = {"neg_exp": lambda a: -np.exp(a)}
 TO_F32 = "f32"   # an F16 / BF16 tensor bound as its float32 values (read only whole, as values)
 # Planes with 16 rows interleaved (kernels/cpu_interleaved.py), derived at load in place of the
 # row-major ones (the planes are a copy of the file's blocks anyway): per group of 16 rows, each
-# field's values a few of each row in turn (INTERLEAVED_FIELDS: how many; NIBBLES: 4-bit codes,
-# unpacked, 4 of each row in turn, and packed two 64-byte runs to a 64-byte run, the second in the
-# high nibbles). Q8_0's codes are made unsigned (+128): vpdpbusd multiplies unsigned by signed bytes.
+# field's values a few of each row in turn (INTERLEAVED_FIELDS: how many; NIBBLES / CRUMBS: 4-bit /
+# 2-bit codes, unpacked, 4 of each row in turn, and packed two / four 64-byte runs to one, the later
+# ones in the higher bits). Q8_0's codes are made unsigned (+128): vpdpbusd multiplies unsigned by
+# signed bytes.
 INTERLEAVED = "r16"
 INTERLEAVE_ROWS = 16
 NIBBLES, CRUMBS = 0, -1   # 4-bit codes, 2-bit codes
@@ -331,8 +332,8 @@ def packed_codes(qtype: QT, qs: np.ndarray) -> np.ndarray:
 def _chunked(flat: np.ndarray, view_shape: tuple, dtype, step_bytes: int, convert, after=None) -> np.ndarray:
     """[G, ...] -> aligned [G, prod(view_shape)]: viewed as [G, *view_shape], it gets
     convert(flat[g0:g1]) group chunk by group chunk (then after(its rows), if given), the chunks on
-    the cores (numpy lets go of the GIL while it copies and shifts; the Q8_0 benchmark model's
-    repacking 0.34 -> 0.73 GB/s on 2 cores), temporaries bounded by CHUNK_BYTES a thread."""
+    the cores (numpy lets go of the GIL while it copies and shifts), temporaries bounded by
+    CHUNK_BYTES a thread."""
     from concurrent.futures import ThreadPoolExecutor
 
     G = flat.shape[0]
@@ -379,10 +380,10 @@ def interleaved_plane(p: Planes, name: str) -> np.ndarray:
         word = np.dtype(f"u{unit * a.itemsize}") if unit * a.itemsize in (2, 4, 8) else a.dtype
         words = a.reshape(-1, W).view(word) if word != a.dtype else a.reshape(-1, W)
         per = words.shape[-1] // (W // unit)   # values of a unit per word: 1, or unit where no word fits
+        biased = p.qtype == QT.Q8_0 and name == "qs"
         out = _chunked(words.reshape(-1, R, W // unit, per), (W // unit, R, per), word, R * W * a.itemsize,
-                       lambda g: g.transpose(0, 2, 1, 3),
-                       _unbias if p.qtype == QT.Q8_0 and name == "qs" else None)
-        out = out.view(np.uint8 if p.qtype == QT.Q8_0 and name == "qs" else a.dtype)
+                       lambda g: g.transpose(0, 2, 1, 3), _unbias if biased else None)
+        out = out.view(np.uint8 if biased else a.dtype)
     return out.reshape(*lead, N // R, -1)
 
 

@@ -193,8 +193,12 @@ def _zero(acc, nt, nr):
 def _lane_sum(acc, t, n):
     """The 16 lanes of accumulator (t, n) summed in halves (16->8->4->2->1) as shuffles of one
     vector value: in registers, where halving the local buffer in place went through memory."""
-    v = tirx.BufferLoad(acc, [t, n, tirx.Ramp(0, 1, 16)])
-    w = 16
+    return lane_sum(tirx.BufferLoad(acc, [t, n, tirx.Ramp(0, 1, 16)]))
+
+
+def lane_sum(v):
+    """The lanes of a vector value summed in halves (16->8->4->2->1), as shuffles."""
+    w = v.ty.dtype.lanes
     while w > 1:
         w //= 2
         v = tirx.Shuffle([v], list(range(w))) + tirx.Shuffle([v], list(range(w, 2 * w)))

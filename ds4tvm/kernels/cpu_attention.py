@@ -24,6 +24,8 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from . import cpu_int8
+from .cpu import lane_sum
 from .slots import NEG_INF
 
 F32 = "float32"
@@ -32,15 +34,7 @@ HB = 8          # heads per block of output accumulators
 
 
 def _vec(buf, lead: tuple, start):
-    return tirx.BufferLoad(buf, [*lead, tirx.Ramp(start, 1, L)])
-
-
-def _lane_sum(v):
-    w = L
-    while w > 1:
-        w //= 2
-        v = tirx.Shuffle([v], list(range(w))) + tirx.Shuffle([v], list(range(w, 2 * w)))
-    return v
+    return cpu_int8._vec(buf, lead, start, L)
 
 
 def _slots(window: int, ratio: int, C: int, has_comp: bool, use_sel: bool):
@@ -97,7 +91,7 @@ def _token(H: int, D: int, A: int, slots):
                     for ko in T.unroll(D // L):
                         T.buffer_store(acc, _vec(acc, (0,), 0) + _vec(q, (t, h), ko * L) * key(ctx, comp, rows[a], ko * L),
                                        _lanes((0,)))
-                    sc[h, a] = _lane_sum(_vec(acc, (0,), 0)) * T.float32(scale)
+                    sc[h, a] = lane_sum(_vec(acc, (0,), 0)) * T.float32(scale)
         for h in range(H):
             stat[0, h] = sinks[h]
             for a in range(A):

@@ -136,8 +136,9 @@ class QWeight(nn.Module):
         N, K = self.shape
         few = few_rows(n_tok)
         threads, blocking, int8 = self.forms.cpu_linear(self.qtype, K, few)
-        if self.derive == INTERLEAVED and cpu_interleaved.supports(N, K, groups):
-            return cpu_interleaved.dense_linear(self.qtype, N, K, threads, few, groups), self._interleaved_args()
+        if self.derive == INTERLEAVED:   # its planes are for kernels/cpu_interleaved.py (or the TE kernels) only
+            return (cpu_interleaved.dense_linear(self.qtype, N, K, threads, few, groups), self._interleaved_args()) \
+                if cpu_interleaved.supports(N, K, groups) else None
         if threads is not None and cpu_kernels.supports(self.qtype, N, K, groups):
             return cpu_kernels.dense_linear(self.qtype, N, K, threads, blocking, groups, int8), self._cpu_args(int8)
         return None
