@@ -4,14 +4,18 @@ What a cycle costs is measured once per artifact, drafter and machine (`measure`
 load, kept in the cache beside the kernels, measured again when the artifact, ds4tvm or the thread
 count changes): a verify of w rows and the drafter's calls of a proposal (its guess, drafts, and
 the observation of the rows it verified), in units of a plain decode step; and what the drafter
-costs in a plain step (it still observes the committed row). The loop then asks, every cycle, how
-many tokens to propose (`CostModel.plan`): the length whose expected tokens per unit of cost is
-highest, from the acceptance seen so far at each position of a proposal, or none when no length
-beats a plain step. The decision follows from the cost table and the tokens alone (a sampled
-generation's from its own tokens: `fresh`), so it acts at every temperature and a seeded run gives
-the same text every time, whatever ran before it. A drafter the model
-turned off is asked again after a number of plain steps that doubles while asking keeps not
-paying, so a drafter that starts agreeing is found again, at a cost that fades.
+costs in a plain step (it still observes the committed row). With them, short generations of the
+pair in each acceptance mode (greedy, opportunistic, exact) give the acceptance a model starts
+from (`SpecCosts.seen`). The loop then asks, every cycle, how many tokens to propose
+(`CostModel.plan`): the length whose expected tokens per unit of cost is highest, from the
+acceptance seen so far at each position of a proposal, or none when no length beats a plain step.
+The decision follows from the cost table and the tokens alone (a sampled generation's from the
+table and its own tokens: `fresh`), so it acts at every temperature and a seeded run gives the
+same text every time, whatever ran before it; starting from the calibration's acceptance rather
+than from nothing spares each sampled generation a probe of a drafter the pair has already shown
+not to pay (5-6% of a 96-token run of the demo pair). A drafter the model turned off is asked
+again after a number of plain steps that doubles while asking keeps not paying, so a drafter that
+starts agreeing is found again, at a cost that fades.
 """
 
 from __future__ import annotations
@@ -30,16 +34,23 @@ from .. import __version__
 
 OVERHEAD = 0.02   # of the time, what probing a drafter that does not pay may cost
 CALIBRATION_TOKENS = 24
+# The calibration's cycles count as at most this many observed cycles: they come from a dummy
+# prompt, so a generation's own proposals (or probes) outweigh them after a few cycles.
+PRIOR_CYCLES = 8
+MODES = ("greedy", "opportunistic", "exact")
 
 
 @dataclass
 class SpecCosts:
     """Costs in units of one plain decode step (decode_s seconds): verify[w] of w rows, propose
-    (the drafter's calls in a cycle that proposes), observe (the drafter's calls in a plain step)."""
+    (the drafter's calls in a cycle that proposes), observe (the drafter's calls in a plain step);
+    seen[mode] = [offered, accepted]: the calibration's counts per position (as CostModel keeps
+    them) in each acceptance mode."""
     decode_s: float
     verify: dict[int, float]
     propose: float
     observe: float = 0.0
+    seen: dict = field(default_factory=dict)
 
     def verify_of(self, rows: int) -> float:
         return self.verify.get(rows, max(self.verify.values()) if self.verify else float(rows))
@@ -56,6 +67,7 @@ class CostModel:
     max_tokens: int
     offered: list = field(default_factory=list)    # cycles that accepted every position before i
     accepted: list = field(default_factory=list)
+    mode: str = "greedy"          # the acceptance it plans for: its counts start from costs.seen[mode]
     guesses: bool = False
     plain_steps: int = 0          # taken since the drafter was last asked
     wait: int = -1                # plain steps before asking again (-1: while proposing pays)
@@ -67,13 +79,22 @@ class CostModel:
     _best: int | None = None
 
     def __post_init__(self):
-        self.offered = self.offered or [0] * self.max_tokens
-        self.accepted = self.accepted or [0] * self.max_tokens
+        if not self.offered:
+            self.offered, self.accepted = self._prior()
 
-    def fresh(self) -> "CostModel":
-        """The same costs with nothing seen yet: a sampled generation plans from its own tokens only,
-        so that a seeded one gives the same text whatever came before it (a server's other requests)."""
-        return CostModel(self.costs, self.max_tokens)
+    def _prior(self) -> tuple[list, list]:
+        """The calibration's counts in this mode, weighed as at most PRIOR_CYCLES cycles."""
+        offered, accepted = self.costs.seen.get(self.mode, ([], []))
+        scale = min(1.0, PRIOR_CYCLES / offered[0]) if offered and offered[0] else 0.0
+        pad = [0.0] * self.max_tokens
+        return ([scale * x for x in offered[:self.max_tokens]] + pad)[:self.max_tokens], \
+               ([scale * x for x in accepted[:self.max_tokens]] + pad)[:self.max_tokens]
+
+    def fresh(self, mode: str) -> "CostModel":
+        """The same costs, and the calibration's acceptance in `mode` as all it has seen: a sampled
+        generation plans from the table and its own tokens only, so that a seeded one gives the
+        same text whatever came before it (a server's other requests)."""
+        return CostModel(self.costs, self.max_tokens, mode=mode)
 
     def p(self, i: int) -> float:
         """Position i's acceptance, optimistic by one: as if the next proposal reaching it were
@@ -180,6 +201,7 @@ class _Calibration:
         self.timed, self.max_tokens, self.cycle = timed, max_tokens, 0
         self.asked: list[float] = []
         self.plain: list[float] = []
+        self.counts = _Counting(SpecCosts(0.0, {}, 0.0), max_tokens, forced=True)
 
     def plan(self) -> int:
         self.timed.seconds = 0.0
@@ -189,14 +211,25 @@ class _Calibration:
     def record(self, guessed: bool, planned: int, proposed: int, accepted: int) -> None:
         if not self.cycle % 2:
             self.plain.append(self.timed.seconds)
-        elif proposed:   # the drafter's own back-off may have declined: not a proposal's cost
+            return
+        self.counts.record(guessed, planned, proposed, accepted)
+        if proposed:   # the drafter's own back-off may have declined: not a proposal's cost
             self.asked.append(self.timed.seconds)
 
 
-def measure(engine, drafter, max_tokens: int) -> SpecCosts:
+class _Counting(CostModel):
+    """The calibration's model in the sampled modes: forced, counting what is accepted, and the
+    same instance for a sampled generation (no `fresh` copy)."""
+
+    def fresh(self, mode: str) -> "CostModel":
+        return self
+
+
+def measure(engine, make_drafter, max_tokens: int) -> SpecCosts:
     """The cost table, from calls on a short prompt of the engine's current sequence (reset
-    before and after): decodes and verifies timed directly, then a generation in which every
-    other cycle proposes, the drafter's calls timed. `drafter` must be one made for this (its
+    before and after): decodes and verifies timed directly, then a greedy generation in which every
+    other cycle proposes, the drafter's calls timed, then one generation in each sampled mode with
+    every cycle proposing, for the acceptance. make_drafter() builds drafters for this (their
     counters change)."""
     import numpy as np
 
@@ -204,16 +237,23 @@ def measure(engine, drafter, max_tokens: int) -> SpecCosts:
     from .speculative import generate, step_seconds
 
     decode_s, ratios = step_seconds(engine, min(engine.max_verify, max_tokens + 1))
-    engine.reset()
-    timed = _Timed(drafter)
-    cal = _Calibration(timed, max_tokens)
     prompt = [i % engine.n_vocab for i in range(1, 9)]
+    engine.reset()
+    timed = _Timed(make_drafter())
+    cal = _Calibration(timed, max_tokens)
     generate(engine, prompt, CALIBRATION_TOKENS, SamplingParams(temperature=0.0), np.random.default_rng(0),
              drafter=timed, model=cal)
+    seen = {"greedy": [cal.counts.offered, cal.counts.accepted]}
+    for mode in ("opportunistic", "exact"):
+        engine.reset()
+        counts = _Counting(SpecCosts(0.0, {}, 0.0), max_tokens, forced=True)
+        generate(engine, prompt, CALIBRATION_TOKENS, SamplingParams(temperature=1.0), np.random.default_rng(0),
+                 drafter=make_drafter(), model=counts, exact=mode == "exact")
+        seen[mode] = [counts.offered, counts.accepted]
     engine.reset()
     asked = statistics.mean(cal.asked) if cal.asked else 0.0
     plain = statistics.mean(cal.plain) if cal.plain else 0.0
-    return SpecCosts(decode_s, ratios, asked / decode_s, plain / decode_s)
+    return SpecCosts(decode_s, ratios, asked / decode_s, plain / decode_s, seen)
 
 
 def _machine() -> str:
@@ -242,11 +282,12 @@ def costs_for(engine, drafter_name: str, make_drafter, max_tokens: int) -> SpecC
         data = json.loads(path.read_text())
         if data.get("machine") == machine and data.get("max_tokens") == max_tokens:
             c = data["costs"]
+            seen = {m: c["seen"][m] for m in MODES}
             return SpecCosts(c["decode_s"], {int(k): v for k, v in c["verify"].items()}, c["propose"],
-                             c["observe"])
+                             c["observe"], seen)
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    costs = measure(engine, make_drafter(), max_tokens)
+    costs = measure(engine, make_drafter, max_tokens)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
