@@ -5,12 +5,15 @@ a verify of k tokens relative to one decode step. Two modes:
         [--tokens 7,8,9] [-n 160] [--repeats 3]
         one prompt (token ids), the drafter chosen by the ds4 flags;
     python benchmarks/speculative.py --heldout [ARTIFACT] [--prompts 16] [-n 128] [--thetas 0,0.5,0.7,0.9]
+        [--rounds 3]
         DSpark on windows of the held-out standard-library files (ds4tvm/training/corpus.py), by
         default on the embedded demo pair: for each θ, at temperature 0 and at temperature 1
         (opportunistic and exact), the acceptance per position in the block, the accepted tokens
         per cycle and target-only, DSpark asked every cycle and DSpark with the cost model
         (runtime/costs.py) in tok/s (the three alternate per prompt, so the machine's drift hits
-        them alike); one cost model per row, its costs measured once per artifact and machine."""
+        them alike; each kind's tok/s over all prompts, the median of --rounds passes); one cost model
+        per row, its costs measured once per artifact and machine. Times end at the last token: a
+        drafter's deferred writes after it (`finish`) are not counted, for any kind."""
 
 import argparse
 import statistics
@@ -61,35 +64,45 @@ MODES = (("T=0 greedy", SamplingParams(temperature=0.0), False),
          ("T=1 exact", SamplingParams(temperature=1.0), True))
 
 
-def heldout_row(engine, prompts, n, theta, params, exact, stop_ids):
-    """Target-only, DSpark asked every cycle and DSpark with the cost model, over every prompt
-    (alternated); the forced runs' summed counters."""
+KINDS = ("plain", "forced", "model")
+
+
+def heldout_row(engine, prompts, n, theta, params, exact, stop_ids, rounds):
+    """Target-only, DSpark asked every cycle and DSpark with the cost model over every prompt,
+    `rounds` times (alternated per prompt, the order rotated so that none always runs first): each
+    kind's tok/s and the ratios, medians over the rounds; the first round's forced counters."""
     from ds4tvm.runtime.costs import CostModel, costs_for
     from ds4tvm.runtime.drafters.dspark import DSparkDrafter
 
     # one model per row, kept over its prompts as an engine keeps its own; the costs measured once
     model = CostModel(costs_for(engine, DSparkDrafter.NAME, lambda: DSparkDrafter(engine, theta), engine.max_verify),
                       engine.max_verify)
-    seconds, generated = {"plain": 0.0, "forced": 0.0, "model": 0.0}, {"plain": 0, "forced": 0, "model": 0}
+    rates = {k: [] for k in KINDS}
     depth, cycles, accepted, proposed, identical = {}, 0, 0, 0, 0
-    for i, prompt in enumerate(prompts):
-        outs = {}
-        for kind in ("plain", "forced", "model"):
-            engine.reset()
-            drafter = None if kind == "plain" else DSparkDrafter(engine, theta)
-            outs[kind], s = generate(engine, prompt, n, params, np.random.default_rng(i), drafter=drafter,
-                                     model=model if kind == "model" else None, exact=exact, stop_ids=stop_ids)
-            seconds[kind], generated[kind] = seconds[kind] + s.seconds, generated[kind] + s.generated
-            if kind == "forced":
-                c = s.counters
-                cycles, accepted, proposed = cycles + c["cycles"], accepted + c["accepted_draft"], proposed + c["proposed"]
-                for k, v in c["depth"].items():
-                    depth[int(k)] = depth.get(int(k), 0) + v
-        identical += outs["plain"] == outs["forced"] == outs["model"]
+    for r in range(rounds):
+        seconds, generated = dict.fromkeys(KINDS, 0.0), dict.fromkeys(KINDS, 0)
+        for i, prompt in enumerate(prompts):
+            outs, turn = {}, (i + r) % len(KINDS)
+            for kind in KINDS[turn:] + KINDS[:turn]:
+                engine.reset()
+                drafter = None if kind == "plain" else DSparkDrafter(engine, theta)
+                outs[kind], s = generate(engine, prompt, n, params, np.random.default_rng(i), drafter=drafter,
+                                         model=model if kind == "model" else None, exact=exact, stop_ids=stop_ids)
+                seconds[kind], generated[kind] = seconds[kind] + s.seconds, generated[kind] + s.generated
+                if kind == "forced" and r == 0:
+                    c = s.counters
+                    cycles, accepted, proposed = cycles + c["cycles"], accepted + c["accepted_draft"], proposed + c["proposed"]
+                    for k, v in c["depth"].items():
+                        depth[int(k)] = depth.get(int(k), 0) + v
+            identical += r == 0 and outs["plain"] == outs["forced"] == outs["model"]
+        for k in KINDS:
+            rates[k].append(generated[k] / seconds[k])
     reached = [sum(v for k, v in depth.items() if k >= i) / max(cycles, 1) for i in range(1, 6)]
-    return {**{k: generated[k] / seconds[k] for k in seconds}, "per_cycle": accepted / max(cycles, 1),
-            "accept_rate": accepted / max(proposed, 1), "reached": reached, "cycles": cycles, "identical": identical,
-            "explain": model.explain("DSpark")}
+    ratio = lambda a, b: statistics.median(x / y for x, y in zip(rates[a], rates[b]))  # noqa: E731
+    return {**{k: statistics.median(rates[k]) for k in KINDS}, "model/plain": ratio("model", "plain"),
+            "model/forced": ratio("model", "forced"), "spread": [x / y for x, y in zip(rates["model"], rates["plain"])],
+            "per_cycle": accepted / max(cycles, 1), "accept_rate": accepted / max(proposed, 1), "reached": reached,
+            "cycles": cycles, "identical": identical, "explain": model.explain("DSpark")}
 
 
 def heldout(a, engine):
@@ -102,15 +115,17 @@ def heldout(a, engine):
     print(f"{len(prompts)} held-out windows of {a.prompt_len} tokens, {a.n} new tokens each "
           f"(stopping at an end of file); accepted per cycle counts the checked guess, as ds4 does; 'forced': "
           f"DSpark asked every cycle, 'cost model': asked as runtime/costs.py decides")
+    print(f"tok/s and ratios: medians over {a.rounds} rounds (the model / target-only ratio's range over them)")
     print("| mode | θ | target-only tok/s | DSpark forced | DSpark cost model | model / target-only | model / forced | "
           "accepted per cycle (forced) | accept rate | position 1..5 reached | cycles |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, params, exact in MODES:
         for theta in thetas:
-            r = heldout_row(engine, prompts, a.n, theta, params, exact, tok.stop_ids)
+            r = heldout_row(engine, prompts, a.n, theta, params, exact, tok.stop_ids, a.rounds)
             same = f" (identical outputs: {r['identical']}/{len(prompts)})" if params.temperature == 0 else ""
             print(f"| {name}{same} | {theta} | {r['plain']:.1f} | {r['forced']:.1f} | {r['model']:.1f} | "
-                  f"{r['model'] / r['plain']:.2f} | {r['model'] / r['forced']:.2f} | {r['per_cycle']:.2f} | "
+                  f"{r['model/plain']:.2f} ({min(r['spread']):.2f}-{max(r['spread']):.2f}) | {r['model/forced']:.2f} | "
+                  f"{r['per_cycle']:.2f} | "
                   f"{100 * r['accept_rate']:.1f}% | {' '.join(f'{x:.2f}' for x in r['reached'])} | {r['cycles']} |",
                   flush=True)
             if params.temperature == 0:   # a sampled generation plans from its own tokens: the row's model is unused
@@ -132,6 +147,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--thetas", default="0,0.5,0.7,0.9")
+    ap.add_argument("--rounds", type=int, default=3, help="with --heldout: passes over the prompts (medians)")
     a = ap.parse_args()
     if a.artifact is None:
         if not a.heldout:

@@ -48,7 +48,8 @@ def default_dir() -> Path:
 
 
 def _current(art: Path) -> bool:
-    """Whether a cached artifact exists and this ds4tvm and TVM can run it (else: rebuild)."""
+    """Whether a cached artifact exists, this ds4tvm and TVM can run it and the files it was compiled
+    from are where it says (a reinstalled or moved ds4tvm ships them elsewhere) (else: rebuild)."""
     from .artifact import Manifest
 
     if not (art / "manifest.json").is_file():
@@ -56,6 +57,7 @@ def _current(art: Path) -> bool:
     try:
         m = Manifest.read(art)
         m.check_runtime(art)
+        m.weight_paths(art)
     except Ds4Error:
         return False
     return all(m.bounds.get(k) == v for k, v in BOUNDS.items())
