@@ -4,6 +4,12 @@ a verify of k tokens relative to one decode step. Two modes:
     python benchmarks/speculative.py ARTIFACT_WITH_DRAFTER [--dspark | --mtp-draft N | --mtp | --draft-onnx]
         [--tokens 7,8,9] [-n 160] [--repeats 3]
         one prompt (token ids), the drafter chosen by the ds4 flags;
+    python benchmarks/speculative.py --markov MODEL.gguf [--tokens ...] [-n 160] [--repeats 3]
+        the first mode, on a DeepSeek-V4 GGUF (the benchmark model of benchmarks/model50m.py) paired
+        with two DSpark files written for it (families/dspark/agreeing.py): one whose Markov head
+        proposes the target's own greedy continuation of the prompt (drafts that pay, where the
+        drafter's cost allows) and one that proposes the token after it (never accepted); the
+        artifacts compiled once into .bench/markov-NAME/;
     python benchmarks/speculative.py --heldout [ARTIFACT] [--prompts 16] [-n 128] [--thetas 0,0.5,0.7,0.9]
         [--rounds 3]
         DSpark on windows of the held-out standard-library files (ds4tvm/training/corpus.py), by
@@ -132,6 +138,33 @@ def heldout(a, engine):
                 print(f"  {r['explain']}", flush=True)
 
 
+def markov_pairs(gguf: Path, prompt: list[int], n: int) -> dict[str, Path]:
+    """Artifacts of `gguf` with an agreeing and a never-agreeing Markov DSpark (built once)."""
+    from ds4tvm.artifact import Bounds
+    from ds4tvm.compile.driver import CompileRequest, compile_gguf
+    from ds4tvm.families.deepseek4.config import Config
+    from ds4tvm.families.dspark.agreeing import write_markov_dspark
+    from ds4tvm.gguf import open_gguf
+
+    out = Path(".bench") / f"markov-{gguf.stem}"
+    bounds = Bounds(max_context=1024, max_verify=8, prefill_chunk=256)
+    arts = {name: out / f"artifact-{name}" for name in ("agreeing", "never-agreeing")}
+    if all((art / "manifest.json").is_file() for art in arts.values()):
+        return arts
+    cfg = Config.from_gguf(open_gguf(gguf))
+    plain = out / "artifact-target-only"
+    if not (plain / "manifest.json").is_file():
+        compile_gguf(gguf, plain, CompileRequest("cpu", bounds))
+    continuation, _ = generate(Engine(plain), prompt, n, SamplingParams(temperature=0.0), np.random.default_rng(0))
+    successor = np.arange(cfg.n_vocab)
+    for a, b in zip(prompt[-1:] + continuation, continuation):
+        successor[a] = b
+    for name, table in (("agreeing", successor), ("never-agreeing", (successor + 1) % cfg.n_vocab)):
+        support = write_markov_dspark(out / f"{name}.gguf", cfg, table, seed=6)
+        compile_gguf(gguf, arts[name], CompileRequest("cpu", bounds, support=support))
+    return arts
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("artifact", nargs="?", help="artifact directory (with --heldout: default the embedded demo pair)")
@@ -144,11 +177,19 @@ def main():
     ap.add_argument("-n", type=int, default=None, help="tokens per generation (160; with --heldout 128)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--heldout", action="store_true")
+    ap.add_argument("--markov", type=Path, help="a DeepSeek-V4 GGUF: its agreeing and never-agreeing DSpark pairs")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--thetas", default="0,0.5,0.7,0.9")
     ap.add_argument("--rounds", type=int, default=3, help="with --heldout: passes over the prompts (medians)")
     a = ap.parse_args()
+    if a.markov:
+        a.n, a.dspark = a.n or 160, True
+        for name, art in markov_pairs(a.markov, [int(x) for x in a.tokens.split(",")], a.n).items():
+            print(f"{a.markov.name} with the {name} DSpark:")
+            a.artifact = art
+            one_prompt(a, Engine(art))
+        return
     if a.artifact is None:
         if not a.heldout:
             ap.error("ARTIFACT is needed without --heldout")
