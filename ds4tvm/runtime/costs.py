@@ -4,16 +4,18 @@ What a cycle costs is measured once per artifact, drafter and machine (`measure`
 load, kept in the cache beside the kernels, measured again when the artifact, ds4tvm or the thread
 count changes): a verify of w rows and the drafter's calls of a proposal (its guess, drafts, and
 the observation of the rows it verified), in units of a plain decode step; and what the drafter
-costs in a plain step (it still observes the committed row). With them, short generations of the
-pair in each acceptance mode (greedy, opportunistic, exact) give the acceptance a model starts
-from (`SpecCosts.seen`). The loop then asks, every cycle, how many tokens to propose
+costs in a plain step (it still observes the committed row). With them, a short generation of the
+pair in each sampled acceptance mode (opportunistic, exact) gives the acceptance a sampled
+generation starts from (`SpecCosts.seen`). The loop then asks, every cycle, how many tokens to propose
 (`CostModel.plan`): the length whose expected tokens per unit of cost is highest, from the
 acceptance seen so far at each position of a proposal, or none when no length beats a plain step.
 The decision follows from the cost table and the tokens alone (a sampled generation's from the
 table and its own tokens: `fresh`), so it acts at every temperature and a seeded run gives the
 same text every time, whatever ran before it; starting from the calibration's acceptance rather
 than from nothing spares each sampled generation a probe of a drafter the pair has already shown
-not to pay (5-6% of a 96-token run of the demo pair). A drafter the model turned off is asked
+not to pay (5-6% of a 96-token run of the demo pair). Greedy generations share one model, which
+starts from nothing seen: the calibration's dummy prompt says little about real text, and their
+own evidence carries over. A drafter the model turned off is asked
 again after a number of plain steps that doubles while asking keeps not paying, so a drafter that
 starts agreeing is found again, at a cost that fades.
 """
@@ -37,7 +39,7 @@ CALIBRATION_TOKENS = 24
 # The calibration's cycles count as at most this many observed cycles: they come from a dummy
 # prompt, so a generation's own proposals (or probes) outweigh them after a few cycles.
 PRIOR_CYCLES = 8
-MODES = ("greedy", "opportunistic", "exact")
+MODES = ("opportunistic", "exact")   # the sampled acceptance modes the calibration measures
 
 
 @dataclass
@@ -45,7 +47,7 @@ class SpecCosts:
     """Costs in units of one plain decode step (decode_s seconds): verify[w] of w rows, propose
     (the drafter's calls in a cycle that proposes), observe (the drafter's calls in a plain step);
     seen[mode] = [offered, accepted]: the calibration's counts per position (as CostModel keeps
-    them) in each acceptance mode."""
+    them) in each sampled acceptance mode (MODES)."""
     decode_s: float
     verify: dict[int, float]
     propose: float
@@ -67,7 +69,7 @@ class CostModel:
     max_tokens: int
     offered: list = field(default_factory=list)    # cycles that accepted every position before i
     accepted: list = field(default_factory=list)
-    mode: str = "greedy"          # the acceptance it plans for: its counts start from costs.seen[mode]
+    mode: str | None = None       # a sampled one (MODES): its counts start from costs.seen[mode]
     guesses: bool = False
     plain_steps: int = 0          # taken since the drafter was last asked
     wait: int = -1                # plain steps before asking again (-1: while proposing pays)
@@ -201,7 +203,6 @@ class _Calibration:
         self.timed, self.max_tokens, self.cycle = timed, max_tokens, 0
         self.asked: list[float] = []
         self.plain: list[float] = []
-        self.counts = _Counting(SpecCosts(0.0, {}, 0.0), max_tokens, forced=True)
 
     def plan(self) -> int:
         self.timed.seconds = 0.0
@@ -211,9 +212,7 @@ class _Calibration:
     def record(self, guessed: bool, planned: int, proposed: int, accepted: int) -> None:
         if not self.cycle % 2:
             self.plain.append(self.timed.seconds)
-            return
-        self.counts.record(guessed, planned, proposed, accepted)
-        if proposed:   # the drafter's own back-off may have declined: not a proposal's cost
+        elif proposed:   # the drafter's own back-off may have declined: not a proposal's cost
             self.asked.append(self.timed.seconds)
 
 
@@ -229,7 +228,7 @@ def measure(engine, make_drafter, max_tokens: int) -> SpecCosts:
     """The cost table, from calls on a short prompt of the engine's current sequence (reset
     before and after): decodes and verifies timed directly, then a greedy generation in which every
     other cycle proposes, the drafter's calls timed, then one generation in each sampled mode with
-    every cycle proposing, for the acceptance. make_drafter() builds drafters for this (their
+    every cycle proposing, for its acceptance. make_drafter() builds drafters for this (their
     counters change)."""
     import numpy as np
 
@@ -243,8 +242,8 @@ def measure(engine, make_drafter, max_tokens: int) -> SpecCosts:
     cal = _Calibration(timed, max_tokens)
     generate(engine, prompt, CALIBRATION_TOKENS, SamplingParams(temperature=0.0), np.random.default_rng(0),
              drafter=timed, model=cal)
-    seen = {"greedy": [cal.counts.offered, cal.counts.accepted]}
-    for mode in ("opportunistic", "exact"):
+    seen = {}
+    for mode in MODES:
         engine.reset()
         counts = _Counting(SpecCosts(0.0, {}, 0.0), max_tokens, forced=True)
         generate(engine, prompt, CALIBRATION_TOKENS, SamplingParams(temperature=1.0), np.random.default_rng(0),
