@@ -156,10 +156,9 @@ def markov_pairs(gguf: Path, prompt: list[int], n: int) -> dict[str, Path]:
     if not (plain / "manifest.json").is_file():
         compile_gguf(gguf, plain, CompileRequest("cpu", bounds))
     continuation, _ = generate(Engine(plain), prompt, n, SamplingParams(temperature=0.0), np.random.default_rng(0))
-    successor = np.arange(cfg.n_vocab)
-    for a, b in zip(prompt[-1:] + continuation, continuation):
-        successor[a] = b
-    for name, table in (("agreeing", successor), ("never-agreeing", (successor + 1) % cfg.n_vocab)):
+    successor = dict(zip(prompt[-1:] + continuation, continuation))
+    wrong = {a: (b + 1) % cfg.n_vocab for a, b in successor.items()}
+    for name, table in (("agreeing", successor), ("never-agreeing", wrong)):
         support = write_markov_dspark(out / f"{name}.gguf", cfg, table, seed=6)
         compile_gguf(gguf, arts[name], CompileRequest("cpu", bounds, support=support))
     return arts
