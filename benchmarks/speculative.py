@@ -2,9 +2,9 @@
 a verify of k tokens relative to one decode step. Two modes:
 
     python benchmarks/speculative.py ARTIFACT_WITH_DRAFTER [--dspark | --mtp-draft N | --mtp | --draft-onnx]
-        [--tokens 7,8,9] [-n 160] [--repeats 3]
+        [--tokens 7,8,9] [-n 160] [--repeats 7]
         one prompt (token ids), the drafter chosen by the ds4 flags;
-    python benchmarks/speculative.py --markov MODEL.gguf [--tokens ...] [-n 160] [--repeats 3]
+    python benchmarks/speculative.py --markov MODEL.gguf [--tokens ...] [-n 160] [--repeats 7]
         the first mode, on a DeepSeek-V4 GGUF (the benchmark model of benchmarks/model50m.py) paired
         with two DSpark files written for it (families/dspark/agreeing.py): one whose Markov head
         proposes the target's own greedy continuation of the prompt (drafts that pay, where the
@@ -18,8 +18,8 @@ a verify of k tokens relative to one decode step. Two modes:
         per cycle and target-only, DSpark asked every cycle and DSpark with the cost model
         (runtime/costs.py) in tok/s (the three alternate per prompt, so the machine's drift hits
         them alike; each kind's tok/s over all prompts, the median of --rounds passes); one cost model
-        per row, its costs measured once per artifact and machine. Times end at the last token: a
-        drafter's deferred writes after it (`finish`) are not counted, for any kind."""
+        per row, its costs measured once per artifact and machine. Times include a drafter's
+        deferred writes after the last token (`finish`)."""
 
 import argparse
 import statistics
@@ -31,6 +31,9 @@ from ds4tvm.runtime.drafters import SpecOptions, choose_drafter
 from ds4tvm.runtime.engine import Engine
 from ds4tvm.runtime.sampler import SamplingParams
 from ds4tvm.runtime.speculative import generate, verify_cost
+
+
+KINDS = ("plain", "forced", "model")
 
 
 def one_prompt(a, engine):
@@ -47,9 +50,9 @@ def one_prompt(a, engine):
 
     name = drafter().NAME
     model = CostModel(costs_for(engine, name, drafter, engine.max_verify), engine.max_verify)
-    rates, accept, skips = {"plain": [], "forced": [], "model": []}, [], []
-    for _ in range(a.repeats):  # alternate, so drift on a noisy machine hits every side alike
-        for kind in rates:
+    rates, accept, skips = {k: [] for k in KINDS}, [], []
+    for r in range(a.repeats):  # alternate, the order rotated, so drift on a noisy machine hits every side alike
+        for kind in KINDS[r % 3:] + KINDS[:r % 3]:
             engine.reset()
             _, s = generate(engine, prompt, a.n, greedy, np.random.default_rng(0),
                             drafter=None if kind == "plain" else drafter(), model=model if kind == "model" else None)
@@ -58,19 +61,18 @@ def one_prompt(a, engine):
                 accept.append(s.counters["accept_rate"])
             if kind == "model":
                 skips.append(s.counters["cost_skips"])
-    p, f, m = (statistics.median(rates[k]) for k in ("plain", "forced", "model"))
-    print(f"target-only {p:.1f} tok/s | {name} asked every cycle {f:.1f} tok/s (x{f / p:.2f}, accept rate "
-          f"{accept[0]:.2%}) | with the cost model {m:.1f} tok/s (x{m / p:.2f}; x{m / f:.2f} of forced; "
-          f"left out of {skips[-1]} of {a.n} steps in the last run)")
+    p, f, m = (statistics.median(rates[k]) for k in KINDS)
+    ratio = lambda x, y: statistics.median(u / v for u, v in zip(rates[x], rates[y]))  # noqa: E731
+    print(f"target-only {p:.1f} tok/s | {name} asked every cycle {f:.1f} tok/s (x{ratio('forced', 'plain'):.2f}, "
+          f"accept rate {accept[0]:.2%}) | with the cost model {m:.1f} tok/s (x{ratio('model', 'plain'):.2f}; "
+          f"x{ratio('model', 'forced'):.2f} of forced; left out of {skips[-1]} of {a.n} steps in the last run); "
+          f"medians over {a.repeats} alternations (of the ratios, per alternation)")
     print(f"  {model.explain(name)}")
 
 
 MODES = (("T=0 greedy", SamplingParams(temperature=0.0), False),
          ("T=1 opportunistic", SamplingParams(temperature=1.0), False),
          ("T=1 exact", SamplingParams(temperature=1.0), True))
-
-
-KINDS = ("plain", "forced", "model")
 
 
 def heldout_row(engine, prompts, n, theta, params, exact, stop_ids, rounds):
@@ -174,7 +176,7 @@ def main():
     ap.add_argument("--mtp", action="store_true", help="the MTP layer inside the model GGUF (GLM-5.3)")
     ap.add_argument("--tokens", default="7,8,9,10,11")
     ap.add_argument("-n", type=int, default=None, help="tokens per generation (160; with --heldout 128)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--heldout", action="store_true")
     ap.add_argument("--markov", type=Path, help="a DeepSeek-V4 GGUF: its agreeing and never-agreeing DSpark pairs")
     ap.add_argument("--prompts", type=int, default=16)

@@ -258,9 +258,10 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
             if model is not None:
                 model.record(guess is not None, planned, (guess is not None) + len(drafts), (guess == t) + k)
         logits = step.logits[kept] if step.logits.ndim == 2 else step.logits
+    if drafter is not None:
+        drafter.finish(engine)   # timed: what it defers is work of this generation
     stats = SpecStats(len(out), time.perf_counter() - t0)
     if drafter is not None:
-        drafter.finish(engine)
         stats.counters, stats.drafter = {**drafter.counters(), "cost_skips": skipped}, drafter
     return out, stats
 
