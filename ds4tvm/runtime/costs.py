@@ -34,7 +34,7 @@ from pathlib import Path
 
 from .. import __version__
 
-OVERHEAD = 0.02   # of the time, what probing a drafter that does not pay may cost
+OVERHEAD = 0.01   # of the time, what probing a drafter that does not pay may cost
 CALIBRATION_TOKENS = 24
 # The calibration's cycles count as at most this many observed cycles: they come from a dummy
 # prompt, so a generation's own proposals (or probes) outweigh them after a few cycles.
