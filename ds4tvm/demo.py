@@ -123,9 +123,13 @@ def run_demo(out_dir: Path | None = None) -> None:
         speeds["forced"].append(forced_stats.tok_s)
     if model is not None:
         model.forced = False
-    for _ in range(ROUNDS):   # alternated, after the forced ones (which leave the caches to the drafter)
-        plain, plain_stats = run()
-        spec, stats = run(DSparkDrafter(engine, theta), model)
+    for r in range(ROUNDS):   # alternated, after the forced ones (which leave the caches to the drafter)
+        if r % 2:   # each first every other round: what a run leaves behind hits both alike
+            spec, stats = run(DSparkDrafter(engine, theta), model)
+            plain, plain_stats = run()
+        else:
+            plain, plain_stats = run()
+            spec, stats = run(DSparkDrafter(engine, theta), model)
         speeds["plain"].append(plain_stats.tok_s)
         speeds["spec"].append(stats.tok_s)
     tok_s = {key: statistics.median(v) for key, v in speeds.items()}
