@@ -200,8 +200,7 @@ def generate(engine, prompt: list[int], n_tokens: int, params: SamplingParams, r
     out: list[int] = []
     budget = min(n_tokens, engine.max_context - len(prompt))
     if model is not None and params.temperature > 0:
-        # its decisions then follow from the cost table and this generation alone: seeds repeat
-        model = model.fresh("exact" if exact else "opportunistic")
+        model = model.fresh("exact" if exact else "opportunistic")   # the table and this generation: seeds repeat
     step = _prefill(engine, prompt, drafter, stop_ids, on_prefill, on_prompt)
     t0 = time.perf_counter()
     logits, current, rejected = step.logits, params, None
