@@ -4,9 +4,9 @@ What a cycle costs is measured once per artifact, drafter and machine (`measure`
 load, kept in the cache beside the kernels, measured again when the artifact, ds4tvm or the thread
 count changes): a verify of w rows and the drafter's calls of a proposal (its guess, drafts, and
 the observation of the rows it verified), in units of a plain decode step; and what the drafter
-costs in a plain step (it still observes the committed row). With them, a short generation of the
-pair in each sampled acceptance mode (opportunistic, exact) gives the acceptance a sampled
-generation starts from (`SpecCosts.seen`). The loop then asks, every cycle, how many tokens to propose
+costs in a plain step (it still observes the committed row); and a short generation of the pair in
+each sampled acceptance mode (opportunistic, exact) gives the acceptance a sampled generation
+starts from (`SpecCosts.seen`). The loop then asks, every cycle, how many tokens to propose
 (`CostModel.plan`): the length whose expected tokens per unit of cost is highest, from the
 acceptance seen so far at each position of a proposal, or none when no length beats a plain step.
 The decision follows from the cost table and the tokens alone (a sampled generation's from the
@@ -15,9 +15,9 @@ same text every time, whatever ran before it; starting from the calibration's ac
 than from nothing spares each sampled generation a probe of a drafter the pair has already shown
 not to pay (5-6% of a 96-token run of the demo pair). Greedy generations share one model, which
 starts from nothing seen: the calibration's dummy prompt says little about real text, and their
-own evidence carries over. A drafter the model turned off is asked
-again after a number of plain steps that doubles while asking keeps not paying, so a drafter that
-starts agreeing is found again, at a cost that fades.
+own evidence carries over. A drafter the model turned off is asked again after a number of plain
+steps that doubles while asking keeps not paying, so a drafter that starts agreeing is found
+again, at a cost that fades.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Random drafter weights give near-zero acceptance. These files keep random stage weights but make
 the Markov head decide: entry k of the table (prev -> next) gets dimension k, w1[prev] = alpha *
-e_k + e_rank-1 and w2[next, k] = 1, so argmax(l_i + w2 . w1[prev]) = next whatever the stages produce, and the
-confidence head reads the constant dimension, so sigma(c_i) ~ 1. With `next` taken from the
-target's own greedy continuation the drafter agrees; changing one entry makes it disagree there."""
+e_k + e_rank-1 and w2[next, k] = 1, so argmax(l_i + w2 . w1[prev]) = next whatever the stages
+produce, and the confidence head reads the constant dimension, so sigma(c_i) ~ 1. With `next`
+taken from the target's own greedy continuation the drafter agrees; changing one entry makes it
+disagree there."""
 
 from __future__ import annotations
 
