@@ -36,6 +36,17 @@ from ds4tvm.runtime.speculative import generate, verify_cost
 KINDS = ("plain", "forced", "model")
 
 
+def rotated(r: int) -> tuple:
+    """KINDS in the order of alternation r: each goes first in turn, so what a run leaves behind
+    (caches, the machine's drift) falls on every kind alike."""
+    return KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]
+
+
+def median_ratio(rates: dict, a: str, b: str) -> float:
+    """The median over alternations of kind a's tok/s over kind b's in the same alternation."""
+    return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+
+
 def one_prompt(a, engine):
     from ds4tvm.runtime.costs import CostModel, costs_for
 
@@ -51,8 +62,8 @@ def one_prompt(a, engine):
     name = drafter().NAME
     model = CostModel(costs_for(engine, name, drafter, engine.max_verify), engine.max_verify)
     rates, accept, skips = {k: [] for k in KINDS}, [], []
-    for r in range(a.repeats):  # alternate, the order rotated, so drift on a noisy machine hits every side alike
-        for kind in KINDS[r % 3:] + KINDS[:r % 3]:
+    for r in range(a.repeats):
+        for kind in rotated(r):
             engine.reset()
             _, s = generate(engine, prompt, a.n, greedy, np.random.default_rng(0),
                             drafter=None if kind == "plain" else drafter(), model=model if kind == "model" else None)
@@ -62,11 +73,11 @@ def one_prompt(a, engine):
             if kind == "model":
                 skips.append(s.counters["cost_skips"])
     p, f, m = (statistics.median(rates[k]) for k in KINDS)
-    ratio = lambda x, y: statistics.median(u / v for u, v in zip(rates[x], rates[y]))  # noqa: E731
-    print(f"target-only {p:.1f} tok/s | {name} asked every cycle {f:.1f} tok/s (x{ratio('forced', 'plain'):.2f}, "
-          f"accept rate {accept[0]:.2%}) | with the cost model {m:.1f} tok/s (x{ratio('model', 'plain'):.2f}; "
-          f"x{ratio('model', 'forced'):.2f} of forced; left out of {skips[-1]} of {a.n} steps in the last run); "
-          f"medians over {a.repeats} alternations (of the ratios, per alternation)")
+    print(f"target-only {p:.1f} tok/s | {name} asked every cycle {f:.1f} tok/s "
+          f"(x{median_ratio(rates, 'forced', 'plain'):.2f}, accept rate {accept[0]:.2%}) | with the cost model "
+          f"{m:.1f} tok/s (x{median_ratio(rates, 'model', 'plain'):.2f}; "
+          f"x{median_ratio(rates, 'model', 'forced'):.2f} of forced; left out of {skips[-1]} of {a.n} steps in "
+          f"the last run); medians over {a.repeats} alternations (of the ratios, per alternation)")
     print(f"  {model.explain(name)}")
 
 
@@ -90,8 +101,8 @@ def heldout_row(engine, prompts, n, theta, params, exact, stop_ids, rounds):
     for r in range(rounds):
         seconds, generated = dict.fromkeys(KINDS, 0.0), dict.fromkeys(KINDS, 0)
         for i, prompt in enumerate(prompts):
-            outs, turn = {}, (i + r) % len(KINDS)
-            for kind in KINDS[turn:] + KINDS[:turn]:
+            outs = {}
+            for kind in rotated(i + r):
                 engine.reset()
                 drafter = None if kind == "plain" else DSparkDrafter(engine, theta)
                 outs[kind], s = generate(engine, prompt, n, params, np.random.default_rng(i), drafter=drafter,
@@ -106,9 +117,9 @@ def heldout_row(engine, prompts, n, theta, params, exact, stop_ids, rounds):
         for k in KINDS:
             rates[k].append(generated[k] / seconds[k])
     reached = [sum(v for k, v in depth.items() if k >= i) / max(cycles, 1) for i in range(1, 6)]
-    ratio = lambda a, b: statistics.median(x / y for x, y in zip(rates[a], rates[b]))  # noqa: E731
-    return {**{k: statistics.median(rates[k]) for k in KINDS}, "model/plain": ratio("model", "plain"),
-            "model/forced": ratio("model", "forced"), "spread": [x / y for x, y in zip(rates["model"], rates["plain"])],
+    spread = [x / y for x, y in zip(rates["model"], rates["plain"])]
+    return {**{k: statistics.median(rates[k]) for k in KINDS}, "model/plain": median_ratio(rates, "model", "plain"),
+            "model/forced": median_ratio(rates, "model", "forced"), "spread": spread,
             "per_cycle": accepted / max(cycles, 1), "accept_rate": accepted / max(proposed, 1), "reached": reached,
             "cycles": cycles, "identical": identical, "explain": model.explain("DSpark")}
 

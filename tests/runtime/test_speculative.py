@@ -257,9 +257,9 @@ def test_costs_are_measured_once_and_kept(monkeypatch, tmp_path):
     want = [i % 6 for i in range(60)]
     measured = costs.measure(eng, lambda: ScriptedDrafter(want), 4)
     assert eng.pos == 0 and measured.decode_s > 0 and set(measured.verify) == {1, 2, 3, 4, 5}
+    assert set(measured.seen) == set(costs.MODES)
     calls = []
     real = costs.measure
-    assert set(measured.seen) == set(costs.MODES)
     monkeypatch.setattr(costs, "measure", lambda *a: calls.append(1) or real(*a))
     first = costs.costs_for(eng, "Scripted", lambda: ScriptedDrafter(want), 4)
     again = costs.costs_for(eng, "Scripted", lambda: ScriptedDrafter(want), 4)
