@@ -195,9 +195,10 @@ def large_qwen4exp(d: Path):
                                                                       random_codes=True)), None
 
 
-SMALL = dict(max_context=256, max_verify=4)
-RECURRENT = dict(max_context=1024, max_verify=4, prefill_chunk=256)   # KDA/GDN snapshots: MTP verifies 2-3 rows
-TIMED = dict(max_context=1024, max_verify=8, prefill_chunk=256)       # verify(k) timed to k = 8
+# max_batch: batched decodes of 2..max_batch sequences, each recorded as its own graph
+SMALL = dict(max_context=256, max_verify=4, max_batch=3)
+RECURRENT = dict(max_context=1024, max_verify=4, prefill_chunk=256, max_batch=4)   # KDA/GDN snapshots: MTP verifies 2-3 rows
+TIMED = dict(max_context=1024, max_verify=8, prefill_chunk=256, max_batch=4)       # verify(k) timed to k = 8
 DSPARK, MTP = {"dspark": True}, {"mtp": ""}
 
 
@@ -208,7 +209,8 @@ def plans() -> dict[str, list[Model]]:
             Model("glm5next-tiny", tiny_glm5next, SMALL, MTP, limit=GLM_LIMIT),
             Model("qwen4exp-tiny", tiny_qwen4exp, SMALL, MTP)]
     return {"cpu": tiny,
-            "cuda": [Model("deepseek4-demo", embedded_demo, BOUNDS, DSPARK, gen=64, prompt=PROMPT), *tiny[1:],
+            "cuda": [Model("deepseek4-demo", embedded_demo, {**BOUNDS, "max_batch": 4}, DSPARK, gen=64, prompt=PROMPT),
+                     *tiny[1:],
                      Model("deepseek4-big", big_deepseek4, TIMED, compare=False, gen=64),
                      Model("deepseek4-large", large_deepseek4, TIMED, DSPARK, compare=False, gen=64),
                      Model("glm5next-large", large_glm5next, RECURRENT, MTP, compare=False, gen=64),
@@ -239,10 +241,29 @@ def interleaved(engine, ids: list[int]) -> np.ndarray:
     return np.array(rows)
 
 
+def batched(engine, ids: list[int]) -> np.ndarray:
+    """Logits of three sequences decoded in batched calls whose members change (a sequence joins,
+    one sits out, one decodes alone, the order of the rows turns), so that the tensors each row of
+    a recorded batched function takes (runtime/residency.py) pass between sequences. An artifact
+    without batched functions decodes each sequence in turn: the reference."""
+    engine.reset()
+    a = engine.seq
+    engine.prefill(ids[:10])
+    b, c = engine.new_sequence(), engine.new_sequence()
+    for seq, part in ((b, ids[10:16]), (c, ids[16:20])):
+        engine.attach(seq)
+        engine.prefill(part)
+    engine.attach(a)
+    rows, tokens = [], iter(ids[20:])
+    for seqs in ([a, b], [a, b, c], [c, a, b], [b, c], [a], [c, a], [a, b, c]):
+        rows += [step.logits for step in engine.decode_batch(seqs, [next(tokens) for _ in seqs])]
+    return np.array(rows)
+
+
 def all_logits(engine, ids: list[int]) -> dict[str, np.ndarray]:
     """Logits of every token of ids from one prefill, token-by-token decode, verify blocks of every
-    width from 1 to max_verify in turn (on CUDA each width is its own recorded function), and two
-    sequences decoded in turns."""
+    width from 1 to max_verify in turn (on CUDA each width is its own recorded function), two
+    sequences decoded in turns and three in batched calls."""
     out = {}
     engine.reset()
     out["prefill"] = engine.prefill(ids, all_logits=True).logits
@@ -257,6 +278,7 @@ def all_logits(engine, ids: list[int]) -> dict[str, np.ndarray]:
         i, width = i + len(part), width % engine.max_verify + 1
     out["verify"] = np.concatenate(parts)
     out["interleaved"] = interleaved(engine, ids)
+    out["batched"] = batched(engine, ids)
     engine.reset()
     return {k: v.astype(np.float32) for k, v in out.items()}
 
@@ -305,6 +327,27 @@ class FunctionsRun:
     def __getitem__(self, fn):
         self.names.add(fn)
         return self.vm[fn]
+
+
+class RecordedArguments:
+    """An engine's VM checking what the replay of a CUDA graph needs (schedules/graphs.py): every
+    call of a recorded function passes the very tensors its first call passed. On the CPU, where
+    nothing replays, a call given other tensors still computes the right logits: this catches it."""
+
+    def __init__(self, vm, recorded: set):
+        self.vm, self.recorded, self.first, self.moved = vm, recorded, {}, set()
+
+    def __getitem__(self, fn):
+        f = self.vm[fn]
+        if fn not in self.recorded:
+            return f
+
+        def call(*args):
+            first = self.first.setdefault(fn, args)
+            if len(first) != len(args) or any(x is not y for x, y in zip(first, args)):
+                self.moved.add(fn)
+            return f(*args)
+        return call
 
 
 def generation(engine, model: Path, m: Model, prompt: list[int], drafted: bool = False,
@@ -361,7 +404,8 @@ def _reference(m: Model, model: Path, support: Path | None, cpu_dir: Path, ref: 
     from ds4tvm.compile.driver import CompileRequest, compile_gguf
     from ds4tvm.runtime.engine import Engine
 
-    compile_gguf(model, cpu_dir, CompileRequest("cpu", Bounds(**m.bounds), support=support))
+    # no batched functions: the reference decodes each sequence of a batch in turn
+    compile_gguf(model, cpu_dir, CompileRequest("cpu", Bounds(**{**m.bounds, "max_batch": 1}), support=support))
     cpu = Engine(cpu_dir)
     prompt = spec_prompt(cpu, m)
     logits = all_logits(cpu, tiny_ids(cpu.n_vocab))
@@ -490,7 +534,30 @@ def timed(engine, model: Path, report: dict, copy_gb_s: float) -> dict:
         "verify6_kernels": verify6.get("n_launches"), "verify6_graph_regions": verify6.get("graph_regions", 0),
         "verify6_outside_graphs": verify6.get("outside_graphs"),
         "verify_cost_vs_decode": {str(k): round(v, 2) for k, v in verify_cost(engine, max_k=engine.max_verify).items()},
-        "decode_profile": decode_profile(engine)}
+        **batch_costs(engine, report, dt), "decode_profile": decode_profile(engine)}
+
+
+def batch_costs(engine, report: dict, decode_s: float, n: int = 16) -> dict:
+    """A batched decode of each compiled size timed against one decode, and the CUDA graph regions
+    it replays."""
+    from ds4tvm.artifact import batch_name
+
+    sizes = sorted(f.sequences for f in engine.functions.values() if f.sequences > 1)
+    attached, costs = engine.seq, {}
+    for b in sizes:
+        seqs = [engine.new_sequence() for _ in range(b)]
+        for seq in seqs:
+            engine.attach(seq)
+            engine.prefill([4, 5, 6, 7])
+        for _ in range(3):   # warm-up (the first call captures its graph)
+            engine.decode_batch(seqs, [7] * b)
+        t = time.perf_counter()
+        for _ in range(n):
+            engine.decode_batch(seqs, [7] * b)
+        costs[str(b)] = round((time.perf_counter() - t) / n / decode_s, 2)
+    engine.attach(attached)
+    return {"batch_cost_vs_decode": costs,
+            "batch_graph_regions": {str(b): report[batch_name(b)]["graph_regions"] for b in sizes}}
 
 
 def decode_profile(engine, top: int = 20) -> list[list]:
@@ -513,11 +580,17 @@ def check_model(work: Path, m: Model, copy_gb_s: float) -> tuple[dict, list[str]
     engine = Engine(d / "artifact", weights={"model": model, **({"support": support} if support else {})})
     out["load_seconds"] = round(time.perf_counter() - t, 1)
     failures = []
-    if m.compare:
-        res, failures = compared(engine, np.load(d / "reference.npz"), model, m)
-        out.update(res)
-    else:
-        out["speculation"] = speculation(engine, model, m, tiny_ids(engine.n_vocab, 8))
+    engine.vm = watched = RecordedArguments(engine.vm, {n for n, f in engine.functions.items() if f.recorded})
+    try:
+        if m.compare:
+            res, failures = compared(engine, np.load(d / "reference.npz"), model, m)
+            out.update(res)
+        else:
+            out["speculation"] = speculation(engine, model, m, tiny_ids(engine.n_vocab, 8))
+    finally:
+        engine.vm = watched.vm
+    failures += [f"{m.name}: recorded function {fn} was given other tensors than at its first call (a CUDA "
+                 f"graph replays those)" for fn in sorted(watched.moved)]
     out["timed"] = timed(engine, model, json.loads((d / "report.json").read_text())["functions"], copy_gb_s)
     del engine
     if not m.compare:
@@ -567,6 +640,9 @@ def print_report(r: dict) -> None:
               f"{t['decode_outside_graphs']} VM instructions outside; verify of min(6, max_verify): "
               f"{t['verify6_kernels']} kernels, {t['verify6_graph_regions']} region(s)")
         print("  verify(k) / decode: " + " ".join(f"k={k}:{v}" for k, v in t["verify_cost_vs_decode"].items()))
+        if t["batch_cost_vs_decode"]:
+            print("  batched decode of B sequences / decode: " + " ".join(
+                f"B={b}:{v} ({t['batch_graph_regions'][b]} region)" for b, v in t["batch_cost_vs_decode"].items()))
         for kernel, n, ms in t["decode_profile"][:6]:
             print(f"  {ms:9.3f} ms {n:6d} calls  {kernel}")
     print("device_check: " + ("; ".join(r["failures"]) if r["failures"] else "every logit and token as the CPU's"))

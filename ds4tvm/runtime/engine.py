@@ -30,6 +30,7 @@ from ..gguf import open_gguf
 from ..gguf.quant import ALIGN, derived_plane, to_planes
 from . import threads
 from .checkpoint import Checkpoint
+from .residency import Residency
 
 SMALL_MODEL_BYTES = 64 << 20   # weight files below this run on one CPU thread unless told otherwise
 
@@ -133,9 +134,10 @@ class Engine:
             if s.rewindable is not None:
                 self._rewind_limits[s.group] = min(s.rewindable, self._rewind_limits.get(s.group, s.rewindable))
         self.identity = hashlib.sha256((self.dir / MANIFEST).read_bytes()).hexdigest()
-        # (function, input) -> the tensor a recorded function takes every call; any function recorded
-        # keeps the first sequence's state tensors attached (attach)
+        # (function, input) -> the tensor a recorded function takes every call; its state tensors:
+        # runtime/residency.py
         self._recorded: dict = {} if any(f.recorded for f in self.functions.values()) else None
+        self._residency = Residency(self._empty_like) if self._recorded is not None else None
         self.seq = self.new_sequence()
         self.host_inputs = self._host_inputs()
         b = m.bounds
@@ -157,22 +159,13 @@ class Engine:
         return Sequence(states)
 
     def attach(self, seq: Sequence) -> None:
-        """Works on seq from now on; the sequence worked on before keeps its state. With recorded
-        functions (FunctionSpec.recorded: CUDA graphs replay the state addresses of their first
-        call) the attached sequence always holds the first sequence's state tensors: the two
-        sequences exchange contents and tensors."""
-        if self._recorded is not None and seq is not self.seq:
-            self._exchange_states(self.seq, seq)
+        """Works on seq from now on; the sequence worked on before keeps its state. (With recorded
+        functions a call first gives the sequence the tensors the function recorded:
+        runtime/residency.py.)"""
         self.seq = seq
 
-    def _exchange_states(self, held: Sequence, other: Sequence) -> None:
-        for group, tensors in held.states.items():
-            for mine, theirs in zip(tensors, other.states[group]):
-                kept = self._tvm.runtime.empty(mine.shape, mine.dtype, self.dev)
-                kept.copyfrom(mine)
-                mine.copyfrom(theirs)
-                theirs.copyfrom(kept)
-            held.states[group], other.states[group] = other.states[group], tensors
+    def _empty_like(self, t):
+        return self._tvm.runtime.empty(t.shape, t.dtype, self.dev)
 
     @property
     def states(self) -> dict:
@@ -289,8 +282,8 @@ class Engine:
         return self._tvm.runtime.tensor(self._array(kind, value), self.dev)
 
     def _array(self, kind: str, value) -> np.ndarray:
-        if kind == "position":
-            return np.array([int(value)], np.int64)
+        if kind in ("position", "positions"):
+            return np.array([int(v) for v in np.atleast_1d(value)], np.int64)
         if kind == "tokens":
             return self._ids(value)
         return np.ascontiguousarray(value, np.int32 if kind == "int32" else np.float32)
@@ -326,11 +319,16 @@ class Engine:
             if value is None:
                 raise Ds4Error(f"{fn}: input {name!r} ({kind}) is missing")
             args.append(self._recorded_argument(fn, name, kind, value) if spec.recorded else self._argument(kind, value))
-        if spec.sequences > 1:
-            args.append(tuple(s.states[spec.states] for s in seqs))
+        if spec.sequences > 1:   # a recorded function takes each state tensor as its own argument
+            for row, s in enumerate(seqs if spec.recorded else ()):
+                self._residency.hold(s, spec.states, row)
+            states = tuple(s.states[spec.states] for s in seqs)
+            args += [t for one in states for t in one] if spec.recorded else [states]
             for s in seqs:
                 s.fed.add(spec.states)
-        elif spec.states is not None:   # a recorded function takes each state tensor as its own argument
+        elif spec.states is not None:
+            if spec.recorded:
+                self._residency.hold(self.seq, spec.states, "one")
             states = self.states[spec.states]
             args += states if spec.recorded else [states]
             self.seq.fed.add(spec.states)
@@ -414,13 +412,17 @@ class Engine:
         if full:
             raise Ds4Error(f"{full[0].pos + 1} tokens exceed the compiled context of {self.max_context} "
                            f"(ds4-compile --max-context)")
-        out = self.call(fn, seqs, ids=ids, starts=[s.pos for s in seqs])
+        order = list(range(len(seqs)))
+        if self.functions[fn].recorded:   # rows where the sequences hold their recorded tensors
+            order = self._residency.arranged(seqs, self.functions[fn].states)
+        out = self.call(fn, [seqs[i] for i in order], ids=ids[order], starts=[seqs[i].pos for i in order])
         self.decode_calls[len(seqs)] += 1
-        steps = []
-        for i, (seq, t) in enumerate(zip(seqs, ids.tolist())):
-            steps.append(Step("decode", out["logits"][i], {k: v[i:i + 1] for k, v in out.items() if k != "logits"}))
+        steps: list = [None] * len(seqs)
+        for row, i in enumerate(order):
+            seq = seqs[i]
+            steps[i] = Step("decode", out["logits"][row], {k: v[row:row + 1] for k, v in out.items() if k != "logits"})
             seq.pos += 1
-            seq.history.append(t)
+            seq.history.append(int(ids[i]))
             seq.pending = 0
         return steps
 

@@ -6,12 +6,14 @@ variable ends the captured region. A function with static shapes (decode: one to
 so that nothing in it is per call:
 
 - the position, exported as a shape `R.Shape([start])` and passed to kernels as a scalar, becomes
-  a [1] int64 tensor that those kernels read (`start_buf[0]`);
+  a [1] int64 tensor that those kernels read (`start_buf[0]`); a batched decode's starts (a tuple
+  of one such shape per sequence) one [B] tensor, read at each sequence's index;
 - `num_input` becomes 0: every argument (token ids, position, states, weights) is static, so the
   caller must pass the same tensors on every call and write the call's values into them (a replay
   reads and writes the addresses recorded at capture). The artifact's FunctionSpec says so
   (`recorded`), and the engine keeps those tensors (runtime/engine.py);
-- the state tuple becomes one parameter per state tensor (`ds4.states`: where they are), and once
+- the state tuple (a batched decode's: a tuple of each sequence's) becomes one parameter per
+  state tensor (`ds4.states`: where they are; the engine passes each row's: runtime/residency.py), and once
   the graph is captured the function returns those parameters as its updated states (they are
   written in place; the exporter returns the states in the order it takes them): reading each state
   out of a tuple on the way in, and each written one out of the graph's results on the way out,
@@ -131,18 +133,29 @@ def width_copies(widths: dict):
 
 
 def _position_param(func):
-    """(index, shape variable) of the position parameter R.Shape([start]), None if there is none,
-    or False when the function has another non-static parameter."""
+    """(index, shape variables) of the position parameter, R.Shape([start]) or (a batched
+    function) a tuple of one R.Shape([start]) per sequence; None if there is none, or False when the
+    function has another non-static parameter."""
     from tvm import relax, tirx
+
+    def starts(ty):
+        if isinstance(ty, relax.ShapeType):
+            values = ty.values
+            return [values[0]] if values is not None and len(values) == 1 and isinstance(values[0], tirx.Var) else None
+        if isinstance(ty, relax.TupleType) and ty.fields and all(isinstance(f, relax.ShapeType) for f in ty.fields):
+            each = [starts(f) for f in ty.fields]
+            return None if None in each else [v for one in each for v in one]
+        return None
 
     found = None
     width = _width_var(func) if WIDTH in (func.attrs or {}) else None
     for i, p in enumerate(func.params):
-        if isinstance(p.ty, relax.ShapeType):
-            values = p.ty.values
-            if found is not None or values is None or len(values) != 1 or not isinstance(values[0], tirx.Var):
+        if isinstance(p.ty, relax.ShapeType) or (isinstance(p.ty, relax.TupleType) and p.ty.fields
+                                                 and isinstance(p.ty.fields[0], relax.ShapeType)):
+            variables = starts(p.ty)
+            if found is not None or variables is None:
                 return False
-            found = (i, values[0])
+            found = (i, variables)
         elif not _static(p.ty, width):
             return False
     return found
@@ -156,10 +169,10 @@ def _rewrite(bb, func, kernels):
         return None
     params = list(func.params)
     if position is not None:
-        index, start = position
-        pos = relax.Var("position", relax.TensorType((1,), "int64"))
+        index, starts = position
+        pos = relax.Var("position", relax.TensorType((len(starts),), "int64"))
         params[index] = pos
-        body = _with_position_tensor(bb, func.body, start, pos, kernels)
+        body = _with_position_tensor(bb, func.body, starts, pos, kernels, func.params[index])
         if body is None:
             return None
     else:
@@ -169,7 +182,8 @@ def _rewrite(bb, func, kernels):
         return None
     params, body, states = flat
     new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
-    if position is not None and any(v.same_as(start) for v in relax.analysis.free_symbolic_vars(new)):
+    if position is not None and (any(v.same_as(s) for v in relax.analysis.free_symbolic_vars(new) for s in starts)
+                                 or any(v.same_as(func.params[index]) for v in relax.analysis.free_vars(new))):
         return None
     inputs = int(func.attrs["num_input"]) + (states[1] - 1 if states is not None else 0)   # the tuple, flattened
     new = new.with_attr(NUM_ARGS, inputs).with_attr("num_input", 0)
@@ -177,9 +191,9 @@ def _rewrite(bb, func, kernels):
 
 
 def _flattened_states(params, body):
-    """(params, body, [first, count]) with the tuple parameter (the states) as one parameter per
-    field, its TupleGetItem bindings those parameters; [first, count] None without one. None if
-    there are several or it is used otherwise."""
+    """(params, body, [first, count]) with the tuple parameter (the states; a batched function's: a
+    tuple of each sequence's) as one parameter per tensor, its TupleGetItem bindings those
+    parameters; [first, count] None without one. None if there are several or it is used otherwise."""
     from tvm import relax
 
     tuples = [i for i, p in enumerate(params) if isinstance(p.ty, relax.TupleType)]
@@ -189,18 +203,33 @@ def _flattened_states(params, body):
         return None
     i = tuples[0]
     p = params[i]
-    fields = [relax.Var(f"{p.name}_{j}", t) for j, t in enumerate(p.ty.fields)]
+    fields = []
+
+    def leaves(ty, name):   # the tuple's structure with a parameter for each tensor
+        if isinstance(ty, relax.TupleType):
+            return [leaves(f, f"{name}_{j}") for j, f in enumerate(ty.fields)]
+        fields.append(relax.Var(name, ty))
+        return fields[-1]
+
+    tuple_of = {p: leaves(p.ty, p.name)}   # the tuple variables bound so far -> their structure
     blocks = []
     for block in body.blocks:
         bindings = []
         for b in block.bindings:
             v = b.value
-            if isinstance(v, relax.TupleGetItem) and v.tuple_value.same_as(p):
-                b = relax.VarBinding(b.var, fields[v.index])
-            elif _mentions(v, p):
+            held = next((t for var, t in tuple_of.items() if isinstance(v, relax.TupleGetItem)
+                         and v.tuple_value.same_as(var)), None)
+            if held is not None:
+                if isinstance(held[v.index], list):
+                    tuple_of[b.var] = held[v.index]
+                    continue
+                b = relax.VarBinding(b.var, held[v.index])
+            elif any(_mentions(v, var) for var in tuple_of):
                 return None
             bindings.append(b)
         blocks.append(block_like(block, bindings))
+    if any(_mentions(body.body, var) for var in tuple_of):
+        return None
     return params[:i] + fields + params[i + 1:], relax.SeqExpr(blocks, body.body), [i, len(fields)]
 
 
@@ -323,9 +352,11 @@ def _mentions(value, var) -> bool:
     return value.same_as(var)
 
 
-def _with_position_tensor(bb, body, start, pos, kernels):
-    """The body with every kernel argument that is an expression of `start` replaced by the
-    tensor pos (the kernel rewritten to read it), or None where start is used otherwise."""
+def _with_position_tensor(bb, body, starts, pos, kernels, param):
+    """The body with every kernel argument that is an expression of the `starts` (a sequence's
+    first position each) replaced by the tensor pos holding them (the kernel rewritten to read
+    it), or None where they are used otherwise. Reads of a sequence's shape out of the parameter
+    (param, a tuple of shapes) go: the caller checks nothing else reads them."""
     from tvm import relax
 
     ops = (tvm.ir.Op.get("relax.call_tir"), tvm.ir.Op.get("relax.call_tir_inplace"))
@@ -334,15 +365,17 @@ def _with_position_tensor(bb, body, start, pos, kernels):
         bindings = []
         for b in block.bindings:
             v = b.value
+            if isinstance(v, relax.TupleGetItem) and v.tuple_value.same_as(param):
+                continue
             if isinstance(v, relax.Call) and v.op in ops:
                 args = list(v.args[1].fields)
-                uses = [i for i, a in enumerate(args) if isinstance(a.ty, tvm.ir.PrimType) and _uses(a, start)]
+                uses = [i for i, a in enumerate(args) if isinstance(a.ty, tvm.ir.PrimType) and _uses(a, starts)]
                 if uses:
                     if len(v.args) > 2 and v.op == ops[0]:
                         return None   # shape arguments (tir_vars): not written by any family
                     gv = v.args[0]
                     for i in uses:
-                        gv = _kernel_reading(bb, gv, i, args[i], start, kernels)
+                        gv = _kernel_reading(bb, gv, i, args[i], starts, kernels)
                         if gv is None:
                             return None
                         args[i] = pos
@@ -353,37 +386,38 @@ def _with_position_tensor(bb, body, start, pos, kernels):
     return relax.SeqExpr(blocks, body.body)
 
 
-def _uses(expr, var) -> bool:
+def _uses(expr, variables) -> bool:
     from tvm import tirx
 
-    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
+    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr) for var in variables)
 
 
-def _replaced(expr, var, value):
-    """expr (integer arithmetic on var and constants) with var replaced by value; None for any
-    other expression."""
+def _replaced(expr, values: list):
+    """expr (integer arithmetic on variables and constants) with each variable replaced by its
+    value, values holding (variable, value) pairs; None for any other expression."""
     from tvm import tirx
 
-    if expr.same_as(var):
-        return value
+    for var, value in values:
+        if expr.same_as(var):
+            return value
     if isinstance(expr, tirx.IntImm):
         return expr
     if isinstance(expr, (tirx.Add, tirx.Sub, tirx.Mul, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max)):
-        a, b = _replaced(expr.a, var, value), _replaced(expr.b, var, value)
+        a, b = _replaced(expr.a, values), _replaced(expr.b, values)
         return None if a is None or b is None else type(expr)(a, b)
     return None
 
 
-def _kernel_reading(bb, gv, index: int, expr, start, kernels):
-    """Kernel gv with its scalar parameter `index` (given `expr` of start) replaced by a [1] int64
-    buffer holding start: the kernel computes expr from it."""
+def _kernel_reading(bb, gv, index: int, expr, starts, kernels):
+    """Kernel gv with its scalar parameter `index` (given `expr` of the starts) replaced by a
+    [len(starts)] int64 buffer holding them: the kernel computes expr from it."""
     from tvm import tirx
 
-    key = (gv.name_hint, index, str(expr))
+    key = (gv.name_hint, index, str(expr), len(starts))
     if key not in kernels:
         func = bb.get()[gv]
-        buf = tirx.decl_buffer((1,), "int64", "position")
-        value = _replaced(expr, start, tirx.BufferLoad(buf, [tirx.IntImm("int64", 0)]))
+        buf = tirx.decl_buffer((len(starts),), "int64", "position")
+        value = _replaced(expr, [(s, tirx.BufferLoad(buf, [tirx.IntImm("int64", j)])) for j, s in enumerate(starts)])
         if value is None:
             return None
         spec = func.specialize({func.params[index]: value})
@@ -489,14 +523,21 @@ def _trimmed(func):
 
 
 def _states_returned(value, states):
-    """The returned tuple with its updated states (its last field, as many tensors of the same types
-    as the state parameters) replaced by the state parameters, which hold them."""
+    """The returned tuple with its updated states (its last field, or a batched function's last
+    fields, one per sequence: tuples of as many tensors of the same types as the state parameters)
+    replaced by the state parameters, which hold them."""
     from tvm import relax
 
     if not isinstance(value, relax.Tuple) or not value.fields:
         return value
-    last = value.fields[-1]
-    if isinstance(last, relax.Tuple) and len(last.fields) == len(states) and \
-            all(str(f.ty) == str(s.ty) for f, s in zip(last.fields, states)):
-        return relax.Tuple([*value.fields[:-1], relax.Tuple(states)])
-    return value
+    fields, n = list(value.fields), 0
+    while n < len(states) and fields and isinstance(fields[-1], relax.Tuple):
+        n += len(fields.pop().fields)
+    returned = [f for f in value.fields[len(fields):] for f in f.fields]
+    if n != len(states) or any(str(f.ty) != str(s.ty) for f, s in zip(returned, states)):
+        return value
+    held, at = [], 0
+    for f in value.fields[len(fields):]:
+        held.append(relax.Tuple(states[at:at + len(f.fields)]))
+        at += len(f.fields)
+    return relax.Tuple([*fields, *held])

@@ -3,7 +3,9 @@ so the code the device runs cannot rot unseen: `selftest` prepares tiny DeepSeek
 GLM-5.3 + MTP and Qwen3.8 + MTP models, compiles their GPU forms for llvm (the CUDA pipeline's
 fused, recorded module; the kernels the GPU runs with serial loops), records the CPU artifact's
 logits and greedy tokens, then `check` compares, times, profiles and reports exactly as on a GPU.
-Every field of the report is asserted; the check must fail on a reference it does not meet."""
+Every field of the report is asserted; the check must fail on a reference it does not meet, and
+on a recorded function given other tensors than at its first call (what a CUDA graph's replay
+would read and write)."""
 
 import json
 import subprocess
@@ -20,7 +22,7 @@ TOP = {"plan", "target", "device", "arch", "copy_bandwidth_gb_s", "models", "fai
 MODEL_KEYS = {"gguf_seconds", "load_seconds", "logits_vs_cpu", "speculation", "timed"}
 LOGIT_KEYS = {"max_abs_diff", "limit", "max_abs_logit", "argmax_equal", "rows"}
 LIMITS = {"deepseek4-tiny": 1e-4, "glm5next-tiny": 2e-4, "qwen4exp-tiny": 1e-4}   # why GLM's: device_check.GLM_LIMIT
-ROWS = {"prefill": 40, "decode": 40, "verify": 40, "interleaved": 12}
+ROWS = {"prefill": 40, "decode": 40, "verify": 40, "interleaved": 12, "batched": 16}
 ARM_KEYS = {"tokens", "tok_s", "functions", "proposed", "accepted", "drafter_ms_per_token", "ms_per_token",
             "equal_prefix", "speedup"}
 # what the drafters verify and write at full acceptance, as copies recorded per width (max_verify 4):
@@ -30,7 +32,8 @@ RECORDED_RUN = {"deepseek4-tiny": {"verify_w4", "dspark_observe_w4"}, "glm5next-
 TIMED_KEYS = {"weights_gib", "bytes_per_token_gib", "prefill_tokens", "prefill_tok_s", "decode_tok_s",
               "decode_weight_gb_s", "bandwidth_fraction", "decode_kernels", "decode_calls", "decode_graph_regions",
               "decode_kernels_in_graphs", "decode_outside_graphs", "verify6_kernels", "verify6_graph_regions",
-              "verify6_outside_graphs", "verify_cost_vs_decode", "decode_profile"}
+              "verify6_outside_graphs", "verify_cost_vs_decode", "batch_cost_vs_decode", "batch_graph_regions",
+              "decode_profile"}
 
 
 def _run(*args, timeout=1500):
@@ -88,12 +91,15 @@ def test_selftest_runs_every_step_of_the_gpu_check_and_reports_every_field(selft
         assert t["decode_outside_graphs"] > 0 and t["verify6_outside_graphs"] > 0, name
         assert set(t["verify_cost_vs_decode"]) == {"1", "2", "3", "4"}, name
         assert all(v > 0 for v in t["verify_cost_vs_decode"].values()), name
+        assert set(t["batch_cost_vs_decode"]) == set(t["batch_graph_regions"]) == {"2", "3"}, name
+        assert all(v > 0 for v in t["batch_cost_vs_decode"].values()), name
+        assert set(t["batch_graph_regions"].values()) == {0}, name
         profile = t["decode_profile"]
         assert profile[0][0] == "all" and profile[0][1] >= len(profile) - 1 and profile[0][2] > 0, name
         assert all(isinstance(k, str) and n > 0 for k, n, _ in profile[1:]), name
         assert f"{name}:" in stdout
         recorded = {f["name"] for f in Manifest.read(work / name / "artifact").functions if f.get("recorded")}
-        assert {"decode", "verify_w1", "verify_w2", "verify_w3", "verify_w4"} <= recorded, name
+        assert {"decode", "verify_w1", "verify_w2", "verify_w3", "verify_w4", "decode_batch2", "decode_batch3"} <= recorded, name
         kernels = json.loads((work / name / "report.json").read_text())["functions"]["decode"]["kernels"]
         assert [k for k in kernels if k["kernel"].startswith("fused_")], name   # the CUDA pipeline's fusion ran
     assert stdout.strip().endswith("device_check: every logit and token as the CPU's")
@@ -118,6 +124,36 @@ def test_check_fails_naming_the_model_and_mode_when_a_logit_is_off(selftest, tmp
     finally:
         (work / "plan.json").write_text(json.dumps(plan))
         np.savez(ref_path, **ref)
+
+
+def test_check_catches_a_recorded_function_given_other_tensors(selftest, monkeypatch):
+    """RecordedArguments (what `check` runs every comparison under) names the recorded functions a
+    call gave other tensors than their first call: none with the engine's residency, decode and
+    both batched decodes once sequences no longer take their rows' tensors."""
+    from ds4tvm.runtime import residency
+    from ds4tvm.runtime.engine import Engine
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import device_check as dc
+
+    d, _, _ = selftest
+    m = {x.name: x for x in dc.plans()["cpu"]}["deepseek4-tiny"]
+    model, support = m.write(d / "work" / m.name)
+    engine = Engine(d / "work" / m.name / "artifact", weights={"model": model, "support": support})
+    ids = dc.tiny_ids(engine.n_vocab)
+
+    def moved():
+        engine.vm = watched = dc.RecordedArguments(engine.vm, {n for n, f in engine.functions.items() if f.recorded})
+        try:
+            dc.batched(engine, ids)
+            dc.interleaved(engine, ids)
+        finally:
+            engine.vm = watched.vm
+        return watched.moved
+
+    assert moved() == set()
+    monkeypatch.setattr(residency.Residency, "hold", lambda self, seq, group, slot: None)
+    assert moved() == {"decode", "decode_batch2", "decode_batch3"}
 
 
 @pytest.mark.device   # pytest -m device, on a machine with an NVIDIA GPU and TVM's compiler

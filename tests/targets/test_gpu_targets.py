@@ -185,13 +185,13 @@ def test_qwen4exp_compiles(tmp_path, target):
 
     gguf = write_random_qwen4exp(tmp_path / "qwen.gguf", tiny_config(n_nextn=1), seed=1)
     out = tmp_path / "art"
-    r = run_ds4_compile(gguf, "--target", target, "-o", out, "--max-context", "256", "--quiet",
+    r = run_ds4_compile(gguf, "--target", target, "-o", out, "--max-context", "256", "--max-batch", "2", "--quiet",
                         "--report", tmp_path / "report.json")
     if r.returncode == 2 and " need " in r.stderr:
         pytest.skip(f"toolchain for {target} absent: {r.stderr.strip()}")
     assert r.returncode == 0, r.stderr
     m = Manifest.read(out)
-    assert m.family == "qwen4exp" and "qwen_mtp" in m.drafters
+    assert m.family == "qwen4exp" and "qwen_mtp" in m.drafters and "decode_batch2" in {f["name"] for f in m.functions}
     assert {"prefill", "decode", "verify", "mtp_observe", "mtp_step"} <= {f["name"] for f in m.functions}
     assert all(("ple", "host") in [tuple(i) for i in f["inputs"]] for f in m.functions if not f["name"].startswith("mtp"))
     report = json.loads((tmp_path / "report.json").read_text())["functions"]
@@ -201,14 +201,15 @@ def test_qwen4exp_compiles(tmp_path, target):
         assert linears and all(k["rule"] in GEMV_RULES for k in linears), (fn, [k for k in linears if k["rule"] not in
                                                                                  GEMV_RULES])
         assert f["weights_only"] == [] and f["n_kernels"] == sum(f["by_rule"].values()), fn
-    if target.startswith("cuda"):   # decode, verify and mtp_observe at each width replay one CUDA graph; verify none
+    if target.startswith("cuda"):   # decode, the batched decode, verify and mtp_observe at each width replay
+        # one CUDA graph each; the symbolic verify none
         recorded = {f["name"] for f in m.functions if f.get("recorded")}
         widths = list(range(1, m.bounds["max_verify"] + 1))
         specs = {f["name"]: f for f in m.functions}
         assert specs["verify"]["widths"] == specs["mtp_observe"]["widths"] == widths and "verify" not in recorded
         copies = [f"{fn}_w{w}" for fn in ("verify", "mtp_observe") for w in widths]
-        assert {"decode", *copies} <= recorded
-        for fn in ("decode", *copies):
+        assert {"decode", "decode_batch2", *copies} <= recorded
+        for fn in ("decode", "decode_batch2", *copies):
             # outside the graph: the copy of the outputs, their allocations, the replay
             f = report[fn]
             assert f["graph_regions"] == 1 and f["outside_graphs"] <= 20, (fn, f["outside_by_kind"])
