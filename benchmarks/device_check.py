@@ -244,8 +244,10 @@ def interleaved(engine, ids: list[int]) -> np.ndarray:
 def batched(engine, ids: list[int]) -> np.ndarray:
     """Logits of three sequences decoded in batched calls whose members change (a sequence joins,
     one sits out, one decodes alone, the order of the rows turns), so that the tensors each row of
-    a recorded batched function takes (runtime/residency.py) pass between sequences. An artifact
-    without batched functions decodes each sequence in turn: the reference."""
+    a recorded batched function takes (runtime/residency.py) pass between sequences; then a
+    prefill chunk of one with a decode of the others (Engine.prefill_batch: one call on the CPU,
+    the chunk alone then the batch in the GPU forms). An artifact without batched functions runs
+    each sequence's calls in turn: the reference."""
     engine.reset()
     a = engine.seq
     engine.prefill(ids[:10])
@@ -257,7 +259,8 @@ def batched(engine, ids: list[int]) -> np.ndarray:
     rows, tokens = [], iter(ids[20:])
     for seqs in ([a, b], [a, b, c], [c, a, b], [b, c], [a], [c, a], [a, b, c]):
         rows += [step.logits for step in engine.decode_batch(seqs, [next(tokens) for _ in seqs])]
-    return np.array(rows)
+    chunk, steps = engine.prefill_batch(b, ids[36:40], [c, a], ids[:2])   # a chunk and two decodes
+    return np.array(rows + [chunk.logits] + [s.logits for s in steps])
 
 
 def all_logits(engine, ids: list[int]) -> dict[str, np.ndarray]:

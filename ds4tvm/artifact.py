@@ -141,9 +141,10 @@ class StateSpec:
 INPUT_KINDS = ("tokens", "float32", "int32", "position", "positions", "host")
 
 
-def batch_name(sequences: int) -> str:
-    """The name of the target's batched decode of that many sequences (FunctionSpec.sequences)."""
-    return f"decode_batch{sequences}"
+def batch_name(sequences: int, chunked: bool = False) -> str:
+    """The name of the target's batched decode of that many sequences (FunctionSpec.sequences), or
+    (chunked) of its batched prefill: a prompt's chunk and a decode of each other sequence."""
+    return f"{'prefill' if chunked else 'decode'}_batch{sequences}"
 
 
 def width_variant(fn: str, width: int) -> str:
@@ -166,7 +167,10 @@ class FunctionSpec:
     width_variant(name, width)): `Engine.call` runs that copy for a call of that many rows (CUDA
     graphs replay static shapes only). sequences: a batched function's count of sequences, one row
     each: its inputs hold a value per sequence (a "positions" input: each one's first position) and
-    the state tensors of the group follow once per sequence."""
+    the state tensors of the group follow once per sequence. chunked: the first of those sequences
+    brings the rows of a prefill chunk (the others one row each), and the function returns the
+    logits of each sequence's last row (its other outputs: those of every row, or of the logits'
+    rows)."""
     name: str
     inputs: tuple[tuple[str, str], ...]     # (name, kind)
     outputs: tuple[str, ...]
@@ -176,13 +180,15 @@ class FunctionSpec:
     per_width: bool = False
     widths: tuple[int, ...] = ()
     sequences: int = 1
+    chunked: bool = False
 
     def to_json(self) -> dict:
         return {"name": self.name, "inputs": [list(i) for i in self.inputs], "outputs": list(self.outputs),
                 "states": self.states, "params": list(self.params) if self.params is not None else None,
                 **({"recorded": True} if self.recorded else {}), **({"per_width": True} if self.per_width else {}),
                 **({"widths": list(self.widths)} if self.widths else {}),
-                **({"sequences": self.sequences} if self.sequences != 1 else {})}
+                **({"sequences": self.sequences} if self.sequences != 1 else {}),
+                **({"chunked": True} if self.chunked else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> "FunctionSpec":
@@ -190,7 +196,7 @@ class FunctionSpec:
         return cls(d["name"], tuple(tuple(i) for i in d["inputs"]), tuple(d["outputs"]), d.get("states"),
                    tuple(params) if params is not None else None, bool(d.get("recorded", False)),
                    bool(d.get("per_width", False)), tuple(int(w) for w in d.get("widths", ())),
-                   int(d.get("sequences", 1)))
+                   int(d.get("sequences", 1)), bool(d.get("chunked", False)))
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Checks of continuous batching every family's tests share (tests/runtime/test_batching.py has the
-engine-level ones): a batched decode against decodes alone, bit for bit, and generations through
-the scheduler against each generated alone."""
+engine-level ones): a batched decode against decodes alone and a batched prefill against a
+prefill and decodes alone, bit for bit, and generations through the scheduler against each
+generated alone."""
 
 import threading
 from collections import Counter
@@ -92,3 +93,33 @@ def assert_together_is_alone(engine, jobs: list) -> tuple[Counter, int]:
         return engine.decode_calls - before, scheduler.prefilled
     finally:
         scheduler.close()
+
+
+def assert_batched_prefill_is_prefill(engine, prompt_list: list[list[int]], chunk: int = 5) -> None:
+    """The first prompt's last `chunk` tokens prefilled in one call with a decode of each other
+    prompt's last token (Engine.prefill_batch), against that prefill and those decodes alone:
+    equal logits and named outputs, bit for bit."""
+    from ds4tvm.artifact import batch_name
+
+    assert batch_name(len(prompt_list), chunked=True) in engine.functions
+    first, rest = prompt_list[0], prompt_list[1:]
+    assert len(first) > chunk and all(len(p) > 1 for p in rest)
+
+    def fresh(tokens):
+        engine.attach(engine.new_sequence())
+        engine.prefill(tokens)
+        return engine.seq
+
+    fresh(first[:-chunk])
+    want = [engine.prefill(first[-chunk:])]
+    for p in rest:
+        fresh(p[:-1])
+        want.append(engine.decode(p[-1]))
+    seqs = [fresh(first[:-chunk])] + [fresh(p[:-1]) for p in rest]
+    got_chunk, got = engine.prefill_batch(seqs[0], first[-chunk:], seqs[1:], [p[-1] for p in rest])
+    for i, (step, w) in enumerate(zip([got_chunk, *got], want)):
+        assert np.array_equal(step.logits, w.logits), i
+        assert step.outputs.keys() == w.outputs.keys()
+        assert all(np.array_equal(step.outputs[k], w.outputs[k]) for k in w.outputs), (i, step.outputs.keys())
+    assert [s.pos for s in seqs] == [len(p) for p in prompt_list]
+    assert [s.history for s in seqs] == prompt_list

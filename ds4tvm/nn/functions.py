@@ -56,10 +56,11 @@ class Fn:
     per_width: bool = False
     state_arg: str = "states"
     sequences: int = 1
+    chunked: bool = False
 
     def function_spec(self) -> FunctionSpec:
         return FunctionSpec(self.name, tuple((a.name, a.kind) for a in self.args), self.outputs, self.states,
-                            per_width=self.per_width, sequences=self.sequences)
+                            per_width=self.per_width, sequences=self.sequences, chunked=self.chunked)
 
     def export_spec(self, state_specs: list) -> dict:
         spec = {a.name: a.export(self.sequences) for a in self.args}
@@ -73,20 +74,24 @@ def target_functions(args, outputs: tuple[str, ...], max_batch: int = 1) -> list
     """prefill, prefill_all, decode and verify of a target module: args(rows) gives the inputs of a
     call of `rows` rows (TARGET_ROWS), the model's states follow; verify is called with 1..max_verify
     rows. A module whose decode_batch decodes several sequences in one call (max_batch > 1) adds
-    batch_name(b) for b = 2..max_batch: one row per sequence, STARTS for their positions."""
+    batch_name(b) for b = 2..max_batch: one row per sequence, STARTS for their positions; and its
+    prefill_batch, batch_name(b, chunked=True): a prompt's chunk and b - 1 decodes in one call."""
     out = [Fn(f, tuple(args(rows)), outputs, "model", per_width=f == "verify") for f, rows in TARGET_ROWS.items()]
-    return out + [Fn(batch_name(b), tuple(STARTS if a == START else a for a in args(b)), outputs, "model",
-                     sequences=b) for b in range(2, max_batch + 1)]
+    for chunked in (False, True):
+        out += [Fn(batch_name(b, chunked), tuple(STARTS if a == START else a for a in args("n" if chunked else b)),
+                   outputs, "model", sequences=b, chunked=chunked) for b in range(2, max_batch + 1)]
+    return out
 
 
 class Sequences:
-    """The sequences whose rows a call holds (one, or several of one row each: a batched decode):
-    each one's first position and state tensors by name, updated as its sublayers write them.
-    The sublayers that read and write a sequence's state run per sequence (`per_sequence`),
-    everything else on all rows at once."""
+    """The sequences whose rows a call holds (one; several of one row each: a batched decode; or,
+    chunked, a prompt's chunk first and one row of each other: a batched prefill): each one's
+    first position and state tensors by name, updated as its sublayers write them. The sublayers
+    that read and write a sequence's state run per sequence (`per_sequence`), everything else on
+    all rows at once."""
 
-    def __init__(self, state_names: list[str], sequences: list[tuple]):
-        self.names = state_names
+    def __init__(self, state_names: list[str], sequences: list[tuple], chunked: bool = False):
+        self.names, self.chunked = state_names, chunked
         self.starts = [start for start, _ in sequences]
         self.states = [dict(zip(state_names, states)) for _, states in sequences]
 
@@ -95,7 +100,13 @@ class Sequences:
 
     def split(self, x: nn.Tensor) -> list[nn.Tensor]:
         """x's rows of each sequence."""
-        return [x] if len(self) == 1 else list(op.split(x, len(self), axis=0))
+        if len(self) == 1:
+            return [x]
+        if not self.chunked:
+            return list(op.split(x, len(self), axis=0))
+        others = len(self) - 1   # (relax's split takes constant indices only)
+        return [rows_of(x, lambda n: 0, lambda n: n - others, "chunk_rows")] + \
+            [rows_of(x, lambda n, i=i: n - others + i, lambda n: 1, "decode_row") for i in range(others)]
 
     def per_sequence(self, x, prefix: str, fn) -> nn.Tensor:
         """fn(i, rows, start, states) -> (rows, new states) applied to each sequence's rows of x with
@@ -119,21 +130,28 @@ class Declared:
     """FunctionSpecs and the export spec of a module from its `functions()` declarations and its
     `state_specs()`."""
 
+    def exported(self) -> list[Fn]:
+        """functions(), less the batched prefills in the GPU forms: the chunk's rows, n - b of a
+        call's n, reach some kernels fused together as two shapes FuseTIR cannot define from
+        (Qwen3.8's: "VarRemapGet(source) == nullptr"), so a GPU prefills a chunk in a call of its own."""
+        gpu = getattr(getattr(self, "forms", None), "gpu", False)
+        return [f for f in self.functions() if not (f.chunked and gpu)]
+
     def function_specs(self) -> list[FunctionSpec]:
-        return [f.function_spec() for f in self.functions()]
+        return [f.function_spec() for f in self.exported()]
 
     def spec(self) -> dict:
         states = self.state_specs()
-        for f in self.functions():
+        for f in self.exported():
             if f.sequences > 1:   # every batch size is one method; TVM finds it under each name
-                setattr(self, f.name, self.decode_batch)
-        return {f.name: f.export_spec(states) for f in self.functions()}
+                setattr(self, f.name, self.prefill_batch if f.chunked else self.decode_batch)
+        return {f.name: f.export_spec(states) for f in self.exported()}
 
 
 class TargetFunctions(Declared):
-    """The target functions of a module whose _rows(ids, sequences: Sequences, last_only) computes
-    them (prefill returns the logits of its last row only; the others of every row), its state
-    tensors' names in `state_names`."""
+    """The target functions of a module whose _rows(ids, sequences: Sequences, last) computes them
+    (the logits of the last `last` rows, every row's with None: prefill its last row's, a batched
+    prefill each sequence's last row's), its state tensors' names in `state_names`."""
 
     def prefill(self, ids: nn.Tensor, start, states):
         """A chunk of the prompt; logits of its last token [1, V], extra outputs of every token."""
@@ -153,10 +171,28 @@ class TargetFunctions(Declared):
     def decode_batch(self, ids: nn.Tensor, starts, states):
         """One token of each of len(starts) sequences (row i of sequence i at starts[i], in
         states[i]); logits of every row, then every sequence's states."""
-        return self._forward_batch(ids, list(starts), list(states))
+        return self._rows(ids, Sequences(self.state_names, list(zip(starts, states))), last=None)
+
+    def prefill_batch(self, ids: nn.Tensor, starts, states):
+        """A prompt's chunk (the first sequence's rows) and one token of each other sequence; the
+        logits of each sequence's last row, then every sequence's states."""
+        return self._rows(ids, Sequences(self.state_names, list(zip(starts, states)), chunked=True), last=len(starts))
 
     def _forward(self, ids, start, states, last_only: bool):
-        return self._rows(ids, Sequences(self.state_names, [(start, states)]), last_only)
+        return self._rows(ids, Sequences(self.state_names, [(start, states)]), last=1 if last_only else None)
 
-    def _forward_batch(self, ids, starts, states):
-        return self._rows(ids, Sequences(self.state_names, list(zip(starts, states))), last_only=False)
+
+def rows_of(x: nn.Tensor, first, count, name: str) -> nn.Tensor:
+    """count(n) rows of x from row first(n) (its first axis, of n rows)."""
+    from tvm import te
+
+    def rows(t):
+        n = t.shape[0]
+        return te.compute((count(n), *t.shape[1:]), lambda r, *i: t[first(n) + r, *i], name=name)
+
+    return op.tensor_expr_op(rows, name, [x])
+
+
+def last_rows(x: nn.Tensor, last: int | None, name: str = "last_rows") -> nn.Tensor:
+    """The last `last` rows of x (its first axis; None: x)."""
+    return x if last is None else rows_of(x, lambda n: n - last, lambda n: last, name)

@@ -344,8 +344,10 @@ class Engine:
         if spec.sequences == 1:
             return provider(self, inputs)
         ids = np.asarray(inputs["ids"]).reshape(-1)
-        return np.concatenate([provider(SequenceView(self, seq), {"ids": ids[i:i + 1], "start": seq.pos})
-                               for i, seq in enumerate(seqs)])
+        first = len(ids) - (len(seqs) - 1) if spec.chunked else 1   # a batched prefill's chunk, then a row each
+        bounds = np.cumsum([0, first] + [1] * (len(seqs) - 1))
+        return np.concatenate([provider(SequenceView(self, seq), {"ids": ids[a:b], "start": seq.pos})
+                               for seq, a, b in zip(seqs, bounds, bounds[1:])])
 
     def _step(self, fn: str, ids: np.ndarray, last_row: bool = False) -> Step:
         out = self.call(fn, ids=ids, start=self.pos)
@@ -425,6 +427,42 @@ class Engine:
             seq.history.append(int(ids[i]))
             seq.pending = 0
         return steps
+
+    def prefill_batch(self, seq: Sequence, tokens, seqs: list[Sequence], next_tokens) -> tuple[Step, list[Step]]:
+        """prefill(tokens) of seq, a chunk of at most the compiled chunk's tokens, and decode_batch(seqs,
+        next_tokens), in one call of the batched prefill of 1 + len(seqs) sequences where the
+        artifact has one (the weights read once for both; else one after the other): each step as
+        prefill and decode give it, bit for bit. The attached sequence stays attached."""
+        fn, ids, nxt = batch_name(1 + len(seqs), chunked=True), self._ids(tokens), self._ids(next_tokens)
+        if not seqs or fn not in self.functions:
+            attached = self.seq
+            self.attach(seq)
+            try:
+                chunk = self.prefill(ids)
+            finally:
+                self.attach(attached)
+            return chunk, self.decode_batch(seqs, nxt) if seqs else []
+        if len(nxt) != len(seqs) or len({id(s) for s in [seq, *seqs]}) != 1 + len(seqs) or not 0 < len(ids) <= self.chunk:
+            raise Ds4Error(f"prefill_batch: a chunk of 1..{self.chunk} tokens and a token for each of "
+                           f"{len(seqs)} other distinct sequences are expected")
+        full = [(s, k) for s, k in [(seq, len(ids)), *((s, 1) for s in seqs)] if s.pos + k > self.max_context]
+        if full:
+            raise Ds4Error(f"{full[0][0].pos + full[0][1]} tokens exceed the compiled context of {self.max_context} "
+                           f"(ds4-compile --max-context)")
+        out = self.call(fn, [seq, *seqs], ids=np.concatenate([ids, nxt]), starts=[s.pos for s in [seq, *seqs]])
+        self.decode_calls[len(seqs)] += 1
+        n, rows = len(ids), len(seqs) + 1
+
+        def of_row(i: int) -> dict:   # the other outputs of logits row i: per logits row, or per token
+            return {k: v[i:i + 1] if v.shape[0] == rows else (v[:n] if i == 0 else v[n + i - 1:n + i])
+                    for k, v in out.items() if k != "logits"}
+
+        steps = [Step("prefill" if i == 0 else "decode", out["logits"][i], of_row(i)) for i in range(rows)]
+        for s, part in [(seq, ids), *((s, nxt[i:i + 1]) for i, s in enumerate(seqs))]:
+            s.pos += len(part)
+            s.history += part.tolist()
+            s.pending = 0
+        return steps[0], steps[1:]
 
     def verify(self, tokens) -> Step:
         """Runs k <= max_verify tokens after the committed ones without committing them; the

@@ -8,11 +8,13 @@ one that touches the engine, runs them in rounds:
   1. it waits until every running generation has an operation queued (each spends only its
      sampling between two steps) or `max_wait` has passed since the first one came;
   2. other operations (verify, commit, a drafter's calls, snapshots) run one by one;
-  3. the decode steps run in batches of up to the engine's max_batch sequences;
-  4. every prompt being prefilled advances by one chunk, sized while others decode so that the
-     round's chunks cost about one batched decode step (more when newcomers outnumber the running
-     streams: each newcomer then gets about one step's worth): a running stream never waits for a
-     whole long prefill, and a newcomer joins the batch soon.
+  3. the decode steps run in batches of up to the engine's max_batch sequences, the first prompt
+     being prefilled bringing its chunk into that call where the artifact has batched prefills
+     (Engine.prefill_batch: the weights read once for the chunk and the decodes);
+  4. every other prompt being prefilled advances by one chunk; while others decode, chunks are
+     sized so that the round's prefill costs about one batched decode step (more when newcomers
+     outnumber the running streams: each newcomer then gets about one step's worth): a running
+     stream never waits for a whole long prefill, and a newcomer joins the batch soon.
 Requests join and leave between rounds. Which operations share a call never changes a
 sequence's numbers (a token's logits do not depend on the rows beside it, bit for bit), so a
 generation gives what it gives alone, and its seeded sampling repeats.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import Cancelled, Ds4Error
+from ..artifact import batch_name
 from .engine import SequenceView, Step
 
 MIN_CHUNK = 8       # prefill tokens per round at least, while others decode (doubled up to the compiled chunk)
@@ -57,7 +60,9 @@ class Scheduler:
         self._prefills: list[_Op] = []     # prompts being prefilled, a chunk per round
         self._members = 0                   # generations running (each has at most one operation queued)
         self._step_s = None                 # recent seconds of a decode call
-        self._chunk_s: dict[int, float] = {}   # recent seconds of a prefill chunk, by its token count
+        # recent seconds a prefill chunk adds to a round, by (its token count, whether it shared a
+        # call with decodes: then what the call took beyond a decode step)
+        self._chunk_s: dict[tuple, float] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ds4-scheduler", daemon=True)
         self._thread.start()
@@ -125,10 +130,15 @@ class Scheduler:
                 self._finish(op, lambda op=op: self._attached(op.seq, op.fn))
         self._prefills += [op for op in ops if op.kind == "prefill"]
         decodes = [op for op in ops if op.kind == "decode"]
-        for i in range(0, len(decodes), self.engine.max_batch):
-            self._decode(decodes[i:i + self.engine.max_batch])
-        for op in list(self._prefills):
-            self._prefill_chunk(op, self._chunk(len(decodes), len(self._prefills)))
+        prefills = list(self._prefills)
+        if prefills and batch_name(len(decodes) + 1, chunked=True) in self.engine.functions:
+            n = self._chunk(len(decodes), len(prefills), True)
+            self._prefill_with_decodes(prefills.pop(0), n, decodes)
+        else:
+            for i in range(0, len(decodes), self.engine.max_batch):
+                self._decode(decodes[i:i + self.engine.max_batch])
+        for op in prefills:
+            self._prefill_chunk(op, self._chunk(len(decodes), len(self._prefills), False))
 
     def _attached(self, seq, fn):
         self.engine.attach(seq)
@@ -155,33 +165,66 @@ class Scheduler:
             op.result = step
             op.done.set()
 
-    def _chunk(self, decoding: int, prefilling: int) -> int:
+    def _chunk(self, decoding: int, prefilling: int, joined: bool) -> int:
         """Prefill tokens of each prompt this round: the compiled chunk where no one decodes (prompts
         waiting only for each other: whole chunks make every first token come soonest), else the
         round's prefill time is about one decode step, or one step per newcomer where newcomers
-        outnumber the running streams (the streams' tokens then come about twice as far apart)."""
+        outnumber the running streams (the streams' tokens then come about twice as far apart).
+        joined: the chunk shares a call with the decodes (it adds its tokens' time, not a call's)."""
         if not decoding:
             return self.engine.chunk
         if self._step_s is None:
             return MIN_CHUNK
-        # the largest doubling of MIN_CHUNK that fits the time, measured (a small chunk costs more
-        # per token than a large one: 8 tokens 1.9 ms each, 256 tokens 1.0 ms each) or, not tried
-        # yet, guessed as twice the half's time
+        # the largest doubling of MIN_CHUNK that fits the time, measured (alone, a small chunk costs
+        # more per token than a large one: 8 tokens 1.9 ms each, 256 tokens 1.0 ms each) or, not
+        # tried yet, guessed as twice the half's time
         target, n = max(1 / prefilling, 1 / decoding) * self._step_s, MIN_CHUNK
-        while 2 * n <= self.engine.chunk and self._chunk_s.get(2 * n, 2 * self._chunk_s.get(n, target)) <= target:
+        seconds = {k: t for (k, j), t in self._chunk_s.items() if j == joined}
+        while 2 * n <= self.engine.chunk and seconds.get(2 * n, 2 * seconds.get(n, target)) <= target:
             n *= 2
         return n
 
-    def _prefill_chunk(self, op: _Op, n: int) -> None:
-        part, op.tokens = op.tokens[:n], op.tokens[n:]
+    def _prefill_with_decodes(self, op: _Op, n: int, decodes: list[_Op]) -> None:
+        """op's next chunk and every decode in one call (Engine.prefill_batch); if that fails, each
+        alone says what it did."""
         t0 = time.perf_counter()
         try:
-            op.parts.append(self._attached(op.seq, lambda e: e.prefill(part)))
-            self._chunk_s[len(part)] = _recent(self._chunk_s.get(len(part)), time.perf_counter() - t0)
-            self.prefilled += len(part)
-            done = op.total - len(op.tokens)
-            if op.on_chunk is not None and op.on_chunk(done, op.total):
-                raise Cancelled(f"prefill stopped after {done} of {op.total} tokens")
+            chunk, steps = self.engine.prefill_batch(op.seq, op.tokens[:n], [d.seq for d in decodes],
+                                                     [d.token for d in decodes])
+        except BaseException:
+            self._decode(decodes)
+            self._prefill_chunk(op, n)
+            return
+        for d, step in zip(decodes, steps):
+            d.result = step
+            d.done.set()
+        if self._step_s is not None:   # what the chunk added to a decode call
+            key = (min(n, len(op.tokens)), True)
+            self._chunk_s[key] = _recent(self._chunk_s.get(key), max(0.0, time.perf_counter() - t0 - self._step_s))
+        self._advanced(op, n, chunk)
+
+    def _prefill_chunk(self, op: _Op, n: int) -> None:
+        t0 = time.perf_counter()
+        chunk = None
+        try:
+            chunk = self._attached(op.seq, lambda e: e.prefill(op.tokens[:n]))
+            key = (min(n, len(op.tokens)), False)
+            self._chunk_s[key] = _recent(self._chunk_s.get(key), time.perf_counter() - t0)
+        except BaseException as e:
+            op.error = e
+        self._advanced(op, n, chunk)
+
+    def _advanced(self, op: _Op, n: int, chunk) -> None:
+        """op after the step of its next n tokens (chunk; None where it failed: op.error says why):
+        done, cancelled, or on to its next chunk."""
+        try:
+            if op.error is None:
+                op.parts.append(chunk)
+                self.prefilled += min(n, len(op.tokens))
+                op.tokens = op.tokens[n:]
+                done = op.total - len(op.tokens)
+                if op.on_chunk is not None and op.on_chunk(done, op.total):
+                    raise Cancelled(f"prefill stopped after {done} of {op.total} tokens")
         except BaseException as e:
             op.error = e
         if op.error is not None or not len(op.tokens):

@@ -1,12 +1,14 @@
-"""Continuous batching (runtime/scheduler.py, Engine.decode_batch): a batched decode gives every
-sequence the logits a decode of it alone gives, bit for bit; generations sharing the engine
+"""Continuous batching (runtime/scheduler.py, Engine.decode_batch and prefill_batch): a batched
+decode gives every sequence the logits a decode of it alone gives, and a batched prefill a chunk
+the logits its prefill gives, bit for bit; generations sharing the engine
 through the scheduler, at temperature 0 and seeded, with and without a drafter, give what each
 gives alone; one request's error stays its own."""
 
 import threading
 
 import pytest
-from batching import alone, assert_batched_decode_is_decode, assert_together_is_alone, prompts, together
+from batching import (alone, assert_batched_decode_is_decode, assert_batched_prefill_is_prefill, assert_together_is_alone,
+                      prompts, together)
 
 from ds4tvm.errors import Ds4Error
 from ds4tvm.runtime.scheduler import Scheduler
@@ -26,6 +28,11 @@ def test_batched_decode_equals_decode_bit_for_bit(engine):
     assert_batched_decode_is_decode(engine, prompts(engine.n_vocab, (3, 70, 11)))
     assert_batched_decode_is_decode(engine, prompts(engine.n_vocab, (300, 2)))
     assert engine.decode_calls[3] >= 4 and engine.decode_calls[2] >= 4
+
+
+def test_batched_prefill_equals_prefill_and_decodes_bit_for_bit(engine):
+    assert_batched_prefill_is_prefill(engine, prompts(engine.n_vocab, (40, 70, 11)), chunk=32)
+    assert_batched_prefill_is_prefill(engine, prompts(engine.n_vocab, (3, 5)), chunk=1)
 
 
 def test_batched_decode_checks_its_input(engine):

@@ -22,7 +22,7 @@ TOP = {"plan", "target", "device", "arch", "copy_bandwidth_gb_s", "models", "fai
 MODEL_KEYS = {"gguf_seconds", "load_seconds", "logits_vs_cpu", "speculation", "timed"}
 LOGIT_KEYS = {"max_abs_diff", "limit", "max_abs_logit", "argmax_equal", "rows"}
 LIMITS = {"deepseek4-tiny": 1e-4, "glm5next-tiny": 2e-4, "qwen4exp-tiny": 1e-4}   # why GLM's: device_check.GLM_LIMIT
-ROWS = {"prefill": 40, "decode": 40, "verify": 40, "interleaved": 12, "batched": 16}
+ROWS = {"prefill": 40, "decode": 40, "verify": 40, "interleaved": 12, "batched": 19}
 ARM_KEYS = {"tokens", "tok_s", "functions", "proposed", "accepted", "drafter_ms_per_token", "ms_per_token",
             "equal_prefix", "speedup"}
 # what the drafters verify and write at full acceptance, as copies recorded per width (max_verify 4):
@@ -100,6 +100,8 @@ def test_selftest_runs_every_step_of_the_gpu_check_and_reports_every_field(selft
         assert f"{name}:" in stdout
         recorded = {f["name"] for f in Manifest.read(work / name / "artifact").functions if f.get("recorded")}
         assert {"decode", "verify_w1", "verify_w2", "verify_w3", "verify_w4", "decode_batch2", "decode_batch3"} <= recorded, name
+        names = {f["name"] for f in Manifest.read(work / name / "artifact").functions}
+        assert not [f for f in names if f.startswith("prefill_batch")]   # GPU forms: chunks alone (Declared.exported)
         kernels = json.loads((work / name / "report.json").read_text())["functions"]["decode"]["kernels"]
         assert [k for k in kernels if k["kernel"].startswith("fused_")], name   # the CUDA pipeline's fusion ran
     assert stdout.strip().endswith("device_check: every logit and token as the CPU's")

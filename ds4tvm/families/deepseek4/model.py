@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from tvm import te, tirx
+from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
@@ -20,7 +20,7 @@ from ...nn.attention import indexer_select, sparse_window_attention
 from ...nn.hyper import embedded_streams, hc_head, hc_post, hc_pre
 from ...nn.norm_rope import periodic_rows, rms, rms_rope, rope, rope_hadamard_fp4, rope_inv_freq
 from ...nn.moe import choose_experts, dense_ffn, routed_experts, table_experts
-from ...nn.functions import START, Fn, Sequences, TargetFunctions, target_functions, tokens
+from ...nn.functions import START, Fn, Sequences, TargetFunctions, last_rows, target_functions, tokens
 from ...nn.qweight import Weights
 from ...nn.state import compacts, compressor_writes, context_rows
 from .compressor import pooled_window
@@ -222,7 +222,7 @@ class DeepSeekV4(TargetFunctions, nn.Module):
         """The target's output head over hidden_of."""
         return self.output.linear(self.hidden_of(X, head_fn, head_scale, head_base, norm, name), name=f"{name}_lm_head")
 
-    def _rows(self, ids, seqs: Sequences, last_only: bool):
+    def _rows(self, ids, seqs: Sequences, last: int | None):
         c = self.cfg
         n = ids.shape[0]
         X = embedded_streams(self.token_embd, ids, c.hc, c.n_embd)
@@ -233,9 +233,7 @@ class DeepSeekV4(TargetFunctions, nn.Module):
             if il in self.capture_layers:
                 captured.append(op.reshape(op.sum(X, axis=1) * (1.0 / c.hc), (n, 1, c.n_embd)))
         extras = ([op.concat(captured, dim=1)] if captured else []) + ([X] if self.hc_state else [])
-        if last_only:
-            X = op.tensor_expr_op(lambda x: te.compute((1, c.hc, c.n_embd), lambda _, i, d: x[x.shape[0] - 1, i, d],
-                                                       name="last_row"), "last_row", [X])
+        X = last_rows(X, last)
         hidden = self.hidden_of(X, self.output_hc_fn, self.output_hc_scale, self.output_hc_base, self.output_norm,
                                 "output")
         logits = self.output.linear(hidden, name="output_lm_head")

@@ -22,7 +22,7 @@ from ...nn.hyper import embedded_streams, hc_post, hc_pre
 from ...nn.norm_rope import layer_norm, rms
 from ...nn.linear_attention import causal_conv_silu, delta_rule, l2_normalized_heads
 from ...nn.moe import choose_experts, dense_ffn, routed_experts
-from ...nn.functions import START, Fn, Sequences, TargetFunctions, target_functions, tokens
+from ...nn.functions import START, Fn, Sequences, TargetFunctions, last_rows, target_functions, tokens
 from ...nn.qweight import QWeight
 from ...nn.state import emit_rows, gather_context, ring_write
 from .config import LLAMA, Config
@@ -259,7 +259,7 @@ class GLM5Next(TargetFunctions, nn.Module):
         self.layers = nn.ModuleList([Layer(cfg, il, types) for il in range(cfg.n_layers)])
         self.state_names = [s.name for s in state_specs(cfg, bounds)]
 
-    def _rows(self, ids, seqs: Sequences, last_only: bool):
+    def _rows(self, ids, seqs: Sequences, last: int | None):
         c = self.cfg
         n = ids.shape[0]
         X = embedded_streams(self.token_embd, ids, c.hc, c.n_embd)
@@ -273,11 +273,7 @@ class GLM5Next(TargetFunctions, nn.Module):
             X = seqs.per_sequence(X, f"blk.{il}.", lambda *a, layer=layer: attention(*a, layer))
             X = layer.ffn(X)
         hidden = rms(op.sum(X, axis=1) * (1.0 / c.hc), c.rms_eps, self.output_norm.values(name="output_norm"))
-        head_in = hidden
-        if last_only:
-            head_in = op.tensor_expr_op(lambda h: te.compute((1, c.n_embd), lambda _, d: h[h.shape[0] - 1, d],
-                                                             name="last_row"), "last_row", [hidden])
-        outs = {"logits": self.output.linear(head_in, name="output_lm_head"), "hidden": hidden,
+        outs = {"logits": self.output.linear(last_rows(hidden, last), name="output_lm_head"), "hidden": hidden,
                 "streams": op.reshape(X, (n, c.hc * c.n_embd))}
         return (*(outs[k] for k in self.outputs), *seqs.outputs())
 

@@ -24,7 +24,7 @@ from ...nn.norm_rope import rms, rope_neox
 from ...nn.linear_attention import causal_conv_silu, delta_rule, l2_normalized_heads
 from ...nn.moe import choose_experts, dense_ffn, routed_experts
 from ...nn.hyper import embedded_streams
-from ...nn.functions import START, Arg, Declared, Fn, Sequences, target_functions, tokens
+from ...nn.functions import START, Arg, Declared, Fn, Sequences, last_rows, target_functions, tokens
 from ...nn.qweight import QWeight
 from ...nn.state import emit_rows, gather_context, ring_write
 from .config import Config
@@ -312,9 +312,9 @@ class Qwen4Exp(Declared, nn.Module):
         self.state_names = [s.name for s in state_specs(cfg, bounds)]
 
     def _forward(self, ids, ple, start, states, last_only: bool):
-        return self._rows(ids, ple, Sequences(self.state_names, [(start, states)]), last_only)
+        return self._rows(ids, ple, Sequences(self.state_names, [(start, states)]), 1 if last_only else None)
 
-    def _rows(self, ids, ple, seqs: Sequences, last_only: bool):
+    def _rows(self, ids, ple, seqs: Sequences, last: int | None):
         c = self.cfg
         n = ids.shape[0]
         X = embedded_streams(self.token_embd, ids, c.hc, c.n_embd)
@@ -322,7 +322,7 @@ class Qwen4Exp(Declared, nn.Module):
         for layer in self.layers:
             X = layer.forward_layer(X, ple_parts, seqs)
         hidden = hc_mix(X, self.head, "output_hc", c.hc, c.rms_eps, inject=False)
-        logits = self.output.linear(last_row(hidden) if last_only else hidden, name="output_lm_head")
+        logits = self.output.linear(last_rows(hidden, last), name="output_lm_head")
         outs = {"logits": logits, "hidden": hidden, "streams": op.reshape(X, (n, c.hc * c.n_embd))}
         return (*(outs[k] for k in self.OUTPUTS), *seqs.outputs())
 
@@ -340,7 +340,11 @@ class Qwen4Exp(Declared, nn.Module):
 
     def decode_batch(self, ids: nn.Tensor, ple: nn.Tensor, starts, states):
         """One token of each of len(starts) sequences (nn/functions.TargetFunctions.decode_batch)."""
-        return self._rows(ids, ple, Sequences(self.state_names, list(zip(starts, states))), last_only=False)
+        return self._rows(ids, ple, Sequences(self.state_names, list(zip(starts, states))), None)
+
+    def prefill_batch(self, ids: nn.Tensor, ple: nn.Tensor, starts, states):
+        """A prompt's chunk and one token of each other sequence (TargetFunctions.prefill_batch)."""
+        return self._rows(ids, ple, Sequences(self.state_names, list(zip(starts, states)), chunked=True), len(starts))
 
     def state_specs(self) -> list[StateSpec]:
         return state_specs(self.cfg, self.bounds)
