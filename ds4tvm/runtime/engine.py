@@ -146,6 +146,7 @@ class Engine:
         # the most sequences one call decodes (its batched functions: FunctionSpec.sequences)
         self.max_batch = max(f.sequences for f in self.functions.values())
         self.decode_calls: Counter = Counter()   # sequences per decode call -> calls (ds4 serve's /metrics)
+        self.prefilled_beside_decodes = 0        # prompt tokens prefilled in a call with decodes (prefill_batch)
         self.tokenizer_data = read_json_object(self.dir / m.tokenizer, "tokenizer data")
 
     # ------------------------------------------------------------------ sequences
@@ -451,6 +452,7 @@ class Engine:
                            f"(ds4-compile --max-context)")
         out = self.call(fn, [seq, *seqs], ids=np.concatenate([ids, nxt]), starts=[s.pos for s in [seq, *seqs]])
         self.decode_calls[len(seqs)] += 1
+        self.prefilled_beside_decodes += len(ids)
         n, rows = len(ids), len(seqs) + 1
 
         def of_row(i: int) -> dict:   # the other outputs of logits row i: per logits row, or per token

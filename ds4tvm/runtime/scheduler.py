@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import Cancelled, Ds4Error
 from ..artifact import batch_name
+from ..errors import Cancelled, Ds4Error
 from .engine import SequenceView, Step
 
 MIN_CHUNK = 8       # prefill tokens per round at least, while others decode (doubled up to the compiled chunk)

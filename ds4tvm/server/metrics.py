@@ -22,6 +22,9 @@ def metrics_text(service) -> str:
     out += _line("ds4_prompt_tokens_cached_total", "counter",
                  "prompt tokens continued from a kept sequence or checkpoint instead of prefilled (cache hits)",
                  [("", c["cached"])])
+    out += _line("ds4_prompt_tokens_beside_decodes_total", "counter",
+                 "prompt tokens prefilled in the same call as other requests' decode steps",
+                 [("", service.engine.prefilled_beside_decodes)])
     out += _line("ds4_generated_tokens_total", "counter", "tokens generated", [("", c["generated"])])
     out += _line("ds4_generated_tokens_per_second", "gauge", "tokens generated per second over the last 10 s",
                  [("", c["tok_s"])])

@@ -49,11 +49,14 @@ def test_batched_decode_checks_its_input(engine):
 
 def test_generations_through_the_scheduler_equal_each_alone(engine):
     """Seven generations at once (more than a batch: two calls per round), prompts of 4 to 300
-    tokens (prefilled in chunks between the others' steps), greedy and seeded sampling."""
+    tokens (prefilled in chunks between the others' steps, or in their decode calls where those
+    leave room: prefill_batch), greedy and seeded sampling."""
     jobs = [(p, temp, seed, None) for seed, (p, temp) in
             enumerate(zip(prompts(engine.n_vocab, (4, 300, 9, 33, 120, 6, 17)), [0, 1, 0, 1, 0.7, 0, 1]))]
+    beside = engine.prefilled_beside_decodes
     calls, prefilled = assert_together_is_alone(engine, jobs)
     assert max(calls) == engine.max_batch and prefilled == 489
+    assert 0 < engine.prefilled_beside_decodes - beside < prefilled   # chunks in the others' decode calls
 
 
 def test_one_request_out_of_context_fails_alone(engine):

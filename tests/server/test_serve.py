@@ -330,3 +330,4 @@ def test_concurrent_requests_share_decode_calls_and_answer_as_alone(servers, mod
     assert after['ds4_requests_total{outcome="ok"}'] - before['ds4_requests_total{outcome="ok"}'] == len(bodies)
     assert after["ds4_prompt_tokens_cached_total"] > before["ds4_prompt_tokens_cached_total"]   # the repeats
     assert after["ds4_requests_running"] == 0 and after["ds4_parallel"] == 4
+    assert after["ds4_prompt_tokens_beside_decodes_total"] >= before["ds4_prompt_tokens_beside_decodes_total"] >= 0
