@@ -196,7 +196,7 @@ def large_qwen4exp(d: Path):
 
 
 # max_batch: batched decodes of 2..max_batch sequences, each recorded as its own graph
-SMALL = dict(max_context=256, max_verify=4, max_batch=3)
+SMALL = dict(max_context=256, max_verify=4, max_batch=2)
 RECURRENT = dict(max_context=1024, max_verify=4, prefill_chunk=256, max_batch=4)   # KDA/GDN snapshots: MTP verifies 2-3 rows
 TIMED = dict(max_context=1024, max_verify=8, prefill_chunk=256, max_batch=4)       # verify(k) timed to k = 8
 DSPARK, MTP = {"dspark": True}, {"mtp": ""}

@@ -10,17 +10,6 @@ FIXTURES = Path(os.environ.get("DS4_FIXTURES", ROOT.parent / "shared" / "fixture
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-# The longest files first: with `--dist loadfile` (pyproject) a file runs on one worker, and the
-# GPU check's selftest (~4 min) or the GPU targets' compiles collected last left the other worker
-# idle for minutes at the end of the run.
-LONGEST_FIRST = ("tests/targets/test_device_check.py", "tests/targets/test_gpu_targets.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: next((i for i, f in enumerate(LONGEST_FIRST) if item.nodeid.startswith(f)),
-                                     len(LONGEST_FIRST)))
-
-
 def fixtures_dir(sub: str) -> Path:
     d = FIXTURES / sub
     if not d.is_dir():

@@ -131,9 +131,10 @@ class Declared:
     `state_specs()`."""
 
     def exported(self) -> list[Fn]:
-        """functions(), less the batched prefills in the GPU forms: the chunk's rows, n - b of a
-        call's n, reach some kernels fused together as two shapes FuseTIR cannot define from
-        (Qwen3.8's: "VarRemapGet(source) == nullptr"), so a GPU prefills a chunk in a call of its own."""
+        """functions(), less the batched prefills in the GPU forms, where a GPU prefills a chunk in
+        a call of its own: the chunk's rows (n - b of a call's n) reach Qwen3.8's fused kernels as
+        two expressions (n - 1 + 3 - 3 beside n - 1) and FuseTIR fails ("VarRemapGet(source) ==
+        nullptr")."""
         gpu = getattr(getattr(self, "forms", None), "gpu", False)
         return [f for f in self.functions() if not (f.chunked and gpu)]
 

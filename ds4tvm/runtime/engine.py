@@ -9,7 +9,8 @@ moving counters only. A `Sequence` is what one sequence owns (the state tensors,
 length and tokens, the rows a verify left pending); the engine works on one at a time (`attach`),
 so a server can keep several, and `snapshot` / `restore` copy one in memory (runtime/checkpoint.py's
 `save_state` / `load_state` on disk); `decode_batch` decodes a token of each of several sequences in
-one call where the artifact has batched functions (runtime/scheduler.py gathers them).
+one call where the artifact has batched functions, and `prefill_batch` a prompt's chunk beside
+them (runtime/scheduler.py gathers them).
 """
 
 from __future__ import annotations
