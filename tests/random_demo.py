@@ -6,6 +6,7 @@ package and target tests need). Built from fixed seeds, compiled once per run.""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,8 @@ def build_random_demo(out_dir: Path):
     if not (art / "manifest.json").is_file() or not support.exists():
         plain_art = out_dir / "artifact-target-only"
         if not (plain_art / "manifest.json").is_file():
-            compile_gguf(model, plain_art, CompileRequest("cpu", bounds))
+            # one sequence at a time (its users: greedy references), so no batched functions
+            compile_gguf(model, plain_art, CompileRequest("cpu", replace(bounds, max_batch=1)))
         nxt = _successors(Engine(plain_art), prompt, N_TOKENS, cfg.n_vocab)
         write_markov_dspark(support, cfg, nxt, seed=SEED)
         compile_gguf(model, art, CompileRequest("cpu", bounds, support=support))
