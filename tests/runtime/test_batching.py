@@ -5,13 +5,17 @@ through the scheduler, at temperature 0 and seeded, with and without a drafter, 
 gives alone; one request's error stays its own."""
 
 import threading
+import time
 
+import numpy as np
 import pytest
 from batching import (alone, assert_batched_decode_is_decode, assert_batched_prefill_is_prefill, assert_together_is_alone,
                       prompts, together)
 
 from ds4tvm.errors import Ds4Error
+from ds4tvm.runtime.sampler import SamplingParams
 from ds4tvm.runtime.scheduler import Scheduler
+from ds4tvm.runtime.speculative import generate
 
 pytestmark = pytest.mark.compile
 
@@ -53,10 +57,36 @@ def test_generations_through_the_scheduler_equal_each_alone(engine):
     leave room: prefill_batch), greedy and seeded sampling."""
     jobs = [(p, temp, seed, None) for seed, (p, temp) in
             enumerate(zip(prompts(engine.n_vocab, (4, 300, 9, 33, 120, 6, 17)), [0, 1, 0, 1, 0.7, 0, 1]))]
-    beside = engine.prefilled_beside_decodes
     calls, prefilled = assert_together_is_alone(engine, jobs)
     assert max(calls) == engine.max_batch and prefilled == 489
-    assert 0 < engine.prefilled_beside_decodes - beside < prefilled   # chunks in the others' decode calls
+
+
+def test_a_prompt_arriving_beside_a_decoding_generation_is_prefilled_in_its_calls(engine):
+    """A prompt arriving while another generation decodes (200 tokens: longer than the prompt's
+    chunks take) is prefilled in that generation's decode calls (prefill_batch2), and its last
+    logits are those of a prefill alone, bit for bit."""
+    a_prompt, b_prompt = prompts(engine.n_vocab, (4, 300))
+    engine.attach(engine.new_sequence())
+    want = engine.prefill(b_prompt).logits
+    scheduler, beside = Scheduler(engine), engine.prefilled_beside_decodes
+    seq_a, seq_b = engine.new_sequence(), engine.new_sequence()
+
+    def decoding():
+        with scheduler.member(seq_a) as seq_engine:
+            generate(seq_engine, a_prompt, 200, SamplingParams(temperature=0.0), np.random.default_rng(0))
+
+    t = threading.Thread(target=decoding)
+    t.start()
+    try:
+        while seq_a.pos <= len(a_prompt):   # until it decodes
+            time.sleep(0.001)
+        with scheduler.member(seq_b) as seq_engine:
+            got = seq_engine.prefill(b_prompt).logits
+        t.join(timeout=300)
+    finally:
+        scheduler.close()
+    assert np.array_equal(got, want)
+    assert 0 < engine.prefilled_beside_decodes - beside <= len(b_prompt)
 
 
 def test_one_request_out_of_context_fails_alone(engine):
