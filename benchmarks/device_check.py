@@ -337,8 +337,9 @@ class RecordedArguments:
     call of a recorded function passes the very tensors its first call passed. On the CPU, where
     nothing replays, a call given other tensors still computes the right logits: this catches it."""
 
-    def __init__(self, vm, recorded: set):
-        self.vm, self.recorded, self.first, self.moved = vm, recorded, {}, set()
+    def __init__(self, engine):
+        self.vm, self.first, self.moved = engine.vm, {}, set()
+        self.recorded = {n for n, f in engine.functions.items() if f.recorded}
 
     def __getitem__(self, fn):
         f = self.vm[fn]
@@ -583,7 +584,7 @@ def check_model(work: Path, m: Model, copy_gb_s: float) -> tuple[dict, list[str]
     engine = Engine(d / "artifact", weights={"model": model, **({"support": support} if support else {})})
     out["load_seconds"] = round(time.perf_counter() - t, 1)
     failures = []
-    engine.vm = watched = RecordedArguments(engine.vm, {n for n, f in engine.functions.items() if f.recorded})
+    engine.vm = watched = RecordedArguments(engine)
     try:
         if m.compare:
             res, failures = compared(engine, np.load(d / "reference.npz"), model, m)

@@ -270,10 +270,19 @@ class Engine:
             raise Ds4Error(f"token id {int(bad[0])} is outside the vocabulary of {self.n_vocab}")
         return ids.astype(np.int32)
 
-    def _room(self, n: int) -> None:
-        if self.pos + n > self.max_context:
-            raise Ds4Error(f"{self.pos + n} tokens exceed the compiled context of {self.max_context} "
+    def _room(self, n: int, seq: Sequence | None = None) -> None:
+        """Refuses n more tokens in seq (the attached sequence by default) beyond the compiled context."""
+        pos = (seq or self.seq).pos
+        if pos + n > self.max_context:
+            raise Ds4Error(f"{pos + n} tokens exceed the compiled context of {self.max_context} "
                            f"(ds4-compile --max-context)")
+
+    @staticmethod
+    def _committed(seq: Sequence, tokens: np.ndarray) -> None:
+        """seq after a call that appended and committed tokens (a batched call's rows of it)."""
+        seq.pos += len(tokens)
+        seq.history += tokens.tolist()
+        seq.pending = 0
 
     # ------------------------------------------------------------------ calls
     def _argument(self, kind: str, value):
@@ -412,10 +421,8 @@ class Engine:
         ids = self._ids(tokens)
         if len(ids) != len(seqs) or len({id(s) for s in seqs}) != len(seqs):
             raise Ds4Error(f"decode_batch: {len(seqs)} distinct sequences and a token for each are expected")
-        full = [s for s in seqs if s.pos + 1 > self.max_context]
-        if full:
-            raise Ds4Error(f"{full[0].pos + 1} tokens exceed the compiled context of {self.max_context} "
-                           f"(ds4-compile --max-context)")
+        for s in seqs:
+            self._room(1, s)
         order = list(range(len(seqs)))
         if self.functions[fn].recorded:   # rows where the sequences hold their recorded tensors
             order = self._residency.arranged(seqs, self.functions[fn].states)
@@ -423,11 +430,8 @@ class Engine:
         self.decode_calls[len(seqs)] += 1
         steps: list = [None] * len(seqs)
         for row, i in enumerate(order):
-            seq = seqs[i]
             steps[i] = Step("decode", out["logits"][row], {k: v[row:row + 1] for k, v in out.items() if k != "logits"})
-            seq.pos += 1
-            seq.history.append(int(ids[i]))
-            seq.pending = 0
+            self._committed(seqs[i], ids[i:i + 1])
         return steps
 
     def prefill_batch(self, seq: Sequence, tokens, seqs: list[Sequence], next_tokens) -> tuple[Step, list[Step]]:
@@ -447,10 +451,9 @@ class Engine:
         if len(nxt) != len(seqs) or len({id(s) for s in [seq, *seqs]}) != 1 + len(seqs) or not 0 < len(ids) <= self.chunk:
             raise Ds4Error(f"prefill_batch: a chunk of 1..{self.chunk} tokens and a token for each of "
                            f"{len(seqs)} other distinct sequences are expected")
-        full = [(s, k) for s, k in [(seq, len(ids)), *((s, 1) for s in seqs)] if s.pos + k > self.max_context]
-        if full:
-            raise Ds4Error(f"{full[0][0].pos + full[0][1]} tokens exceed the compiled context of {self.max_context} "
-                           f"(ds4-compile --max-context)")
+        self._room(len(ids), seq)
+        for s in seqs:
+            self._room(1, s)
         out = self.call(fn, [seq, *seqs], ids=np.concatenate([ids, nxt]), starts=[s.pos for s in [seq, *seqs]])
         self.decode_calls[len(seqs)] += 1
         self.prefilled_beside_decodes += len(ids)
@@ -461,10 +464,9 @@ class Engine:
                     for k, v in out.items() if k != "logits"}
 
         steps = [Step("prefill" if i == 0 else "decode", out["logits"][i], of_row(i)) for i in range(rows)]
-        for s, part in [(seq, ids), *((s, nxt[i:i + 1]) for i, s in enumerate(seqs))]:
-            s.pos += len(part)
-            s.history += part.tolist()
-            s.pending = 0
+        self._committed(seq, ids)
+        for i, s in enumerate(seqs):
+            self._committed(s, nxt[i:i + 1])
         return steps[0], steps[1:]
 
     def verify(self, tokens) -> Step:

@@ -43,15 +43,15 @@ class Residency:
     def hold(self, seq, group: str, slot) -> None:
         """seq's tensors of group become the set of slot ("one" or a row index)."""
         key, mine = (group, slot), seq.states[group]
-        own = self.slot_of(seq, group)
         tensors = self._sets.get(key)
+        if mine is tensors:   # the common case, before any search: it holds the set already
+            return
+        own = self.slot_of(seq, group)
         if tensors is None:
             if own is None:   # its tensors become the set: nothing to copy
                 self._sets[key], self._holders[key] = mine, weakref.ref(seq)
                 return
             tensors = self._sets[key] = [self._empty_like(t) for t in mine]
-        if mine is tensors:
-            return
         ref = self._holders.get(key)
         holder = ref() if ref is not None else None
         if holder is not None and holder.states[group] is tensors:

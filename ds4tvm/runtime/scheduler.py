@@ -187,10 +187,9 @@ class Scheduler:
     def _prefill_with_decodes(self, op: _Op, n: int, decodes: list[_Op]) -> None:
         """op's next chunk and every decode in one call (Engine.prefill_batch); if that fails, each
         alone says what it did."""
-        t0 = time.perf_counter()
+        t0, part = time.perf_counter(), op.tokens[:n]
         try:
-            chunk, steps = self.engine.prefill_batch(op.seq, op.tokens[:n], [d.seq for d in decodes],
-                                                     [d.token for d in decodes])
+            chunk, steps = self.engine.prefill_batch(op.seq, part, [d.seq for d in decodes], [d.token for d in decodes])
         except BaseException:
             self._decode(decodes)
             self._prefill_chunk(op, n)
@@ -199,20 +198,19 @@ class Scheduler:
             d.result = step
             d.done.set()
         if self._step_s is not None:   # what the chunk added to a decode call
-            key = (min(n, len(op.tokens)), True)
+            key = (len(part), True)
             self._chunk_s[key] = _recent(self._chunk_s.get(key), max(0.0, time.perf_counter() - t0 - self._step_s))
-        self._advanced(op, n, chunk)
+        self._advanced(op, len(part), chunk)
 
     def _prefill_chunk(self, op: _Op, n: int) -> None:
-        t0 = time.perf_counter()
-        chunk = None
+        t0, part, chunk = time.perf_counter(), op.tokens[:n], None
         try:
-            chunk = self._attached(op.seq, lambda e: e.prefill(op.tokens[:n]))
-            key = (min(n, len(op.tokens)), False)
+            chunk = self._attached(op.seq, lambda e: e.prefill(part))
+            key = (len(part), False)
             self._chunk_s[key] = _recent(self._chunk_s.get(key), time.perf_counter() - t0)
         except BaseException as e:
             op.error = e
-        self._advanced(op, n, chunk)
+        self._advanced(op, len(part), chunk)
 
     def _advanced(self, op: _Op, n: int, chunk) -> None:
         """op after the step of its next n tokens (chunk; None where it failed: op.error says why):
@@ -220,7 +218,7 @@ class Scheduler:
         try:
             if op.error is None:
                 op.parts.append(chunk)
-                self.prefilled += min(n, len(op.tokens))
+                self.prefilled += n
                 op.tokens = op.tokens[n:]
                 done = op.total - len(op.tokens)
                 if op.on_chunk is not None and op.on_chunk(done, op.total):

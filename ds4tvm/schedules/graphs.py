@@ -530,14 +530,14 @@ def _states_returned(value, states):
 
     if not isinstance(value, relax.Tuple) or not value.fields:
         return value
-    fields, n = list(value.fields), 0
-    while n < len(states) and fields and isinstance(fields[-1], relax.Tuple):
-        n += len(fields.pop().fields)
-    returned = [f for f in value.fields[len(fields):] for f in f.fields]
-    if n != len(states) or any(str(f.ty) != str(s.ty) for f, s in zip(returned, states)):
+    fields, per_sequence = list(value.fields), []
+    while sum(len(t.fields) for t in per_sequence) < len(states) and fields and isinstance(fields[-1], relax.Tuple):
+        per_sequence.insert(0, fields.pop())
+    returned = [f for t in per_sequence for f in t.fields]
+    if len(returned) != len(states) or any(str(f.ty) != str(s.ty) for f, s in zip(returned, states)):
         return value
     held, at = [], 0
-    for f in value.fields[len(fields):]:
-        held.append(relax.Tuple(states[at:at + len(f.fields)]))
-        at += len(f.fields)
+    for t in per_sequence:
+        held.append(relax.Tuple(states[at:at + len(t.fields)]))
+        at += len(t.fields)
     return relax.Tuple([*fields, *held])

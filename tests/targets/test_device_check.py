@@ -98,10 +98,10 @@ def test_selftest_runs_every_step_of_the_gpu_check_and_reports_every_field(selft
         assert profile[0][0] == "all" and profile[0][1] >= len(profile) - 1 and profile[0][2] > 0, name
         assert all(isinstance(k, str) and n > 0 for k, n, _ in profile[1:]), name
         assert f"{name}:" in stdout
-        recorded = {f["name"] for f in Manifest.read(work / name / "artifact").functions if f.get("recorded")}
+        functions = Manifest.read(work / name / "artifact").functions
+        recorded = {f["name"] for f in functions if f.get("recorded")}
         assert {"decode", "verify_w1", "verify_w2", "verify_w3", "verify_w4", "decode_batch2"} <= recorded, name
-        names = {f["name"] for f in Manifest.read(work / name / "artifact").functions}
-        assert not [f for f in names if f.startswith("prefill_batch")]   # GPU forms: chunks alone (Declared.exported)
+        assert not [f for f in functions if f["name"].startswith("prefill_batch")]   # GPU forms: chunks alone (Declared.exported)
         kernels = json.loads((work / name / "report.json").read_text())["functions"]["decode"]["kernels"]
         assert [k for k in kernels if k["kernel"].startswith("fused_")], name   # the CUDA pipeline's fusion ran
     assert stdout.strip().endswith("device_check: every logit and token as the CPU's")
@@ -145,7 +145,7 @@ def test_check_catches_a_recorded_function_given_other_tensors(selftest, monkeyp
     ids = dc.tiny_ids(engine.n_vocab)
 
     def moved():
-        engine.vm = watched = dc.RecordedArguments(engine.vm, {n for n, f in engine.functions.items() if f.recorded})
+        engine.vm = watched = dc.RecordedArguments(engine)
         try:
             dc.batched(engine, ids)
             dc.interleaved(engine, ids)

@@ -284,12 +284,6 @@ def _sum_rows(k, t, d, P: int):
     return total
 
 
-def last_row(x: nn.Tensor, name: str = "last_row") -> nn.Tensor:
-    """x[-1:] of a 2-D tensor with a symbolic row count."""
-    return op.tensor_expr_op(lambda h: te.compute((1, h.shape[1]), lambda _, d: h[h.shape[0] - 1, d], name=name),
-                             name, [x])
-
-
 class Qwen4Exp(Declared, nn.Module):
     """The target: logits of every row (prefill: its last) from the token ids and the PLE rows,
     then `hidden`, the output head's input of every row (and with an MTP layer `streams`, the hc

@@ -21,9 +21,9 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import StateSpec
-from ...nn.functions import START, Arg, Fn, tokens
+from ...nn.functions import START, Arg, Fn, last_rows, tokens
 from ...nn.norm_rope import rms
-from .model import Layer, Qwen4Exp, _inject, _per_stream, hc_mix, last_row, layer_states, layer_weights
+from .model import Layer, Qwen4Exp, _inject, _per_stream, hc_mix, layer_states, layer_weights
 from .tensors import nextn_specs
 
 GROUP = "mtp"
@@ -56,7 +56,7 @@ class NextN(nn.Module):
         mixed, weights = hc_mix(X, L.w, "hc_attn", c.hc, c.rms_eps)
         out, new = L.attention(mixed, start, states)
         X = _inject(X, weights, out)
-        X = op.reshape(last_row(op.reshape(X, (X.shape[0], c.hc * c.n_embd)), name="nextn_last_row"),
+        X = op.reshape(last_rows(op.reshape(X, (X.shape[0], c.hc * c.n_embd)), 1, name="nextn_last_row"),
                        (1, c.hc, c.n_embd))
         mixed, weights = hc_mix(X, L.w, "hc_ffn", c.hc, c.rms_eps)
         X = _inject(X, weights, L.moe(mixed))
