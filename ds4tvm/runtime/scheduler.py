@@ -12,8 +12,8 @@ one that touches the engine, runs them in rounds:
      being prefilled bringing its chunk into that call where the artifact has batched prefills
      (Engine.prefill_batch: the weights read once for the chunk and the decodes);
   4. every other prompt being prefilled advances by one chunk; while others decode, chunks are
-     sized so that the round's prefill costs about one batched decode step (more when newcomers
-     outnumber the running streams: each newcomer then gets about one step's worth): a running
+     sized so that the round's prefill costs about STALL batched decode steps (more when newcomers
+     outnumber the running streams: each newcomer then gets about STALL steps' worth): a running
      stream never waits for a whole long prefill, and a newcomer joins the batch soon.
 Requests join and leave between rounds. Which operations share a call never changes a
 sequence's numbers (a token's logits do not depend on the rows beside it, bit for bit), so a
@@ -34,6 +34,11 @@ from ..errors import Cancelled, Ds4Error
 from .engine import SequenceView, Step
 
 MIN_CHUNK = 8       # prefill tokens per round at least, while others decode (doubled up to the compiled chunk)
+# decode steps' time a round's prefill may add while others decode: their tokens come about 1 + STALL
+# steps apart while a prompt is prefilled. Small chunks cost more per token (the benchmark model, beside
+# 3 decodes: a chunk of 8 added 7.4 ms, of 16 11.5 ms, of 64 31.3 ms): with 1, a 64-token prompt took
+# 8 rounds and added 59 ms; with 2, 4 rounds and 46 ms (BENCHMARKS.md).
+STALL = 2.0
 
 
 @dataclass
@@ -168,8 +173,8 @@ class Scheduler:
     def _chunk(self, decoding: int, prefilling: int, joined: bool) -> int:
         """Prefill tokens of each prompt this round: the compiled chunk where no one decodes (prompts
         waiting only for each other: whole chunks make every first token come soonest), else the
-        round's prefill time is about one decode step, or one step per newcomer where newcomers
-        outnumber the running streams (the streams' tokens then come about twice as far apart).
+        round's prefill time is about STALL decode steps, or STALL steps per newcomer where
+        newcomers outnumber the running streams.
         joined: the chunk shares a call with the decodes (it adds its tokens' time, not a call's)."""
         if not decoding:
             return self.engine.chunk
@@ -178,7 +183,7 @@ class Scheduler:
         # the largest doubling of MIN_CHUNK that fits the time, measured (alone, a small chunk costs
         # more per token than a large one: 8 tokens 1.9 ms each, 256 tokens 1.0 ms each) or, not
         # tried yet, guessed as twice the half's time
-        target, n = max(1 / prefilling, 1 / decoding) * self._step_s, MIN_CHUNK
+        target, n = STALL * max(1 / prefilling, 1 / decoding) * self._step_s, MIN_CHUNK
         seconds = {k: t for (k, j), t in self._chunk_s.items() if j == joined}
         while 2 * n <= self.engine.chunk and seconds.get(2 * n, 2 * seconds.get(n, target)) <= target:
             n *= 2
