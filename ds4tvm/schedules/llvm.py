@@ -66,6 +66,8 @@ def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | 
     if _lanes(sch, part) > 1:           # (a row of fewer than 32 weights sums in one lane)
         pl = sch.get_loops(part)        # row, t, lane, ko
         sch.reorder(pl[-1], pl[-2])     # lanes innermost: one vector of partial sums
+        if (_extent(sch, t) or 1) > 1:  # a constant few tokens (a batched decode's rows): each
+            sch.reorder(pl[-1], pl[1])  # step of k for all of them, independent chains of adds
         sch.vectorize(sch.get_loops(part)[-1])
     dl = sch.get_loops(deq)[-1]
     k = _extent(sch, dl) or 0
@@ -140,6 +142,21 @@ def _schedule_hadamard(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     try:
         blocks = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
                   if sch.get(b).name_hint.startswith("hadamard") and sch.get(b).name_hint.endswith("_h")]
+    except Exception:  # noqa: BLE001 - no root block
+        return None
+    if len(blocks) != 1:
+        return None
+    _lane_partial_sums(sch, blocks[0])
+    return sch
+
+
+def _schedule_rms(func: tirx.PrimFunc) -> s_tir.Schedule | None:
+    """RMS norms (nn/norm_rope.rms): the sum of squares as 16-lane partial sums, one vector of
+    adds instead of a chain of 2048 scalar ones (the same order for every row count: a batched
+    decode's rows normalize as decode's row does)."""
+    sch = s_tir.Schedule(func)
+    try:
+        blocks = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint == "rms_ss"]
     except Exception:  # noqa: BLE001 - no root block
         return None
     if len(blocks) != 1:
@@ -224,7 +241,8 @@ def _rows_on_cores(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc | None:
 def _hand_schedules(threads: int):
     return (("llvm:row_matmul", lambda f: _schedule_row_matmul(f, threads)),
             ("llvm:expert_matmul", lambda f: _schedule_expert_matmul(f, threads)),
-            ("llvm:attention", _schedule_attention), ("llvm:hadamard", _schedule_hadamard))
+            ("llvm:attention", _schedule_attention), ("llvm:hadamard", _schedule_hadamard),
+            ("llvm:rms", _schedule_rms))
 
 
 def hand_schedule(func: tirx.PrimFunc, threads: int, kind: list | None = None) -> s_tir.Schedule | None:
