@@ -11,10 +11,11 @@ one that touches the engine, runs them in rounds:
   3. the decode steps run in batches of up to the engine's max_batch sequences, the first prompt
      being prefilled bringing its chunk into that call where the artifact has batched prefills
      (Engine.prefill_batch: the weights read once for the chunk and the decodes);
-  4. every other prompt being prefilled advances by one chunk; while others decode, chunks are
-     sized so that the round's prefill costs about STALL batched decode steps (more when newcomers
-     outnumber the running streams: each newcomer then gets about STALL steps' worth): a running
-     stream never waits for a whole long prefill, and a newcomer joins the batch soon.
+  4. the other prompts being prefilled advance by a chunk each in arrival order; while others
+     decode, the round's prefill adds about STALL batched decode steps' time (more when newcomers
+     outnumber the running streams: STALL steps per newcomer), given to one prompt after another
+     in chunks as large as fit (a small chunk costs more per token): a running stream never waits
+     for a whole long prefill, and a newcomer joins the batch soon.
 Requests join and leave between rounds. Which operations share a call never changes a
 sequence's numbers (a token's logits do not depend on the rows beside it, bit for bit), so a
 generation gives what it gives alone, and its seeded sampling repeats.
@@ -136,14 +137,19 @@ class Scheduler:
         self._prefills += [op for op in ops if op.kind == "prefill"]
         decodes = [op for op in ops if op.kind == "decode"]
         prefills = list(self._prefills)
+        budget, moved = self._budget(len(decodes), len(prefills)), False
         if prefills and batch_name(len(decodes) + 1, chunked=True) in self.engine.functions:
-            n = self._chunk(len(decodes), len(prefills), True)
-            self._prefill_with_decodes(prefills.pop(0), n, decodes)
+            budget -= self._prefill_with_decodes(prefills.pop(0), self._chunk(budget, True, first=True), decodes)
+            moved = True
         else:
             for i in range(0, len(decodes), self.engine.max_batch):
                 self._decode(decodes[i:i + self.engine.max_batch])
-        for op in prefills:
-            self._prefill_chunk(op, self._chunk(len(decodes), len(self._prefills), False))
+        for op in prefills:   # in arrival order, while the round's time allows
+            n = self._chunk(budget, False, first=not moved)
+            if not n:
+                break
+            budget -= self._prefill_chunk(op, n)
+            moved = True
 
     def _attached(self, seq, fn):
         self.engine.attach(seq)
@@ -170,44 +176,52 @@ class Scheduler:
             op.result = step
             op.done.set()
 
-    def _chunk(self, decoding: int, prefilling: int, joined: bool) -> int:
-        """Prefill tokens of each prompt this round: the compiled chunk where no one decodes (prompts
-        waiting only for each other: whole chunks make every first token come soonest), else the
-        round's prefill time is about STALL decode steps, or STALL steps per newcomer where
-        newcomers outnumber the running streams.
-        joined: the chunk shares a call with the decodes (it adds its tokens' time, not a call's)."""
+    def _budget(self, decoding: int, prefilling: int) -> float:
+        """Seconds the round's prefill may add: unbounded where no one decodes (prompts waiting only
+        for each other: whole chunks make every first token come soonest), else STALL decode steps,
+        or STALL steps per newcomer where newcomers outnumber the running streams."""
         if not decoding:
+            return float("inf")
+        return 0.0 if self._step_s is None else STALL * max(1.0, prefilling / decoding) * self._step_s
+
+    def _chunk(self, budget: float, joined: bool, first: bool) -> int:
+        """The next prompt's tokens this round: the largest doubling of MIN_CHUNK whose time, measured
+        (a small chunk costs more per token than a large one) or, not tried yet, guessed as twice the
+        measured half's (one size beyond what was tried, per round), fits the budget; the first prompt waiting gets MIN_CHUNK at least (it always moves),
+        the others none where that does not fit. The budget goes to one prompt after another, not
+        split among them: the chunks stay large. joined: the chunk shares a call with the decodes
+        (it adds its tokens' time, not a call's)."""
+        if budget == float("inf"):
             return self.engine.chunk
-        if self._step_s is None:
-            return MIN_CHUNK
-        # the largest doubling of MIN_CHUNK that fits the time, measured (alone, a small chunk costs
-        # more per token than a large one: 8 tokens 1.9 ms each, 256 tokens 1.0 ms each) or, not
-        # tried yet, guessed as twice the half's time
-        target, n = STALL * max(1 / prefilling, 1 / decoding) * self._step_s, MIN_CHUNK
         seconds = {k: t for (k, j), t in self._chunk_s.items() if j == joined}
-        while 2 * n <= self.engine.chunk and seconds.get(2 * n, 2 * seconds.get(n, target)) <= target:
+        n = MIN_CHUNK
+        if not first and seconds.get(n, float("inf")) > budget:
+            return 0
+        while 2 * n <= self.engine.chunk and seconds.get(2 * n, 2 * seconds.get(n, float("inf"))) <= budget:
             n *= 2
         return n
 
-    def _prefill_with_decodes(self, op: _Op, n: int, decodes: list[_Op]) -> None:
+    def _prefill_with_decodes(self, op: _Op, n: int, decodes: list[_Op]) -> float:
         """op's next chunk and every decode in one call (Engine.prefill_batch); if that fails, each
-        alone says what it did."""
+        alone says what it did. Returns the seconds the chunk added to the decodes' call."""
         t0, part = time.perf_counter(), op.tokens[:n]
         try:
             chunk, steps = self.engine.prefill_batch(op.seq, part, [d.seq for d in decodes], [d.token for d in decodes])
         except BaseException:
             self._decode(decodes)
-            self._prefill_chunk(op, n)
-            return
+            return self._prefill_chunk(op, n)
         for d, step in zip(decodes, steps):
             d.result = step
             d.done.set()
-        if self._step_s is not None:   # what the chunk added to a decode call
+        added = max(0.0, time.perf_counter() - t0 - (self._step_s or 0.0))
+        if self._step_s is not None:
             key = (len(part), True)
-            self._chunk_s[key] = _recent(self._chunk_s.get(key), max(0.0, time.perf_counter() - t0 - self._step_s))
+            self._chunk_s[key] = _recent(self._chunk_s.get(key), added)
         self._advanced(op, len(part), chunk)
+        return added
 
-    def _prefill_chunk(self, op: _Op, n: int) -> None:
+    def _prefill_chunk(self, op: _Op, n: int) -> float:
+        """op's next chunk in a call of its own; returns the seconds it took."""
         t0, part, chunk = time.perf_counter(), op.tokens[:n], None
         try:
             chunk = self._attached(op.seq, lambda e: e.prefill(part))
@@ -216,6 +230,7 @@ class Scheduler:
         except BaseException as e:
             op.error = e
         self._advanced(op, len(part), chunk)
+        return time.perf_counter() - t0
 
     def _advanced(self, op: _Op, n: int, chunk) -> None:
         """op after the step of its next n tokens (chunk; None where it failed: op.error says why):

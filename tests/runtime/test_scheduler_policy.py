@@ -1,0 +1,63 @@
+"""How the scheduler sizes a round's prefill (runtime/scheduler.py), from the chunk costs it has
+measured: a prompt waiting only for others gets whole chunks; beside running decodes the round adds
+about STALL decode steps' time, given to one prompt after another in the largest chunks that fit
+(a small chunk costs more per token), and the first prompt waiting always moves."""
+
+import pytest
+
+from ds4tvm.runtime.scheduler import MIN_CHUNK, STALL, Scheduler
+
+
+class _Engine:
+    """What the policy reads of an engine."""
+    chunk = 256
+    max_batch = 4
+    functions: dict = {}
+
+
+@pytest.fixture
+def scheduler():
+    s = Scheduler(_Engine())
+    yield s
+    s.close()
+
+
+def test_prompts_waiting_only_for_each_other_get_whole_chunks(scheduler):
+    assert scheduler._chunk(scheduler._budget(0, 3), False, first=True) == 256
+    assert scheduler._chunk(scheduler._budget(0, 3), False, first=False) == 256
+
+
+def test_beside_decodes_the_budget_goes_to_one_prompt_after_another(scheduler):
+    scheduler._step_s = 0.010
+    scheduler._chunk_s = {(8, False): 0.010, (16, False): 0.012, (32, False): 0.016, (64, False): 0.030,
+                          (8, True): 0.004, (16, True): 0.007}
+    budget = scheduler._budget(decoding=3, prefilling=2)
+    assert budget == pytest.approx(STALL * 0.010)
+    first = scheduler._chunk(budget, False, first=True)
+    assert first == (32 if STALL * 0.010 < 0.030 else 64)
+    left = budget - scheduler._chunk_s[(first, False)]
+    # the second prompt runs only where its smallest chunk fits what is left
+    assert scheduler._chunk(left, False, first=False) == (MIN_CHUNK if left >= 0.010 else 0)
+    # a joined chunk is sized by what a chunk adds to the decodes' call; an untried size is guessed
+    # as twice the half's time (32 tokens: 14 ms)
+    assert scheduler._chunk(0.015, True, first=True) == 32
+    assert scheduler._chunk(0.013, True, first=True) == 16
+
+
+def test_the_first_prompt_waiting_always_moves(scheduler):
+    scheduler._step_s = 0.010
+    assert scheduler._chunk(0.0, False, first=True) == MIN_CHUNK
+    assert scheduler._chunk(-1.0, True, first=True) == MIN_CHUNK
+    assert scheduler._chunk(0.0, False, first=False) == 0   # nothing measured yet: it waits
+    assert scheduler._budget(1, 1) == pytest.approx(STALL * 0.010)
+
+
+def test_newcomers_outnumbering_the_streams_get_a_budget_each(scheduler):
+    scheduler._step_s = 0.010
+    assert scheduler._budget(decoding=1, prefilling=4) == pytest.approx(4 * STALL * 0.010)
+    assert scheduler._budget(decoding=4, prefilling=1) == pytest.approx(STALL * 0.010)
+
+
+def test_before_any_step_is_timed_a_prompt_beside_decodes_gets_the_smallest_chunk(scheduler):
+    assert scheduler._budget(2, 1) == 0.0
+    assert scheduler._chunk(scheduler._budget(2, 1), True, first=True) == MIN_CHUNK
