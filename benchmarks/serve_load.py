@@ -2,14 +2,17 @@
 to first token and inter-token latency (p50, p99) for 1, 4 and 8 clients, then the latency of 4
 running streams while a 2,000-token prompt arrives among them. Usage:
     python benchmarks/serve_load.py ARTIFACT [--clients 1,4,8] [--parallel 8] [--requests 3]
-        [--max-tokens 128] [--prompt-tokens 64] [--long-prompt 2000] [--threads N]
+        [--max-tokens 128] [--prompt-tokens 64] [--long-prompt 2000] [--threads N] [--rounds 1]
 
 The server runs in its own process (`ds4 serve -m ARTIFACT --parallel P`); the artifact needs
 batched functions of up to P sequences (ds4-compile --max-batch P) for decode steps to share a
 call. Prompts are random token ids (/v1/completions takes them), each distinct, so prefix reuse
 spares nothing; answers are greedy. Latencies are per streamed chunk (a chunk holds the text of
 one token, or of several when a token ends inside a UTF-8 character). Prints one table row per
-scenario and the ratios of aggregate tok/s to one client's."""
+scenario and the ratios of aggregate tok/s to one client's. With --rounds N the client scenarios
+run N times in turn (1, 4, 8, 1, 4, 8, ...: this machine's speed drifts between minutes) and each
+row gives the medians, its ratio the median of each round's ratio to that round's first scenario,
+with their range."""
 
 from __future__ import annotations
 
@@ -76,6 +79,16 @@ def _clients(client, n: int, requests: int, prompt_tokens: int, max_tokens: int,
     return _summary(f"{n} client{'s' if n > 1 else ''}", results, time.perf_counter() - t0, _cpu_seconds() - c0)
 
 
+def _merged(rounds: list[dict], firsts: list[dict]) -> dict:
+    """One scenario's rows of several rounds: the median of each number; x_first the median of its
+    ratios to the same round's first scenario (the range in x_first_range)."""
+    row = {k: (float(np.median([r[k] for r in rounds])) if isinstance(v, (int, float)) else v)
+           for k, v in rounds[0].items()}
+    ratios = [r["tok_s"] / f["tok_s"] for r, f in zip(rounds, firsts)]
+    return {**row, "rounds": len(rounds), "x_first": float(np.median(ratios)),
+            "x_first_range": (min(ratios), max(ratios))}
+
+
 def _long_prompt_midstream(client, streams: int, long_prompt: int, max_tokens: int, vocab: int) -> dict:
     """`streams` clients generating max_tokens each; after a quarter of the expected time one more
     sends a long_prompt-token prompt: the streams' inter-token latency over the whole run."""
@@ -111,6 +124,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--long-prompt", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=1, help="the client scenarios this many times, in turn")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     import openai
@@ -123,8 +137,9 @@ def main() -> None:
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
         _stream(client, [1000 + i for i in range(8)], 4)   # warm up
-        rows = [_clients(client, int(n), a.requests, a.prompt_tokens, a.max_tokens, vocab, seed=int(n))
-                for n in a.clients.split(",")]
+        runs = [[_clients(client, int(n), a.requests, a.prompt_tokens, a.max_tokens, vocab, seed=int(n) + 1000 * r)
+                 for n in a.clients.split(",")] for r in range(max(1, a.rounds))]
+        rows = [_merged(list(scenario), [run[0] for run in runs]) for scenario in zip(*runs)]
         if a.long_prompt:
             rows.append(_long_prompt_midstream(client, 4, a.long_prompt, a.max_tokens, vocab))
             four = next((r for r in rows if r["scenario"] == "4 clients"), None)
@@ -133,15 +148,19 @@ def main() -> None:
     finally:
         server.stop()
     base = rows[0]["tok_s"]
+    for r in rows[len(runs[0]):]:   # the long prompt's row: against the first scenario's medians
+        r["x_first"], r["x_first_range"] = r["tok_s"] / base, None
     if a.json:
         print(json.dumps(rows, indent=1))
         return
     print(f"{'scenario':<34} {'tok/s':>8} {'x 1st':>6} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
           f"{'p99/p50':>7} {'client cores':>12}")
     for r in rows:
-        print(f"{r['scenario']:<34} {r['tok_s']:8.1f} {r['tok_s'] / base:6.2f} {r['ttft_p50_ms']:9.1f} "
+        print(f"{r['scenario']:<34} {r['tok_s']:8.1f} {r['x_first']:6.2f} {r['ttft_p50_ms']:9.1f} "
               f"{r['ttft_p99_ms']:8.1f} {r['itl_p50_ms']:8.2f} {r['itl_p99_ms']:8.2f} "
               f"{r['itl_p99_ms'] / r['itl_p50_ms']:7.2f} {r['client_cores']:12.2f}"
+              + (f"  (x 1st over {r['rounds']} rounds: {r['x_first_range'][0]:.2f}-{r['x_first_range'][1]:.2f})"
+                 if r.get("x_first_range") and r["rounds"] > 1 else "")
               + (f"  (long prompt's TTFT {r['long_ttft_ms']:.0f} ms)" if r.get("long_ttft_ms") else "")
               + (f"  ITL p99 / 4 clients' p50: {r['itl_p99_vs_4_clients_p50']:.2f}"
                  if "itl_p99_vs_4_clients_p50" in r else ""))
