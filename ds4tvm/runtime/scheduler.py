@@ -34,12 +34,12 @@ from ..artifact import batch_name
 from ..errors import Cancelled, Ds4Error
 from .engine import SequenceView, Step
 
-MIN_CHUNK = 8       # prefill tokens per round at least, while others decode (doubled up to the compiled chunk)
+MIN_CHUNK = 8       # a round's first prefill chunk at least, while others decode (doubled up to the compiled chunk)
 # decode steps' time a round's prefill may add while others decode: their tokens come about 1 + STALL
-# steps apart while a prompt is prefilled. Small chunks cost more per token (the benchmark model, beside
-# 3 decodes: a chunk of 8 added 7.4 ms, of 16 11.5 ms, of 64 31.3 ms): with 1, a 64-token prompt took
-# 8 rounds and added 59 ms; with 2, 4 rounds and 46 ms (BENCHMARKS.md).
-STALL = 2.0
+# steps apart while a prompt is prefilled (the issue's bound: ITL p99 <= 3x its p50). Small chunks cost
+# more per token (the benchmark model, beside 3 decodes: a chunk of 8 added 7.4 ms, of 16 11.5 ms, of
+# 64 31.3 ms); in process, 8 clients gave 493 / 569 / 566 tok/s at 1 / 1.5 / 2 (BENCHMARKS.md).
+STALL = 1.5
 
 
 @dataclass
@@ -186,11 +186,11 @@ class Scheduler:
 
     def _chunk(self, budget: float, joined: bool, first: bool) -> int:
         """The next prompt's tokens this round: the largest doubling of MIN_CHUNK whose time, measured
-        (a small chunk costs more per token than a large one) or, not tried yet, guessed as twice the
-        measured half's (one size beyond what was tried, per round), fits the budget; the first prompt waiting gets MIN_CHUNK at least (it always moves),
-        the others none where that does not fit. The budget goes to one prompt after another, not
-        split among them: the chunks stay large. joined: the chunk shares a call with the decodes
-        (it adds its tokens' time, not a call's)."""
+        (a small chunk costs more per token than a large one) or, not tried yet, guessed as twice
+        the measured half's (one size beyond what was tried, per round), fits the budget; the first
+        prompt to move this round gets MIN_CHUNK at least, the others none where that does not fit.
+        The budget goes to one prompt after another, not split among them: the chunks stay large.
+        joined: the chunk shares a call with the decodes (it adds its tokens' time, not a call's)."""
         if budget == float("inf"):
             return self.engine.chunk
         seconds = {k: t for (k, j), t in self._chunk_s.items() if j == joined}

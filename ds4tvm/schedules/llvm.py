@@ -135,34 +135,31 @@ def _schedule_attention(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     return sch
 
 
-def _schedule_hadamard(func: tirx.PrimFunc) -> s_tir.Schedule | None:
-    """The Hadamard transform before FP4 rounding (nn/rounding.py hadamard_fp4): its dense
-    x . h row products as 16-lane partial sums."""
+def _schedule_lane_sums(func: tirx.PrimFunc, picks) -> s_tir.Schedule | None:
+    """The one root block whose name picks(name) accepts, its dot product as 16-lane partial sums
+    (_lane_partial_sums); None where no block, or several, match."""
     sch = s_tir.Schedule(func)
     try:
-        blocks = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
-                  if sch.get(b).name_hint.startswith("hadamard") and sch.get(b).name_hint.endswith("_h")]
+        blocks = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if picks(sch.get(b).name_hint)]
     except Exception:  # noqa: BLE001 - no root block
         return None
     if len(blocks) != 1:
         return None
     _lane_partial_sums(sch, blocks[0])
     return sch
+
+
+def _schedule_hadamard(func: tirx.PrimFunc) -> s_tir.Schedule | None:
+    """The Hadamard transform before FP4 rounding (nn/rounding.py hadamard_fp4): its dense
+    x . h row products as 16-lane partial sums."""
+    return _schedule_lane_sums(func, lambda name: name.startswith("hadamard") and name.endswith("_h"))
 
 
 def _schedule_rms(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     """RMS norms (nn/norm_rope.rms): the sum of squares as 16-lane partial sums, one vector of
     adds instead of a chain of 2048 scalar ones (the same order for every row count: a batched
     decode's rows normalize as decode's row does)."""
-    sch = s_tir.Schedule(func)
-    try:
-        blocks = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint == "rms_ss"]
-    except Exception:  # noqa: BLE001 - no root block
-        return None
-    if len(blocks) != 1:
-        return None
-    _lane_partial_sums(sch, blocks[0])
-    return sch
+    return _schedule_lane_sums(func, lambda name: name == "rms_ss")
 
 
 def _realizes(stmt):

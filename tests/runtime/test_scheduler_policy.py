@@ -31,17 +31,19 @@ def test_beside_decodes_the_budget_goes_to_one_prompt_after_another(scheduler):
     scheduler._step_s = 0.010
     scheduler._chunk_s = {(8, False): 0.010, (16, False): 0.012, (32, False): 0.016, (64, False): 0.030,
                           (8, True): 0.004, (16, True): 0.007}
-    budget = scheduler._budget(decoding=3, prefilling=2)
-    assert budget == pytest.approx(STALL * 0.010)
-    first = scheduler._chunk(budget, False, first=True)
-    assert first == (32 if STALL * 0.010 < 0.030 else 64)
-    left = budget - scheduler._chunk_s[(first, False)]
-    # the second prompt runs only where its smallest chunk fits what is left
-    assert scheduler._chunk(left, False, first=False) == (MIN_CHUNK if left >= 0.010 else 0)
+    assert scheduler._budget(decoding=3, prefilling=2) == pytest.approx(STALL * 0.010)
+    # the first prompt: the largest measured size that fits
+    assert scheduler._chunk(0.020, False, first=True) == 32
+    assert scheduler._chunk(0.015, False, first=True) == 16
+    assert scheduler._chunk(0.031, False, first=True) == 64
+    # the next prompt runs only where its smallest chunk fits what is left (20 ms - 16 ms: none)
+    assert scheduler._chunk(0.020 - 0.016, False, first=False) == 0
+    assert scheduler._chunk(0.011, False, first=False) == MIN_CHUNK
     # a joined chunk is sized by what a chunk adds to the decodes' call; an untried size is guessed
-    # as twice the half's time (32 tokens: 14 ms)
+    # as twice the measured half's time (32 tokens: 14 ms), one size beyond what was tried
     assert scheduler._chunk(0.015, True, first=True) == 32
     assert scheduler._chunk(0.013, True, first=True) == 16
+    assert scheduler._chunk(1.0, True, first=True) == 32
 
 
 def test_the_first_prompt_waiting_always_moves(scheduler):
