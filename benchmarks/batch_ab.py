@@ -2,11 +2,13 @@
 alternation (this machine's speed drifts by 10-30% between runs: only what runs side by side
 compares). Usage:
     python benchmarks/batch_ab.py OLD_ARTIFACT NEW_ARTIFACT [--batches 1,4,8] [--rounds 10] [--steps 20]
+        [--prefill 64,256]
 
 Each artifact gets max(batches) sequences with a 64-token prompt; a step decodes one token of the
 first B of them (B = 1: Engine.decode, else Engine.decode_batch) and rewinds it. Per round, each
-artifact runs `steps` steps of each size; prints per size the medians and the median of the
-per-round ratios new / old, then each artifact's batch / decode ratios."""
+artifact runs `steps` steps of each size, and a prefill of each --prefill length into a sequence
+of its own, reset (2 of each); prints per size the medians and the median of the per-round ratios
+new / old, then each artifact's batch / decode ratios."""
 
 from __future__ import annotations
 
@@ -48,6 +50,18 @@ def _median_s(engine, seqs, b: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def _prefill_s(engine, seq, n: int, repeats: int = 2) -> float:
+    tokens = np.random.default_rng(n).integers(0, engine.n_vocab, n)
+    times = []
+    engine.attach(seq)
+    for _ in range(repeats):
+        engine.reset()
+        t = time.perf_counter()
+        engine.prefill(tokens)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("old")
@@ -55,9 +69,11 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill", default="", help="prompt lengths to prefill too, e.g. 64,256")
     a = ap.parse_args()
     sizes = [int(b) for b in a.batches.split(",")]
-    pair = [_loaded(a.old, max(sizes)), _loaded(a.new, max(sizes))]
+    prompts = [int(n) for n in a.prefill.split(",") if n]
+    pair = [_loaded(a.old, max(sizes) + 1), _loaded(a.new, max(sizes) + 1)]   # the last one for prefills
     for engine, seqs in pair:   # each function's first call (storage, threads) outside the timing
         for b in sizes:
             _median_s(engine, seqs, b, 2)
@@ -66,10 +82,13 @@ def main() -> None:
         for i, (engine, seqs) in enumerate(pair):
             for b in sizes:
                 times.setdefault((i, b), []).append(_median_s(engine, seqs, b, a.steps))
-    for b in sizes:
+            for n in prompts:
+                times.setdefault((i, f"prefill {n}"), []).append(_prefill_s(engine, seqs[-1], n))
+    for b in [*sizes, *(f"prefill {n}" for n in prompts)]:
         old, new = times[(0, b)], times[(1, b)]
         ratio = statistics.median(y / x for x, y in zip(old, new))
-        print(f"{'decode' if b == 1 else f'batch of {b}':<12} old {1e3 * statistics.median(old):7.3f} ms   "
+        name = b if isinstance(b, str) else "decode" if b == 1 else f"batch of {b}"
+        print(f"{name:<12} old {1e3 * statistics.median(old):7.3f} ms   "
               f"new {1e3 * statistics.median(new):7.3f} ms   new / old {ratio:.3f}")
     if 1 in sizes:
         for i, name in enumerate(("old", "new")):
