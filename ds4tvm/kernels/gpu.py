@@ -77,13 +77,13 @@ def expert_gemv(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: bool,
     return main
 
 
-def clamped_swiglu_value(g, u, limit: float):
-    """nn/moe.clamped_swiglu of one gate value g and up value u, as the relax ops compute it
-    (SiLU as x * sigmoid(x))."""
+def clamped_swiglu_value(g, u, limit: float, silu=None):
+    """nn/moe.clamped_swiglu of one gate value g and up value u, SiLU by default as the relax ops
+    compute it (x * sigmoid(x)), else silu(x)."""
     if limit > 0:
         g = tirx.min(g, tirx.const(limit, "float32"))
         u = tirx.min(tirx.max(u, tirx.const(-limit, "float32")), tirx.const(limit, "float32"))
-    return g * tirx.sigmoid(g) * u
+    return (g * tirx.sigmoid(g) if silu is None else silu(g)) * u
 
 
 @functools.lru_cache(maxsize=None)

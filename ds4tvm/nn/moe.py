@@ -32,19 +32,18 @@ def clamped_swiglu(gate: nn.Tensor, up: nn.Tensor, limit: float, *, forms: Forms
 
 
 def _swiglu_value(g, u, limit: float):
-    """clamped SiLU(g) * u of one gate and up value, SiLU as g / (1 + exp(-g))."""
-    f32 = "float32"
-    if limit > 0:
-        g = tirx.min(g, tirx.const(limit, f32))
-        u = tirx.min(tirx.max(u, tirx.const(-limit, f32)), tirx.const(limit, f32))
-    return g / (tirx.const(1.0, f32) + _exp_value(-g)) * u
+    """clamped SiLU(g) * u of one gate and up value, SiLU as g / (1 + exp(-g)) with _exp_value."""
+    def silu(x):
+        return x / (tirx.const(1.0, "float32") + _exp_value(-x))
+
+    return gpu_kernels.clamped_swiglu_value(g, u, limit, silu)
 
 
 def _exp_value(x):
     """exp(x) of a float32 in arithmetic only: x = n ln 2 + r, |r| <= ln 2 / 2, exp(r) by Cephes'
     degree-6 polynomial, 2^n built in the exponent bits (the method of TVM's topi.fast_exp; within
-    an ulp of exp: tests/unit/test_swiglu_exp.py); x clamped to [-87.33, 88.37], where 2^n is a normal float32 (below it, the
-    smallest normal, about 1.2e-38: 1 + exp(x) is still 1)."""
+    an ulp of exp: tests/unit/test_swiglu_exp.py); x clamped to [-87.33, 88.37], where 2^n is a
+    normal float32 (below it, the smallest normal, about 1.2e-38: 1 + exp(x) is still 1)."""
     f32 = "float32"
 
     def c(v):

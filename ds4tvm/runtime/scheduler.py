@@ -66,9 +66,9 @@ class Scheduler:
         self._prefills: list[_Op] = []     # prompts being prefilled, a chunk per round
         self._members = 0                   # generations running (each has at most one operation queued)
         self._step_s = None                 # recent seconds of a decode call
-        # recent seconds a prefill chunk adds to a round, by (its token count, whether it shared a
-        # call with decodes: then what the call took beyond a decode step)
-        self._chunk_s: dict[tuple, float] = {}
+        # recent seconds a prefill chunk adds to a round by its token count, apart (False) and
+        # sharing a call with decodes (True: what the call took beyond a decode step)
+        self._chunk_s: dict[bool, dict[int, float]] = {False: {}, True: {}}
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ds4-scheduler", daemon=True)
         self._thread.start()
@@ -193,8 +193,7 @@ class Scheduler:
         joined: the chunk shares a call with the decodes (it adds its tokens' time, not a call's)."""
         if budget == float("inf"):
             return self.engine.chunk
-        seconds = {k: t for (k, j), t in self._chunk_s.items() if j == joined}
-        n = MIN_CHUNK
+        seconds, n = self._chunk_s[joined], MIN_CHUNK
         if not first and seconds.get(n, float("inf")) > budget:
             return 0
         while 2 * n <= self.engine.chunk and seconds.get(2 * n, 2 * seconds.get(n, float("inf"))) <= budget:
@@ -215,8 +214,7 @@ class Scheduler:
             d.done.set()
         added = max(0.0, time.perf_counter() - t0 - (self._step_s or 0.0))
         if self._step_s is not None:
-            key = (len(part), True)
-            self._chunk_s[key] = _recent(self._chunk_s.get(key), added)
+            self._chunk_s[True][len(part)] = _recent(self._chunk_s[True].get(len(part)), added)
         self._advanced(op, len(part), chunk)
         return added
 
@@ -225,12 +223,13 @@ class Scheduler:
         t0, part, chunk = time.perf_counter(), op.tokens[:n], None
         try:
             chunk = self._attached(op.seq, lambda e: e.prefill(part))
-            key = (len(part), False)
-            self._chunk_s[key] = _recent(self._chunk_s.get(key), time.perf_counter() - t0)
         except BaseException as e:
             op.error = e
+        took = time.perf_counter() - t0
+        if op.error is None:
+            self._chunk_s[False][len(part)] = _recent(self._chunk_s[False].get(len(part)), took)
         self._advanced(op, len(part), chunk)
-        return time.perf_counter() - t0
+        return took
 
     def _advanced(self, op: _Op, n: int, chunk) -> None:
         """op after the step of its next n tokens (chunk; None where it failed: op.error says why):

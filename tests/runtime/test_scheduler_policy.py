@@ -29,8 +29,7 @@ def test_prompts_waiting_only_for_each_other_get_whole_chunks(scheduler):
 
 def test_beside_decodes_the_budget_goes_to_one_prompt_after_another(scheduler):
     scheduler._step_s = 0.010
-    scheduler._chunk_s = {(8, False): 0.010, (16, False): 0.012, (32, False): 0.016, (64, False): 0.030,
-                          (8, True): 0.004, (16, True): 0.007}
+    scheduler._chunk_s = {False: {8: 0.010, 16: 0.012, 32: 0.016, 64: 0.030}, True: {8: 0.004, 16: 0.007}}
     assert scheduler._budget(decoding=3, prefilling=2) == pytest.approx(STALL * 0.010)
     # the first prompt: the largest measured size that fits
     assert scheduler._chunk(0.020, False, first=True) == 32
