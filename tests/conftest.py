@@ -9,6 +9,18 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("DS4_FIXTURES", ROOT.parent / "shared" / "fixtures"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# The files that take longest, handed out first (pyproject: --dist loadfile --no-loadscope-reorder
+# gives files to the two workers in collection order): left to the end, one of them ran alone for
+# minutes while the other worker sat idle. The GPU check needs no shared fixture, the grammar tests
+# build the demo pair (conftest.demo_pair) that most server tests wait for.
+LONGEST_FIRST = ("targets/test_device_check.py", "runtime/test_grammar.py", "unit/test_kernels.py",
+                 "families/test_glm5next_mtp.py", "runtime/test_speculative.py", "targets/test_gpu_targets.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))
+
 
 def fixtures_dir(sub: str) -> Path:
     d = FIXTURES / sub

@@ -12,6 +12,7 @@ import sys
 import typer
 
 from ..errors import Ds4Error
+from ..runtime.loader import without_torch
 from . import compiler, files, generate, serve  # noqa: F401 - each registers its commands
 from .common import app, compile_app
 
@@ -56,6 +57,7 @@ def _bare_flags(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
+    without_torch()
     # `ds4 -m MODEL -p PROMPT` (no subcommand) is `ds4 run`, as in the reference engine's command lines.
     if len(sys.argv) > 1 and sys.argv[1].startswith("-") and sys.argv[1] not in ("--help", "-h", "--version"):
         sys.argv.insert(1, "run")
@@ -64,4 +66,5 @@ def main() -> None:
 
 
 def compile_main() -> None:
+    without_torch()
     _run(compile_app, "ds4-compile")

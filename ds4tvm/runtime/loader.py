@@ -31,9 +31,15 @@ def runtime_only_tvm() -> None:
     for the whole process, so only callers that will not compile (the CLI, after deciding) ask."""
     if "tvm" not in sys.modules:
         os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
-        # tvm_ffi imports PyTorch whenever it is installed (for its tensor exchange, which ds4 does
-        # not use): 200 MB resident and 2 s. Marking it absent makes that import fail fast.
-        sys.modules.setdefault("torch", None)
+        without_torch()
+
+
+def without_torch() -> None:
+    """tvm_ffi imports PyTorch whenever it is installed (for its tensor exchange, which ds4 does not
+    use): 200 MB resident and 2-3 s of every process's start (of 5 s for `import tvm` on a 2-core
+    Zen 3). Marking it absent makes that import fail fast; for processes that never use PyTorch
+    (the CLI's), before TVM is first imported, and never where it is imported already."""
+    sys.modules.setdefault("torch", None)
 
 
 def open_engine(model: str | Path, target: str = "cpu", bounds=None, kv_rounding: bool = True,

@@ -41,10 +41,14 @@ def _run(*args, timeout=1500):
                           timeout=timeout, cwd=ROOT)
 
 
-@pytest.fixture(scope="module")
-def selftest(tmp_path_factory):
+# the default run checks DeepSeek-V4 + DSpark (recorded verify widths, the drafter's recorded
+# step, batched decodes); GLM-5.3's and Qwen3.8's GPU forms (KDA, GDN, PLE) with -m slow, for the
+# default run's time (each model is two compiles: 65-75 s on a 2-core Zen 3)
+@pytest.fixture(scope="module", params=[MODELS[:1], pytest.param(MODELS, marks=pytest.mark.slow)],
+                ids=["deepseek4", "every-family"])
+def selftest(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("device_check")
-    r = _run("selftest", d / "work", "--out", d / "report.json")
+    r = _run("selftest", d / "work", "--out", d / "report.json", "--only", *request.param)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return d, json.loads((d / "report.json").read_text()), r.stdout
 
@@ -71,7 +75,7 @@ def test_selftest_runs_every_step_of_the_gpu_check_and_reports_every_field(selft
     d, r, stdout = selftest
     work = d / "work"
     assert set(r) == TOP and r["plan"] == "cpu" and r["target"] == "llvm" and r["failures"] == []
-    assert r["copy_bandwidth_gb_s"] > 0 and list(r["models"]) == list(MODELS)
+    assert r["copy_bandwidth_gb_s"] > 0 and list(r["models"]) in ([MODELS[0]], list(MODELS))
     for name, m in r["models"].items():
         assert set(m) == MODEL_KEYS, name
         assert set(m["logits_vs_cpu"]) == set(ROWS), name
@@ -112,17 +116,17 @@ def test_check_fails_naming_the_model_and_mode_when_a_logit_is_off(selftest, tmp
     d, _, _ = selftest
     work = d / "work"
     plan = json.loads((work / "plan.json").read_text())
-    ref_path = work / "qwen4exp-tiny" / "reference.npz"
+    ref_path = work / "deepseek4-tiny" / "reference.npz"
     ref = dict(np.load(ref_path))
     try:
-        (work / "plan.json").write_text(json.dumps({**plan, "models": ["qwen4exp-tiny"]}))
+        (work / "plan.json").write_text(json.dumps({**plan, "models": ["deepseek4-tiny"]}))
         moved = {**ref, "verify": ref["verify"].copy()}
         moved["verify"][3, 17] += 1e-3
         np.savez(ref_path, **moved)
         r = _run("check", work, "--out", tmp_path / "r.json", timeout=600)
         assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
         failures = json.loads((tmp_path / "r.json").read_text())["failures"]
-        assert len(failures) == 1 and failures[0].startswith("qwen4exp-tiny: verify logits differ"), failures
+        assert len(failures) == 1 and failures[0].startswith("deepseek4-tiny: verify logits differ"), failures
     finally:
         (work / "plan.json").write_text(json.dumps(plan))
         np.savez(ref_path, **ref)
