@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # The files that take longest, handed out first (pyproject: --dist loadfile --no-loadscope-reorder
 # gives files to the two workers in collection order): left to the end, one of them ran alone for
-# minutes while the other worker sat idle. The GPU check needs no shared fixture, the grammar tests
-# build the demo pair (conftest.demo_pair) that most server tests wait for.
+# minutes while the other worker sat idle (the GPU check's selftest, six compiles). Those first
+# build what they use themselves; the shared fixtures (demo_pair, tiny_artifact) come later.
 LONGEST_FIRST = ("targets/test_device_check.py", "runtime/test_grammar.py", "unit/test_kernels.py",
                  "families/test_glm5next_mtp.py", "runtime/test_speculative.py", "targets/test_gpu_targets.py")
 

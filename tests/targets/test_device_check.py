@@ -1,6 +1,6 @@
 """The GPU check (benchmarks/device_check.py, scripts/device_check.sh) run end to end on this CPU,
-so the code the device runs cannot rot unseen: `selftest` prepares tiny DeepSeek-V4 + DSpark,
-GLM-5.3 + MTP and Qwen3.8 + MTP models, compiles their GPU forms for llvm (the CUDA pipeline's
+so the code the device runs cannot rot unseen: `selftest` prepares tiny DeepSeek-V4 + DSpark
+(the default run), GLM-5.3 + MTP and Qwen3.8 + MTP models (-m slow), compiles their GPU forms for llvm (the CUDA pipeline's
 fused, recorded module; the kernels the GPU runs with serial loops), records the CPU artifact's
 logits and greedy tokens, then `check` compares, times, profiles and reports exactly as on a GPU.
 Every field of the report is asserted; the check must fail on a reference it does not meet, and
