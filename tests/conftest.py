@@ -87,6 +87,22 @@ def _tiny_artifact(d: Path) -> Path:
     return d / "art"
 
 
+def tiny_glm(d: Path, mtp_input: str = "streams") -> tuple[Path, Path, str]:
+    """A tiny random GLM-5.3 (float32 weights) whose nextn layer reads mtp_input, compiled for llvm
+    with batched decodes of 2 into d (once: a second call reuses it): (artifact, GGUF, mtp_input).
+    The streams reading is shared by the GLM MTP and grammar tests (_once_per_run)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from ds4tvm.families.glm5next.random_model import tiny_config, write_random_glm5next
+
+    if not (d / "art" / "manifest.json").is_file():
+        d.mkdir(parents=True, exist_ok=True)
+        write_random_glm5next(d / "glm.gguf", tiny_config(mtp_input=mtp_input), seed=3, type_of=lambda spec: QT.F32)
+        compile_here(d / "glm.gguf", "--target", "llvm", "-o", d / "art", "--max-context", "256", "--max-batch", "2",
+                     "--quiet")
+    return d / "art", d / "glm.gguf", mtp_input
+
+
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory):
     """A small random DeepSeek-V4 (every layer kind) compiled for llvm with batched decodes of 2

@@ -12,7 +12,9 @@ import re
 import numpy as np
 import pytest
 
-from conftest import compile_here, exact_sampling_outcomes, run_ds4
+from conftest import _once_per_run, exact_sampling_outcomes, run_ds4, tiny_glm
+
+from ds4tvm.families.glm5next.random_model import tiny_config
 
 pytestmark = pytest.mark.compile
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(0, 512, 41)]   # > 16 positions: the indexer selects
@@ -24,21 +26,12 @@ VOCAB = 512
 @pytest.fixture(scope="module", params=[pytest.param("hidden", marks=pytest.mark.slow), "streams"])
 def model(request, tmp_path_factory):
     """A tiny random GLM-5.3 with its nextn layer (families/glm5next/random_model.py) reading
-    `request.param`, compiled: (artifact, GGUF, what the layer reads)."""
-    from ds4tvm.families.glm5next.random_model import tiny_config, write_random_glm5next
-
-    d = tmp_path_factory.mktemp("glm_mtp")
-    cfg = tiny_config(mtp_input=request.param)
-    assert cfg.n_vocab == VOCAB
-    gguf = write_random_glm5next(d / "glm.gguf", cfg, seed=3, type_of=lambda spec: _f32())
-    compile_here(gguf, "--target", "llvm", "-o", d / "art", "--max-context", "256", "--max-batch", "2", "--quiet")
-    return d / "art", gguf, request.param
-
-
-def _f32():
-    from gguf import GGMLQuantizationType as QT
-
-    return QT.F32
+    `request.param`, compiled (conftest.tiny_glm; the streams one shared with the grammar tests):
+    (artifact, GGUF, what the layer reads)."""
+    assert tiny_config().n_vocab == VOCAB
+    if request.param == "streams":
+        return _once_per_run(tmp_path_factory, "glm-streams", tiny_glm)
+    return tiny_glm(tmp_path_factory.mktemp("glm_mtp"), request.param)
 
 
 def _engine(model):

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import _once_per_run, compile_here
+from conftest import _once_per_run, compile_here, tiny_glm
 
 pytestmark = pytest.mark.compile
 
@@ -33,18 +33,6 @@ def _embedded(d):
     return d / "art"
 
 
-def _tiny_glm(d):
-    from gguf import GGMLQuantizationType as QT
-
-    from ds4tvm.families.glm5next.random_model import tiny_config, write_random_glm5next
-
-    if not (d / "art" / "manifest.json").is_file():
-        d.mkdir(parents=True, exist_ok=True)
-        gguf = write_random_glm5next(d / "glm.gguf", tiny_config(), seed=3, type_of=lambda spec: QT.F32)
-        compile_here(gguf, "--target", "llvm", "-o", d / "art", "--max-context", "256", "--quiet")
-    return d / "art"
-
-
 @pytest.fixture(scope="module", params=["demo+dspark", "glm+mtp"])
 def model(request, tmp_path_factory):
     """(engine, tokenizer, drafter class, prompt) of the trained demo pair or a tiny GLM-5.3."""
@@ -56,7 +44,7 @@ def model(request, tmp_path_factory):
     if request.param == "demo+dspark":
         art, drafter = _once_per_run(tmp_path_factory, "embedded", _embedded), DSparkDrafter
     else:
-        art, drafter = _once_per_run(tmp_path_factory, "grammar-glm", _tiny_glm), GLMMTPDrafter
+        art, drafter = _once_per_run(tmp_path_factory, "glm-streams", tiny_glm)[0], GLMMTPDrafter
     engine = Engine(art)
     tok = Tokenizer.from_metadata(engine.tokenizer_data)
     return engine, tok, drafter, tok.encode("# one record as JSON\nrecord = ")
@@ -153,7 +141,7 @@ def test_ds4_run_json_schema(tmp_path_factory, tmp_path):
 
     from conftest import run_ds4
 
-    art = _once_per_run(tmp_path_factory, "grammar-glm", _tiny_glm)
+    art = _once_per_run(tmp_path_factory, "glm-streams", tiny_glm)[0]
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMA))
     for schema in (json.dumps(SCHEMA), str(schema_file)):
@@ -192,7 +180,8 @@ def test_forced_tool_calls_parse_in_the_familys_syntax(family, tmp_path_factory)
     from ds4tvm.runtime.speculative import generate
     from ds4tvm.runtime.tokenizer import Tokenizer
 
-    art = _once_per_run(tmp_path_factory, f"grammar-{family}", _tiny_glm if family == "glm5next" else _tiny_qwen)
+    art = (_once_per_run(tmp_path_factory, "glm-streams", tiny_glm)[0] if family == "glm5next"
+           else _once_per_run(tmp_path_factory, "grammar-qwen4exp", _tiny_qwen))
     syntax = load_attr(family_named(family).tool_syntax)
     engine = Engine(art)
     tok = Tokenizer.from_metadata(engine.tokenizer_data)
