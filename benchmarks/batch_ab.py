@@ -2,11 +2,7 @@
 alternation (this machine's speed drifts by 10-30% between runs: only what runs side by side
 compares). Usage:
     python benchmarks/batch_ab.py OLD_ARTIFACT NEW_ARTIFACT [--batches 1,4,8] [--rounds 10] [--steps 20]
-        [--prefill 64,256] [--lanes N]
-
-With --lanes N the new artifact's batched decodes run split over N decode lanes (runtime/lanes.py:
-what `ds4 serve` does from 4 sequences on the CPU), the old one's in one call: give the same
-artifact twice to compare the two ways.
+        [--prefill 64,256]
 
 Each artifact gets max(batches) sequences with a 64-token prompt; a step decodes one token of the
 first B of them (B = 1: Engine.decode, else Engine.decode_batch) and rewinds it. Per round, each
@@ -38,8 +34,6 @@ def _step(engine, seqs, b: int) -> None:
     if b == 1:
         engine.attach(seqs[0])
         engine.decode(5)
-    elif getattr(engine, "bench_lanes", None) is not None:
-        engine.bench_lanes.run(seqs[:b], lambda view, part: view.decode_batch(part, [5] * len(part)))
     else:
         engine.decode_batch(seqs[:b], [5] * b)
     for s in seqs[:b]:
@@ -76,18 +70,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill", default="", help="prompt lengths to prefill too, e.g. 64,256")
-    ap.add_argument("--lanes", type=int, default=0, help="the new artifact's batches on this many decode lanes")
     a = ap.parse_args()
     sizes = [int(b) for b in a.batches.split(",")]
     prompts = [int(n) for n in a.prefill.split(",") if n]
     pair = [_loaded(a.old, max(sizes) + 1), _loaded(a.new, max(sizes) + 1)]   # the last one for prefills
-    if a.lanes > 1:
-        import os
-
-        from ds4tvm.runtime.lanes import DecodeLanes
-
-        pool = int(os.environ["TVM_NUM_THREADS"])   # what the engine gave TVM's pool
-        pair[1][0].bench_lanes = DecodeLanes(pair[1][0], a.lanes, max(1, pool // a.lanes))
     for engine, seqs in pair:   # each function's first call (storage, threads) outside the timing
         for b in sizes:
             _median_s(engine, seqs, b, 2)

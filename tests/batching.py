@@ -1,12 +1,10 @@
 """Checks of continuous batching every family's tests share (tests/runtime/test_batching.py has the
 engine-level ones): a batched decode against decodes alone and a batched prefill against a
-prefill and decodes alone, bit for bit, and generations through the scheduler, its batched
-decodes in one call and split over decode lanes, against each generated alone."""
+prefill and decodes alone, bit for bit, and generations through the scheduler against each
+generated alone."""
 
-import os
 import threading
 from collections import Counter
-from contextlib import contextmanager
 
 import numpy as np
 
@@ -80,45 +78,21 @@ def alone(engine, prompt, temp, seed, make_drafter=None) -> list[int]:
 
 def assert_together_is_alone(engine, jobs: list) -> tuple[Counter, int]:
     """Generations through a scheduler equal each job alone, and, at temperature 0, target-only
-    decoding (the identity property), with batched decodes in one call and then split over two
-    decode lanes (runtime/lanes.py, from 2 sequences); (the decode calls they made in one call, by
-    sequences in each: from Engine.decode_calls; the prompt tokens the scheduler prefilled)."""
+    decoding (the identity property); (the decode calls they made, by sequences in each: from
+    Engine.decode_calls; the prompt tokens the scheduler prefilled)."""
     from ds4tvm.runtime.scheduler import Scheduler
 
     want = [alone(engine, *job) for job in jobs]
     for (prompt, temp, seed, make_drafter), w in zip(jobs, want):
         if temp == 0 and make_drafter is not None:
             assert w == alone(engine, prompt, 0, seed)
-    for lanes in (1, 2):
-        with decode_lanes(lanes):
-            scheduler, before = Scheduler(engine), Counter(engine.decode_calls)
-        try:
-            assert together(scheduler, jobs) == want, f"{lanes} lane(s)"
-            if lanes == 1:
-                calls, prefilled = engine.decode_calls - before, scheduler.prefilled
-            else:
-                assert scheduler._lanes.runs > 0
-        finally:
-            scheduler.close()
-    return calls, prefilled
-
-
-@contextmanager
-def decode_lanes(count: int, min_sequences: int = 2):
-    """Schedulers made inside split their batched decodes of min_sequences or more into count lanes
-    (1: none), whatever the engine's pool."""
-    from ds4tvm.runtime import lanes
-
-    old = os.environ.get(lanes.ENV), lanes.MIN_SEQUENCES
-    os.environ[lanes.ENV], lanes.MIN_SEQUENCES = str(count), min_sequences
+    scheduler, before = Scheduler(engine), Counter(engine.decode_calls)
     try:
-        yield
+        got = together(scheduler, jobs)
+        assert got == want
+        return engine.decode_calls - before, scheduler.prefilled
     finally:
-        lanes.MIN_SEQUENCES = old[1]
-        if old[0] is None:
-            del os.environ[lanes.ENV]
-        else:
-            os.environ[lanes.ENV] = old[0]
+        scheduler.close()
 
 
 def assert_batched_prefill_is_prefill(engine, prompt_list: list[list[int]], chunk: int = 5) -> None:

@@ -15,7 +15,6 @@ them (runtime/scheduler.py gathers them).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import os
 from collections import Counter
@@ -123,8 +122,8 @@ class Engine:
         # (runtime/threads.py; TVM_THREAD_POOL_SPIN_COUNT=0 in the environment turns spinning off).
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", threads.SPIN_COUNT)
         self._adapt_threads = threads.adapt if self.dev.dlpack_device_type() == 1 else (lambda: None)
-        self._lib, self._VM = tvm.runtime.load_module(str(self.dir / m.library)), VirtualMachine
-        self.vm = VirtualMachine(self._lib, self.dev)
+        lib = tvm.runtime.load_module(str(self.dir / m.library))
+        self.vm = VirtualMachine(lib, self.dev)
         self.params = self._bind_params()
         self._params_of = {name: self.params if f.params is None else self.params[f.params[0]:f.params[1]]
                            for name, f in self.functions.items()}   # each function's weight arguments
@@ -150,15 +149,6 @@ class Engine:
         self.decode_calls: Counter = Counter()   # sequences per decode call -> calls (ds4 serve's /metrics)
         self.prefilled_beside_decodes = 0        # prompt tokens prefilled in a call with decodes (prefill_batch)
         self.tokenizer_data = read_json_object(self.dir / m.tokenizer, "tokenizer data")
-
-    def lane_view(self) -> Engine:
-        """This engine for a decode lane's thread: the same weights, functions and sequences, its
-        own VirtualMachine (one runs one call at a time), attached sequence and call counts, and no
-        pool resizing (a lane's pool keeps its size)."""
-        view = copy.copy(self)
-        view.vm, view._adapt_threads = self._VM(self._lib, self.dev), lambda: None
-        view.decode_calls = Counter()
-        return view
 
     # ------------------------------------------------------------------ sequences
     def new_sequence(self) -> Sequence:

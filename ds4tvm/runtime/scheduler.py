@@ -33,7 +33,6 @@ import numpy as np
 from ..artifact import batch_name
 from ..errors import Cancelled, Ds4Error
 from .engine import SequenceView, Step
-from .lanes import lanes_for
 
 MIN_CHUNK = 8       # a round's first prefill chunk at least, while others decode (doubled up to the compiled chunk)
 # decode steps' time a round's prefill may add while others decode: their tokens come about 1 + STALL
@@ -71,7 +70,6 @@ class Scheduler:
         # sharing a call with decodes (True: what the call took beyond a decode step)
         self._chunk_s: dict[bool, dict[int, float]] = {False: {}, True: {}}
         self._closed = False
-        self._lanes = lanes_for(engine)
         self._thread = threading.Thread(target=self._loop, name="ds4-scheduler", daemon=True)
         self._thread.start()
 
@@ -92,8 +90,6 @@ class Scheduler:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
-        if self._lanes is not None:
-            self._lanes.close()
 
     def submit(self, op: _Op):
         """Queues op and waits for its result (raising what it raised)."""
@@ -168,15 +164,17 @@ class Scheduler:
         op.done.set()
 
     def _decode(self, ops: list[_Op]) -> None:
-        """ops' decode steps in one call, or one call per lane (runtime/lanes.py)."""
         t0 = time.perf_counter()
-        if self._lanes is not None and self._lanes.takes(len(ops)):
-            done = all(self._lanes.run(ops, _decoded))
-            self.engine.decode_calls[len(ops)] += 1   # (a lane counts its calls on its own view)
-        else:
-            done = _decoded(self.engine, ops)
-        if done:
-            self._step_s = _recent(self._step_s, time.perf_counter() - t0)
+        try:
+            steps = self.engine.decode_batch([op.seq for op in ops], [op.token for op in ops])
+        except BaseException:
+            for op in ops:   # alone, each says what it did: one request's full context fails no other
+                self._finish(op, lambda op=op: self.engine.decode_batch([op.seq], [op.token])[0])
+            return
+        self._step_s = _recent(self._step_s, time.perf_counter() - t0)
+        for op, step in zip(ops, steps):
+            op.result = step
+            op.done.set()
 
     def _budget(self, decoding: int, prefilling: int) -> float:
         """Seconds the round's prefill may add: unbounded where no one decodes (prompts waiting only
@@ -251,21 +249,6 @@ class Scheduler:
             if op.error is None:
                 op.result = _joined(op.parts)
             op.done.set()
-
-
-def _decoded(engine, ops: list[_Op]) -> bool:
-    """ops' decode steps in one call on engine; if that fails, each alone says what it did (one
-    request's full context fails no other): False."""
-    try:
-        steps = engine.decode_batch([op.seq for op in ops], [op.token for op in ops])
-    except BaseException:
-        for op in ops:
-            Scheduler._finish(op, lambda op=op: engine.decode_batch([op.seq], [op.token])[0])
-        return False
-    for op, step in zip(ops, steps):
-        op.result = step
-        op.done.set()
-    return True
 
 
 def _recent(old: float | None, new: float) -> float:

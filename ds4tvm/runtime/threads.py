@@ -65,12 +65,6 @@ def adapt() -> None:
         watch.step()
 
 
-def shrunk() -> bool:
-    """The calling thread's pool runs on fewer threads than it was given (another process is busy)."""
-    watch = getattr(_local, "watch", None)
-    return bool(watch) and watch.active < watch.threads
-
-
 class _CoreWatch:
     def __init__(self, cores: list[int], threads: int, configure):
         self.cores, self.threads, self.configure = cores, threads, configure

@@ -2,7 +2,7 @@
 decode gives every sequence the logits a decode of it alone gives, and a batched prefill a chunk
 the logits its prefill gives, bit for bit; generations sharing the engine
 through the scheduler, at temperature 0 and seeded, with and without a drafter, give what each
-gives alone (in one call and on decode lanes); one request's error stays its own."""
+gives alone; one request's error stays its own."""
 
 import threading
 import time
@@ -149,24 +149,3 @@ def test_a_fault_in_a_round_reaches_its_waiter_and_the_scheduler_serves_on(engin
             assert seq_engine.decode(4).logits.shape == (engine.n_vocab,) and seq_engine.pos == 4
     finally:
         scheduler.close()
-
-
-def test_decode_lanes_are_used_where_they_pay(engine, monkeypatch):
-    """Lanes on CPU engines whose pool has two threads or more and whose batched decodes reach
-    MIN_SEQUENCES; DS4TVM_DECODE_LANES sets their count (1: off) and a bad value is named."""
-    from ds4tvm.runtime import lanes
-
-    monkeypatch.delenv(lanes.ENV, raising=False)
-    monkeypatch.setenv("TVM_NUM_THREADS", "2")
-    assert engine.max_batch < lanes.MIN_SEQUENCES and lanes.lanes_for(engine) is None
-    monkeypatch.setattr(lanes, "MIN_SEQUENCES", 3)
-    made = lanes.lanes_for(engine)
-    assert made.count == 2 and made.takes(3) and not made.takes(2)
-    monkeypatch.setenv("TVM_NUM_THREADS", "1")
-    assert lanes.lanes_for(engine) is None
-    monkeypatch.setenv(lanes.ENV, "1")
-    monkeypatch.setenv("TVM_NUM_THREADS", "2")
-    assert lanes.lanes_for(engine) is None
-    monkeypatch.setenv(lanes.ENV, "two")
-    with pytest.raises(Ds4Error, match="DS4TVM_DECODE_LANES='two': a whole number"):
-        lanes.lanes_for(engine)
