@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # minutes while the other worker sat idle (the GPU check's selftest, six compiles). Those first
 # build what they use themselves; the shared fixtures (demo_pair, tiny_artifact) come later.
 LONGEST_FIRST = ("targets/test_device_check.py", "runtime/test_grammar.py", "unit/test_kernels.py",
-                 "families/test_glm5next_mtp.py", "runtime/test_speculative.py", "targets/test_gpu_targets.py")
+                 "targets/test_gpu_targets.py", "runtime/test_speculative.py", "families/test_qwen4exp_mtp.py")
 
 
 def pytest_collection_modifyitems(config, items):
