@@ -296,15 +296,17 @@ def test_cli_mtp_identity_at_every_depth_timing_json_and_flag_errors(model):
     base = ("run", "-m", art, "-p", "The quick brown fox", "-n", "30", "--temp", "0")
     plain = run_ds4(*base)
     assert plain.returncode == 0, plain.stderr
+    # the drafter asked every cycle: whether the cost model lets it propose on this tiny model depends
+    # on the machine's load (a run beside a compile skipped all 30 cycles), and the identity and the
+    # depth counters are only checked where it drafts
+    always = {**os.environ, "DS4_SPEC_COST_MODEL": "0"}
     for depth in ("2", "3", "0"):
-        env = {**os.environ, "DS4_QWEN4_MTP_DEPTH": depth}
+        env = {**always, "DS4_QWEN4_MTP_DEPTH": depth}
         r = run_ds4(*base, "--mtp", env=env)
         assert r.returncode == 0 and r.stdout == plain.stdout, r.stderr
         assert re.search(r"ds4: Qwen3\.8 MTP stats cycles=\d+ proposed=\d+ accepted_draft=\d+ accept_rate=[\d.]+% "
                          r"avg_accept=[\d.]+ depth[23]=\d+/\d+@\d+", r.stderr), r.stderr
         assert "qwen mtp cycle" not in r.stderr
-    # the drafter asked every cycle (as in test_glm5next_mtp.py: the cost model's choice depends on the load)
-    always = {**os.environ, "DS4_SPEC_COST_MODEL": "0"}
     timed = run_ds4(*base, "--mtp-timing", env={**always, "DS4_QWEN4_MTP_DEPTH": "3"})
     assert timed.returncode == 0 and timed.stdout == plain.stdout, timed.stderr
     lines = [ln for ln in timed.stderr.splitlines() if ln.startswith("ds4: qwen mtp cycle:")]
