@@ -21,8 +21,8 @@ PROMPT = [int(t) for t in np.random.default_rng(1).integers(0, 512, 41)]   # > 1
 VOCAB = 512
 
 
-# the default run reads the spec's streams here (§4: HC-shaped); the hidden reading, the tiny
-# config's default, is the one the grammar tests and the GPU check draft with; here under -m slow
+# the default run reads the spec's streams here (§4: HC-shaped), the grammar tests' artifact; the
+# hidden reading, the tiny config's default, is the one the GPU check drafts with; here under -m slow
 @pytest.fixture(scope="module", params=[pytest.param("hidden", marks=pytest.mark.slow), "streams"])
 def model(request, tmp_path_factory):
     """A tiny random GLM-5.3 with its nextn layer (families/glm5next/random_model.py) reading
