@@ -90,7 +90,7 @@ def _tiny_artifact(d: Path) -> Path:
 def tiny_glm(d: Path, mtp_input: str = "streams") -> tuple[Path, Path, str]:
     """A tiny random GLM-5.3 (float32 weights) whose nextn layer reads mtp_input, compiled for llvm
     with batched decodes of 2 into d (once: a second call reuses it): (artifact, GGUF, mtp_input).
-    The streams reading is shared by the GLM MTP and grammar tests (_once_per_run)."""
+    The streams reading is shared by the GLM MTP and grammar tests (shared_tiny_glm)."""
     from gguf import GGMLQuantizationType as QT
 
     from ds4tvm.families.glm5next.random_model import tiny_config, write_random_glm5next
@@ -101,6 +101,11 @@ def tiny_glm(d: Path, mtp_input: str = "streams") -> tuple[Path, Path, str]:
         compile_here(d / "glm.gguf", "--target", "llvm", "-o", d / "art", "--max-context", "256", "--max-batch", "2",
                      "--quiet")
     return d / "art", d / "glm.gguf", mtp_input
+
+
+def shared_tiny_glm(tmp_path_factory) -> tuple[Path, Path, str]:
+    """tiny_glm's streams reading, built once for all the test workers of this run."""
+    return _once_per_run(tmp_path_factory, "glm-streams", tiny_glm)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import _once_per_run, exact_sampling_outcomes, run_ds4, tiny_glm
+from conftest import exact_sampling_outcomes, run_ds4, shared_tiny_glm, tiny_glm
 
 from ds4tvm.families.glm5next.random_model import tiny_config
 
@@ -30,7 +30,7 @@ def model(request, tmp_path_factory):
     (artifact, GGUF, what the layer reads)."""
     assert tiny_config().n_vocab == VOCAB
     if request.param == "streams":
-        return _once_per_run(tmp_path_factory, "glm-streams", tiny_glm)
+        return shared_tiny_glm(tmp_path_factory)
     return tiny_glm(tmp_path_factory.mktemp("glm_mtp"), request.param)
 
 

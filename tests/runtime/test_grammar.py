@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import _once_per_run, compile_here, tiny_glm
+from conftest import _once_per_run, compile_here, shared_tiny_glm
 
 pytestmark = pytest.mark.compile
 
@@ -44,7 +44,7 @@ def model(request, tmp_path_factory):
     if request.param == "demo+dspark":
         art, drafter = _once_per_run(tmp_path_factory, "embedded", _embedded), DSparkDrafter
     else:
-        art, drafter = _once_per_run(tmp_path_factory, "glm-streams", tiny_glm)[0], GLMMTPDrafter
+        art, drafter = shared_tiny_glm(tmp_path_factory)[0], GLMMTPDrafter
     engine = Engine(art)
     tok = Tokenizer.from_metadata(engine.tokenizer_data)
     return engine, tok, drafter, tok.encode("# one record as JSON\nrecord = ")
@@ -141,7 +141,7 @@ def test_ds4_run_json_schema(tmp_path_factory, tmp_path):
 
     from conftest import run_ds4
 
-    art = _once_per_run(tmp_path_factory, "glm-streams", tiny_glm)[0]
+    art = shared_tiny_glm(tmp_path_factory)[0]
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMA))
     for schema in (json.dumps(SCHEMA), str(schema_file)):
@@ -180,7 +180,7 @@ def test_forced_tool_calls_parse_in_the_familys_syntax(family, tmp_path_factory)
     from ds4tvm.runtime.speculative import generate
     from ds4tvm.runtime.tokenizer import Tokenizer
 
-    art = (_once_per_run(tmp_path_factory, "glm-streams", tiny_glm)[0] if family == "glm5next"
+    art = (shared_tiny_glm(tmp_path_factory)[0] if family == "glm5next"
            else _once_per_run(tmp_path_factory, "grammar-qwen4exp", _tiny_qwen))
     syntax = load_attr(family_named(family).tool_syntax)
     engine = Engine(art)
