@@ -35,6 +35,14 @@ def run_ds4(*args: str, timeout: float = 120, env: dict | None = None) -> subpro
                           text=True, timeout=timeout, env=env)
 
 
+def always_drafting(**extra: str) -> dict:
+    """The environment of a `ds4 run` whose drafter is asked every cycle (DS4_SPEC_COST_MODEL=0):
+    on the tiny models a verify costs about as much as the decodes it saves, so whether the cost
+    model (runtime/costs.py) lets a drafter propose depends on the machine's load (beside a compile
+    it skipped every cycle), and a check that drafts are made and accepted would fail with it."""
+    return {**os.environ, "DS4_SPEC_COST_MODEL": "0", **extra}
+
+
 def run_ds4_compile(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Runs the real `ds4-compile` command line in a fresh process."""
     return subprocess.run([sys.executable, "-c", "from ds4tvm.cli import compile_main; compile_main()",

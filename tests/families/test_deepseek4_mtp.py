@@ -2,12 +2,11 @@
 from the spec, and the drafter in the speculative loop and the CLI against target-only decoding."""
 
 import json
-import os
 
 import numpy as np
 import pytest
 
-from conftest import compile_here, run_ds4
+from conftest import always_drafting, compile_here, run_ds4
 
 pytestmark = pytest.mark.compile
 PROMPT = [7, 8, 9, 10, 11]
@@ -176,8 +175,7 @@ def test_cli_mtp_draft_identity_json_and_errors(target, agreeing):
     d, cfg, model = target
     art, support = agreeing
     ids = ",".join(map(str, PROMPT))
-    # the drafter asked every cycle: whether the cost model lets it propose depends on the machine's load
-    always = {**os.environ, "DS4_SPEC_COST_MODEL": "0"}
+    always = always_drafting()
     base = run_ds4("run", "-m", art, "--tokens", ids, "-n", "40", "--temp", "0", "--json")
     spec = run_ds4("run", "-m", art, "--mtp", support, "--tokens", ids, "-n", "40", "--temp", "0", "--mtp-draft", "2",
                    "--mtp-margin", "0", "--json", env=always)

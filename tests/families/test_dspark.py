@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import compile_here, run_ds4, run_ds4_compile
+from conftest import always_drafting, compile_here, run_ds4, run_ds4_compile
 
 pytestmark = pytest.mark.compile
 
@@ -124,7 +124,7 @@ def test_cli_dspark_strict_and_errors(pair, tmp_path):
     cfg, model, support, art, prompt, _, want, _ = pair
     ids = ",".join(map(str, prompt))
     base = run_ds4("run", "-m", art, "--tokens", ids, "-n", "30", "--temp", "0", "--json")
-    spec = run_ds4("-m", art, "--tokens", ids, "-n", "30", "--temp", "0", "--dspark", "--json")
+    spec = run_ds4("-m", art, "--tokens", ids, "-n", "30", "--temp", "0", "--dspark", "--json", env=always_drafting())
     strict = run_ds4("run", "-m", art, "--tokens", ids, "-n", "30", "--temp", "0", "--dspark-strict", "--json")
     for r in (base, spec, strict):
         assert r.returncode == 0, r.stderr

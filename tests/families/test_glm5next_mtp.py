@@ -6,13 +6,12 @@ checked against transformers' GLM layers in test_glm_reference.py and its MoE he
 file with gguf-py and is fed the trunk's rows from transformers, and the drafter in the speculative
 loop against target-only decoding, with test doubles that always and never agree with the target."""
 
-import os
 import re
 
 import numpy as np
 import pytest
 
-from conftest import exact_sampling_outcomes, run_ds4, shared_tiny_glm, tiny_glm
+from conftest import always_drafting, exact_sampling_outcomes, run_ds4, shared_tiny_glm, tiny_glm
 
 from ds4tvm.families.glm5next.random_model import tiny_config
 
@@ -215,9 +214,7 @@ def test_cli_mtp_identity_timing_and_flag_errors(model):
     silent = run_ds4(*base, "--mtp")
     assert silent.returncode == 0 and silent.stdout == plain.stdout, silent.stderr
     assert "glm mtp cycle" not in silent.stderr
-    # the drafter asked every cycle: on this tiny model a verify of 2 costs 1.5-1.9 decodes, so whether
-    # the cost model lets it propose at all depends on the machine's load (runtime/costs.py)
-    timed = run_ds4(*base, "--mtp-timing", env={**os.environ, "DS4_SPEC_COST_MODEL": "0"})
+    timed = run_ds4(*base, "--mtp-timing", env=always_drafting())
     assert timed.returncode == 0 and timed.stdout == plain.stdout, timed.stderr
     lines = [ln for ln in timed.stderr.splitlines() if ln.startswith("ds4: glm mtp cycle:")]
     assert lines and all(re.fullmatch(r"ds4: glm mtp cycle: verify2 [\d.]+ ms, head\+draft [\d.]+ ms, "

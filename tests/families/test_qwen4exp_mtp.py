@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import compile_here, exact_sampling_outcomes, run_ds4
+from conftest import always_drafting, compile_here, exact_sampling_outcomes, run_ds4
 
 pytestmark = [pytest.mark.compile, pytest.mark.oracle]
 EOS = 7
@@ -296,23 +296,19 @@ def test_cli_mtp_identity_at_every_depth_timing_json_and_flag_errors(model):
     base = ("run", "-m", art, "-p", "The quick brown fox", "-n", "30", "--temp", "0")
     plain = run_ds4(*base)
     assert plain.returncode == 0, plain.stderr
-    # the drafter asked every cycle: whether the cost model lets it propose on this tiny model depends
-    # on the machine's load (a run beside a compile skipped all 30 cycles), and the identity and the
-    # depth counters are only checked where it drafts
-    always = {**os.environ, "DS4_SPEC_COST_MODEL": "0"}
     for depth in ("2", "3", "0"):
-        env = {**always, "DS4_QWEN4_MTP_DEPTH": depth}
+        env = always_drafting(DS4_QWEN4_MTP_DEPTH=depth)
         r = run_ds4(*base, "--mtp", env=env)
         assert r.returncode == 0 and r.stdout == plain.stdout, r.stderr
         assert re.search(r"ds4: Qwen3\.8 MTP stats cycles=\d+ proposed=\d+ accepted_draft=\d+ accept_rate=[\d.]+% "
                          r"avg_accept=[\d.]+ depth[23]=\d+/\d+@\d+", r.stderr), r.stderr
         assert "qwen mtp cycle" not in r.stderr
-    timed = run_ds4(*base, "--mtp-timing", env={**always, "DS4_QWEN4_MTP_DEPTH": "3"})
+    timed = run_ds4(*base, "--mtp-timing", env=always_drafting(DS4_QWEN4_MTP_DEPTH="3"))
     assert timed.returncode == 0 and timed.stdout == plain.stdout, timed.stderr
     lines = [ln for ln in timed.stderr.splitlines() if ln.startswith("ds4: qwen mtp cycle:")]
     assert lines and all(re.fullmatch(r"ds4: qwen mtp cycle: depth [23], draft [\d.]+ ms, verify[23] [\d.]+ ms, "
                                       r"accepted \d/[12] \(drafts \d+( \d+)?\)", ln) for ln in lines), lines[:3]
-    r = run_ds4(*base, "--mtp", "--json", env=always)
+    r = run_ds4(*base, "--mtp", "--json", env=always_drafting())
     assert r.returncode == 0, r.stderr
     spec = json.loads(r.stdout)["spec"]
     assert set(spec["by_depth"]) == {"2", "3"} and spec["cycles"] == sum(d["cycles"] for d in spec["by_depth"].values())

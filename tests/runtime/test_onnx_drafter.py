@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import compile_here, run_ds4, run_ds4_compile
+from conftest import always_drafting, compile_here, run_ds4, run_ds4_compile
 from gguf.quants import dequantize
 
 import onnx_models
@@ -139,7 +139,8 @@ def test_exact_sampling_with_heads_keeps_the_counts_consistent(heads_art):
 
 def test_run_flags(heads_art, demo_pair):
     art, heads, _ = heads_art
-    r = run_ds4("run", "-m", art, "-p", "Hello, world!", "-n", 24, "--temp", 0, "--draft-onnx", "--json")
+    r = run_ds4("run", "-m", art, "-p", "Hello, world!", "-n", 24, "--temp", 0, "--draft-onnx", "--json",
+                env=always_drafting())
     assert r.returncode == 0, r.stderr
     spec = json.loads(r.stdout)["spec"]
     assert spec["heads"] == K and spec["proposed"] > 0

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from conftest import compile_here, run_ds4, run_ds4_compile
+from conftest import always_drafting, compile_here, run_ds4, run_ds4_compile
 
 from random_demo import PROMPT
 
@@ -41,7 +41,7 @@ def test_compile_package_command_line(demo_pair, tmp_path):
 
 
 def _run_json(model, *extra):
-    r = run_ds4("run", "-m", model, "-p", PROMPT, "-n", 40, "--temp", 0, "--json", *extra)
+    r = run_ds4("run", "-m", model, "-p", PROMPT, "-n", 40, "--temp", 0, "--json", *extra, env=always_drafting())
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
