@@ -4,6 +4,7 @@ tests use a scratch folder)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -44,3 +45,22 @@ def entries() -> list[dict]:
             out.append({"kind": kind, "key": d.name, "source": source, "family": meta.get("family"),
                         "target": target, "bytes": size, "modified": d.stat().st_mtime, "path": str(d)})
     return sorted(out, key=lambda e: -e["modified"])
+
+
+@contextlib.contextmanager
+def one_at_a_time(entry: Path, on_wait=None):
+    """Held by one process at a time per cache entry (an flock on ENTRY.lock beside it, which the OS
+    releases if the holder dies): two first uses of one model compile it once, the second waiting
+    for the first's artifact instead of spending minutes on a copy it would throw away. on_wait()
+    is called once if another process holds it."""
+    import fcntl
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.with_name(entry.name + ".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

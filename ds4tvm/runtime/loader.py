@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..artifact import MANIFEST, MODEL, file_fingerprint, file_sha256
-from ..cache import cache_root
+from ..cache import cache_root, one_at_a_time
 from ..errors import Ds4Error
 
 
@@ -99,25 +99,39 @@ def _open_engine(model, target, bounds, kv_rounding, progress, support, lean, he
                       file_sha256(Path(heads)) if heads else None])
     out = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24]
     if not (out / MANIFEST).is_file():
-        from ..compile.driver import CompileRequest, compile_gguf
+        from ..compile.driver import CompileRequest
 
-        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")   # its own: two first uses may compile at once
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            t0 = time.perf_counter()
-            compile_gguf(path, tmp, CompileRequest(target, bounds, kv_rounding=kv_rounding, progress=progress,
-                                                   support=support, draft_onnx=heads))
-            if progress:   # after: a file refused before compiling gets its one error line alone
-                print(f"ds4: first use of {path.name}: compiled it for {target} in {time.perf_counter() - t0:.0f} s "
-                      f"(cached in {out.parent})", file=sys.stderr)
-            if not (out / MANIFEST).is_file():   # else another process finished first: keep its copy
-                shutil.rmtree(out, ignore_errors=True)
-                tmp.rename(out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        def waiting():
+            if progress:
+                print(f"ds4: another process is compiling {path.name} for {target}: waiting for its artifact",
+                      file=sys.stderr)
+
+        with one_at_a_time(out, waiting):
+            if not (out / MANIFEST).is_file():   # else the process waited for made it
+                _compile_into(out, path, target, CompileRequest(target, bounds, kv_rounding=kv_rounding,
+                                                                progress=progress, support=support, draft_onnx=heads))
     elif lean:
         runtime_only_tvm()
     return Engine(out, weights={MODEL: path, **({"support": support} if support else {})})
+
+
+def _compile_into(out: Path, path: Path, target: str, req) -> None:
+    """path compiled into a folder of this process's, renamed to out once complete (a reader never
+    sees half an artifact)."""
+    from ..compile.driver import compile_gguf
+
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        t0 = time.perf_counter()
+        compile_gguf(path, tmp, req)
+        if req.progress:   # after: a file refused before compiling gets its one error line alone
+            print(f"ds4: first use of {path.name}: compiled it for {target} in {time.perf_counter() - t0:.0f} s "
+                  f"(cached in {out.parent})", file=sys.stderr)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def verify_model(path: Path, progress: bool = True) -> list[str]:
