@@ -49,14 +49,18 @@ def entries() -> list[dict]:
 
 @contextlib.contextmanager
 def one_at_a_time(entry: Path, on_wait=None):
-    """Held by one process at a time per cache entry (an flock on ENTRY.lock beside it, which the OS
-    releases if the holder dies): two first uses of one model compile it once, the second waiting
-    for the first's artifact instead of spending minutes on a copy it would throw away. on_wait()
-    is called once if another process holds it."""
+    """Held by one process at a time per cache entry (an flock, which the OS releases if the holder
+    dies, on a file under the cache's locks/, so that the entries' folders hold entries only): two
+    first uses of one model compile it once, the second waiting for the first's artifact instead of
+    spending minutes on a copy it would throw away. on_wait() is called once if another process
+    holds it."""
     import fcntl
+    import hashlib
 
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with open(entry.with_name(entry.name + ".lock"), "w") as lock:
+    locks = _base() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(str(Path(entry).resolve()).encode()).hexdigest()[:24]
+    with open(locks / f"{name}.lock", "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
