@@ -108,14 +108,14 @@ def _open_engine(model, target, bounds, kv_rounding, progress, support, lean, he
 
         with one_at_a_time(out, waiting):
             if not (out / MANIFEST).is_file():   # else the process waited for made it
-                _compile_into(out, path, target, CompileRequest(target, bounds, kv_rounding=kv_rounding,
-                                                                progress=progress, support=support, draft_onnx=heads))
+                _compile_into(out, path, CompileRequest(target, bounds, kv_rounding=kv_rounding, progress=progress,
+                                                        support=support, draft_onnx=heads))
     elif lean:
         runtime_only_tvm()
     return Engine(out, weights={MODEL: path, **({"support": support} if support else {})})
 
 
-def _compile_into(out: Path, path: Path, target: str, req) -> None:
+def _compile_into(out: Path, path: Path, req) -> None:
     """path compiled into a folder of this process's, renamed to out once complete (a reader never
     sees half an artifact)."""
     from ..compile.driver import compile_gguf
@@ -126,7 +126,7 @@ def _compile_into(out: Path, path: Path, target: str, req) -> None:
         t0 = time.perf_counter()
         compile_gguf(path, tmp, req)
         if req.progress:   # after: a file refused before compiling gets its one error line alone
-            print(f"ds4: first use of {path.name}: compiled it for {target} in {time.perf_counter() - t0:.0f} s "
+            print(f"ds4: first use of {path.name}: compiled it for {req.target} in {time.perf_counter() - t0:.0f} s "
                   f"(cached in {out.parent})", file=sys.stderr)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
