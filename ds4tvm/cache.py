@@ -4,7 +4,6 @@ tests use a scratch folder)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -47,15 +46,16 @@ def entries() -> list[dict]:
     return sorted(out, key=lambda e: -e["modified"])
 
 
-@contextlib.contextmanager
-def one_at_a_time(entry: Path, on_wait=None):
-    """Held by one process at a time per cache entry (an flock, which the OS releases if the holder
-    dies, on a file under the cache's locks/, so that the entries' folders hold entries only): two
-    first uses of one model compile it once, the second waiting for the first's artifact instead of
-    spending minutes on a copy it would throw away. on_wait() is called once if another process
-    holds it."""
+def build_once(entry: Path, built, build, on_wait=None) -> None:
+    """A cache entry made by build(folder) unless built() already holds, one process at a time (an
+    flock, which the OS releases if the holder dies, on a file under the cache's locks/, so that the
+    entries' folders hold entries only): two first uses of one model compile it once, the second
+    waiting for the first's artifact instead of spending minutes on a copy it would throw away
+    (on_wait() is called once if it waits). build writes into a folder of this process's, renamed
+    to entry once complete: a reader never sees half an entry."""
     import fcntl
     import hashlib
+    import shutil
 
     locks = _base() / "locks"
     locks.mkdir(parents=True, exist_ok=True)
@@ -67,4 +67,13 @@ def one_at_a_time(entry: Path, on_wait=None):
             if on_wait is not None:
                 on_wait()
             fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        if built():   # the process waited for made it
+            return
+        tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            build(tmp)
+            shutil.rmtree(entry, ignore_errors=True)   # an incomplete or outdated one
+            tmp.rename(entry)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -6,8 +6,6 @@ with DSpark; `ds4 run` and `ds4 serve` use them when no model is given."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import statistics
 import sys
 import time
@@ -67,27 +65,25 @@ def embedded_artifact(out_dir: Path | None = None, progress: bool = True) -> Pat
     """The artifact of the embedded pair for this CPU, compiled on first use under out_dir (one per
     version of the shipped files)."""
     from .artifact import Bounds, file_sha256
-    from .cache import one_at_a_time
+    from .cache import build_once
     from .compile.driver import CompileRequest, compile_gguf
 
     model, support = embedded_pair()
     stamp = file_sha256(model)[:12] + file_sha256(support)[:12]
     art = Path(out_dir or default_dir()) / f"artifact-{stamp}"
-    if _current(art):
-        return art
-    with one_at_a_time(art, lambda: progress and _echo("ds4: another process is compiling the embedded model: "
-                                                       "waiting for its artifact", err=True)):
-        if not _current(art):   # else the process waited for made it
-            if progress:
-                _echo("ds4: first use of the embedded model: compiling it with its DSpark drafter for this CPU "
-                      "(about a minute)", err=True)
-            tmp = art.with_name(art.name + f".tmp{os.getpid()}")
-            try:
-                compile_gguf(model, tmp, CompileRequest("cpu", Bounds(**BOUNDS), progress=progress, support=support))
-                shutil.rmtree(art, ignore_errors=True)   # one an older ds4tvm or TVM compiled
-                tmp.replace(art)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+
+    def compile_into(tmp: Path) -> None:
+        if progress:
+            _echo("ds4: first use of the embedded model: compiling it with its DSpark drafter for this CPU "
+                  "(about a minute)", err=True)
+        compile_gguf(model, tmp, CompileRequest("cpu", Bounds(**BOUNDS), progress=progress, support=support))
+
+    def waiting():
+        if progress:
+            _echo("ds4: another process is compiling the embedded model: waiting for its artifact", err=True)
+
+    if not _current(art):
+        build_once(art, lambda: _current(art), compile_into, waiting)
     return art
 
 

@@ -9,14 +9,13 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 from .. import __version__
 from ..artifact import MANIFEST, MODEL, file_fingerprint, file_sha256
-from ..cache import cache_root, one_at_a_time
+from ..cache import build_once, cache_root
 from ..errors import Ds4Error
 
 
@@ -106,32 +105,22 @@ def _open_engine(model, target, bounds, kv_rounding, progress, support, lean, he
                 print(f"ds4: another process is compiling {path.name} for {target}: waiting for its artifact",
                       file=sys.stderr)
 
-        with one_at_a_time(out, waiting):
-            if not (out / MANIFEST).is_file():   # else the process waited for made it
-                _compile_into(out, path, CompileRequest(target, bounds, kv_rounding=kv_rounding, progress=progress,
-                                                        support=support, draft_onnx=heads))
+        req = CompileRequest(target, bounds, kv_rounding=kv_rounding, progress=progress, support=support,
+                             draft_onnx=heads)
+        build_once(out, (out / MANIFEST).is_file, lambda tmp: _compile(path, tmp, req, out.parent), waiting)
     elif lean:
         runtime_only_tvm()
     return Engine(out, weights={MODEL: path, **({"support": support} if support else {})})
 
 
-def _compile_into(out: Path, path: Path, req) -> None:
-    """path compiled into a folder of this process's, renamed to out once complete (a reader never
-    sees half an artifact)."""
+def _compile(path: Path, into: Path, req, cache: Path) -> None:
     from ..compile.driver import compile_gguf
 
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        t0 = time.perf_counter()
-        compile_gguf(path, tmp, req)
-        if req.progress:   # after: a file refused before compiling gets its one error line alone
-            print(f"ds4: first use of {path.name}: compiled it for {req.target} in {time.perf_counter() - t0:.0f} s "
-                  f"(cached in {out.parent})", file=sys.stderr)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.perf_counter()
+    compile_gguf(path, into, req)
+    if req.progress:   # after: a file refused before compiling gets its one error line alone
+        print(f"ds4: first use of {path.name}: compiled it for {req.target} in {time.perf_counter() - t0:.0f} s "
+              f"(cached in {cache})", file=sys.stderr)
 
 
 def verify_model(path: Path, progress: bool = True) -> list[str]:
