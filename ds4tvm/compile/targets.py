@@ -100,19 +100,36 @@ def _valid() -> str:
         "; rocm:gfxNNN with " + ", ".join(ROCM_ARCHES) + ")"
 
 
+OPT_LEVEL_ENV = "DS4_LLVM_OPT_LEVEL"
+
+
+def llvm_opt_level() -> dict:
+    """The LLVM optimisation level of CPU code (a CPU target's, a GPU target's host code) where
+    DS4_LLVM_OPT_LEVEL asks for one (0-3; unset: LLVM's default, 3). A developer's knob: the test
+    suite builds its tiny models at 1, which spends less time in LLVM and computes the same
+    numbers (no fast-math at any level), its code running slower; artifacts users run keep the default."""
+    value = os.environ.get(OPT_LEVEL_ENV)
+    if value is None:
+        return {}
+    if value.strip() not in ("0", "1", "2", "3"):
+        raise Ds4Error(f"{OPT_LEVEL_ENV}={value!r}: expected an LLVM optimisation level, 0, 1, 2 or 3")
+    return {"opt-level": int(value)}
+
+
 def resolve(value: str) -> Target:
     """The Target of a --target value; a malformed or unknown one is one line listing the valid ones."""
     kind, _, rest = value.partition(":")
     if value == "llvm":
-        return Target("llvm", "cpu", {"kind": "llvm", "num-cores": os.cpu_count() or 1})
+        return Target("llvm", "cpu", {"kind": "llvm", "num-cores": os.cpu_count() or 1, **llvm_opt_level()})
     if value == "cpu":
         from tvm.target import codegen
 
         mcpu = codegen.llvm_get_system_cpu()
-        return Target(f"llvm-{mcpu}", "cpu", {"kind": "llvm", "mcpu": mcpu, "num-cores": os.cpu_count() or 1})
+        return Target(f"llvm-{mcpu}", "cpu", {"kind": "llvm", "mcpu": mcpu, "num-cores": os.cpu_count() or 1,
+                                             **llvm_opt_level()})
     if value == "metal":
         return Target("metal", "metal", {"kind": "metal", "max_threads_per_block": 256, "thread_warp_size": 1,
-                                         "host": {"kind": "llvm", "mtriple": "arm64-apple-macos"}})
+                                         "host": {"kind": "llvm", "mtriple": "arm64-apple-macos", **llvm_opt_level()}})
     if kind == "cuda" and rest:
         arches = tuple(rest.split(","))
         if all(a in CUDA_ARCHES for a in arches) and len(set(arches)) == len(arches):
@@ -121,9 +138,9 @@ def resolve(value: str) -> Target:
             return Target("cuda-" + "+".join(arches), "cuda",
                           # 48 KB: the shared memory a block may use on every architecture without opting in
                           {"kind": "cuda", "arch": arches[0], "max_shared_memory_per_block": 49152,
-                           "host": {"kind": "llvm"}}, arches)
+                           "host": {"kind": "llvm", **llvm_opt_level()}}, arches)
     if kind == "rocm" and rest in ROCM_ARCHES:
-        return Target(f"rocm-{rest}", "rocm", {"kind": "rocm", "mcpu": rest, "host": {"kind": "llvm"}}, (rest,))
+        return Target(f"rocm-{rest}", "rocm", {"kind": "rocm", "mcpu": rest, "host": {"kind": "llvm", **llvm_opt_level()}}, (rest,))
     raise Ds4Error(f"--target {value!r} is not a target; expected one of: {_valid()}")
 
 

@@ -411,10 +411,11 @@ def source_digest() -> str:
     import pathlib
 
     import tvm
+    import tvm_ffi
 
     from ..gguf import quant
 
-    h = hashlib.sha256(tvm.__version__.encode())
+    h = hashlib.sha256(f"{tvm.__version__} {tvm_ffi.__version__}".encode())
     for module in (*sorted(pathlib.Path(__file__).parent.glob("*.py")), quant.__file__):
         h.update(pathlib.Path(module).read_bytes())
     return h.hexdigest()[:16]
@@ -424,11 +425,14 @@ def _parsed_once(build):
     """One PrimFunc per shape, shared by the layers and kept on disk (cache.kernel_cache()):
     parsing the TVMScript of one kernel takes 0.1-0.3 s (1-4 s before
     _find_macro_parser_on_bare_frames), and a model has dozens. The key is the arguments and a
-    digest of the sources that write the kernel."""
+    digest of the sources that write the kernel and of TVM's versions, so a file read back was
+    written by this TVM: it is loaded as it is, without tvm.ir.load_json's pass upgrading older
+    formats (4-5 s of a tiny model's compile in a fresh process, a quarter of its kernels' time)."""
     import hashlib
     import os
 
     import tvm
+    from tvm_ffi.serialization import from_json_graph_str
 
     from ..cache import kernel_cache
 
@@ -438,7 +442,7 @@ def _parsed_once(build):
         key = hashlib.sha256(repr((build.__name__, args, source_digest())).encode()).hexdigest()[:32]
         path = kernel_cache() / f"{build.__name__}-{key}.json"
         try:
-            return tvm.ir.load_json(path.read_text())
+            return from_json_graph_str(path.read_text())
         except (OSError, ValueError, RuntimeError):   # absent or unreadable: parse it again
             pass
         func = build(*args)

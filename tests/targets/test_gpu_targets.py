@@ -148,6 +148,25 @@ def test_target_list_and_bad_targets():
         assert r.returncode == 2 and len(lines) == 1 and "cuda:sm_80,sm_90" in lines[0], (bad, r.stderr)
 
 
+def test_llvm_opt_level_reaches_every_llvm_code_and_a_bad_one_is_refused(monkeypatch):
+    """DS4_LLVM_OPT_LEVEL (the tests build at 1: conftest) sets a CPU target's optimisation level
+    and a GPU target's host code's; unset, the targets are LLVM's default; anything but 0-3 is one
+    line naming the variable, before any compile."""
+    from ds4tvm.compile.targets import resolve
+    from ds4tvm.errors import Ds4Error
+
+    monkeypatch.setenv("DS4_LLVM_OPT_LEVEL", "2")
+    assert resolve("llvm").tvm["opt-level"] == resolve("cpu").tvm["opt-level"] == 2
+    assert all(resolve(t).tvm["host"]["opt-level"] == 2 for t in ("cuda:sm_90", "rocm:gfx942", "metal"))
+    monkeypatch.delenv("DS4_LLVM_OPT_LEVEL")
+    assert "opt-level" not in resolve("cpu").tvm and "opt-level" not in resolve("cuda:sm_90").tvm["host"]
+    for bad in ("fast", "4", "-1", ""):
+        monkeypatch.setenv("DS4_LLVM_OPT_LEVEL", bad)
+        with pytest.raises(Ds4Error) as e:
+            resolve("llvm")
+        assert e.value.message == f"DS4_LLVM_OPT_LEVEL={bad!r}: expected an LLVM optimisation level, 0, 1, 2 or 3"
+
+
 def test_device_check_says_so_on_a_machine_without_gpu():
     import os
 

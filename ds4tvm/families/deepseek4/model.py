@@ -28,6 +28,13 @@ from .config import Config
 from .tensors import tensor_specs
 
 
+def _floored_total(total):
+    """What the chosen experts' weights are divided by: their sum, at least 6.1e-5. One function for
+    every layer, so that the GPU routing kernels it is part of (kernels/gpu.top_k and table_experts,
+    cached by their arguments) are written once, not once per layer."""
+    return tirx.max(total, tirx.const(6.1e-5, "float32"))
+
+
 def state_specs(cfg: Config, b: Bounds) -> list[StateSpec]:
     """Every float32 state tensor, in argument order: rings of rows indexed by position modulo
     their length, and the compressed-row tables (row number = position // ratio)."""
@@ -173,7 +180,7 @@ class Block(nn.Module):
         h, post, comb = hc_pre(X, w["hc_ffn_fn.weight"], self.v("hc_ffn_scale"), self.v("hc_ffn_base"),
                                c.hc, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters, norm=self.v("ffn_norm"), forms=self.forms)
         p = op.sqrt(op.softplus(w["ffn_gate_inp.weight"].linear(h)))
-        denominator = (lambda total: tirx.max(total, tirx.const(6.1e-5, "float32"))) if c.expert_weights_norm else None
+        denominator = _floored_total if c.expert_weights_norm else None
         if self.il < c.n_hash_layers:
             experts, ps = table_experts(self.tid2eid, ids, p, denominator, c.expert_weights_scale, forms=self.forms)
         else:
