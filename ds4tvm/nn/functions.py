@@ -91,9 +91,12 @@ class Sequences:
     all rows at once."""
 
     def __init__(self, state_names: list[str], sequences: list[tuple], chunked: bool = False):
+        from tvm import tirx
+
         self.names, self.chunked = state_names, chunked
         self.starts = [start for start, _ in sequences]
         self.states = [dict(zip(state_names, states)) for _, states in sequences]
+        self.chunk = tirx.Var("chunk", "int64")   # the rows of a batched prefill's chunk
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -105,8 +108,11 @@ class Sequences:
         if not self.chunked:
             return list(op.split(x, len(self), axis=0))
         others = len(self) - 1   # (relax's split takes constant indices only)
-        return [rows_of(x, lambda n: 0, lambda n: n - others, "chunk_rows")] + \
-            [rows_of(x, lambda n, i=i: n - others + i, lambda n: 1, "decode_row") for i in range(others)]
+        # The chunk's rows (n - others of the call's n) named as a row count of their own: the
+        # kernels of its per-sequence work (RoPE, norms, attention, the compressors) are then
+        # prefill's, not a copy for n - 1, n - 2, ... per batch size (~40 kernels each).
+        chunk = with_rows(rows_of(x, lambda n: 0, lambda n: n - others, "chunk_rows"), self.chunk)
+        return [chunk] + [rows_of(x, lambda n, i=i: n - others + i, lambda n: 1, "decode_row") for i in range(others)]
 
     def per_sequence(self, x, prefix: str, fn) -> nn.Tensor:
         """fn(i, rows, start, states) -> (rows, new states) applied to each sequence's rows of x with
@@ -119,6 +125,8 @@ class Sequences:
             rows, new = fn(i, rows, self.starts[i], mine)
             self.states[i].update({prefix + k: v for k, v in new.items()})
             out.append(rows)
+        # (a batched prefill's rows come back as chunk + others rows: stating them n again, a
+        # second match_cast, sent TVM 0.27's KillAfterLastUse into a recursion that overflowed the stack)
         return out[0] if len(out) == 1 else op.concat(out, dim=0)
 
     def outputs(self) -> list[tuple]:
@@ -192,6 +200,15 @@ def rows_of(x: nn.Tensor, first, count, name: str) -> nn.Tensor:
         return te.compute((count(n), *t.shape[1:]), lambda r, *i: t[first(n) + r, *i], name=name)
 
     return op.tensor_expr_op(rows, name, [x])
+
+
+def with_rows(x: nn.Tensor, rows) -> nn.Tensor:
+    """x, its first axis stated to be `rows` (a symbolic row count, defined at its first
+    statement), checked when the function runs."""
+    from tvm import relax
+
+    ty = relax.TensorType([rows, *x.shape[1:]], x.dtype)
+    return nn.Tensor(_expr=relax.BlockBuilder.current().match_cast(x._expr, ty))
 
 
 def last_rows(x: nn.Tensor, last: int | None, name: str = "last_rows") -> nn.Tensor:
