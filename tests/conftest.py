@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("DS4_FIXTURES", ROOT.parent / "shared" / "fixtures"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The tiny models' CPU code built at LLVM -O1 (ds4tvm/compile/targets.py): a compile takes about
-# two thirds of the time, and compiles are half of this run; the numbers computed are the same.
+# three quarters of its -O3 time, and compiles are half of this run; the numbers computed are the same.
 # DS4_LLVM_OPT_LEVEL=3 pytest builds them as users' artifacts are built.
 os.environ.setdefault("DS4_LLVM_OPT_LEVEL", "1")
 

@@ -140,7 +140,8 @@ def resolve(value: str) -> Target:
                           {"kind": "cuda", "arch": arches[0], "max_shared_memory_per_block": 49152,
                            "host": {"kind": "llvm", **llvm_opt_level()}}, arches)
     if kind == "rocm" and rest in ROCM_ARCHES:
-        return Target(f"rocm-{rest}", "rocm", {"kind": "rocm", "mcpu": rest, "host": {"kind": "llvm", **llvm_opt_level()}}, (rest,))
+        return Target(f"rocm-{rest}", "rocm", {"kind": "rocm", "mcpu": rest, "host": {"kind": "llvm", **llvm_opt_level()}},
+                      (rest,))
     raise Ds4Error(f"--target {value!r} is not a target; expected one of: {_valid()}")
 
 

@@ -427,7 +427,7 @@ def _parsed_once(build):
     _find_macro_parser_on_bare_frames), and a model has dozens. The key is the arguments and a
     digest of the sources that write the kernel and of TVM's versions, so a file read back was
     written by this TVM: it is loaded as it is, without tvm.ir.load_json's pass upgrading older
-    formats (4-5 s of a tiny model's compile in a fresh process, a quarter of its kernels' time)."""
+    formats (~1 s of a tiny model's export in a fresh process)."""
     import hashlib
     import os
 
