@@ -103,33 +103,31 @@ def _valid() -> str:
 OPT_LEVEL_ENV = "DS4_LLVM_OPT_LEVEL"
 
 
-def llvm_opt_level() -> dict:
-    """The LLVM optimisation level of CPU code (a CPU target's, a GPU target's host code) where
-    DS4_LLVM_OPT_LEVEL asks for one (0-3; unset: LLVM's default, 3). A developer's knob: the test
-    suite builds its tiny models at 1, which spends less time in LLVM and computes the same
-    numbers (no fast-math at any level), its code running slower; artifacts users run keep the default."""
+def llvm_json(attrs: dict | None = None) -> dict:
+    """The JSON of an LLVM target (a CPU target, a GPU target's host) with attrs, at the
+    optimisation level DS4_LLVM_OPT_LEVEL asks for (0-3; unset: LLVM's default, 3). That variable
+    is a developer's knob: the test suite builds its tiny models at 1, which spends less time in
+    LLVM and computes the same numbers (no fast-math at any level), its code running slower;
+    artifacts users run keep the default."""
     value = os.environ.get(OPT_LEVEL_ENV)
-    if value is None:
-        return {}
-    if value.strip() not in ("0", "1", "2", "3"):
+    if value is not None and value.strip() not in ("0", "1", "2", "3"):
         raise Ds4Error(f"{OPT_LEVEL_ENV}={value!r}: expected an LLVM optimisation level, 0, 1, 2 or 3")
-    return {"opt-level": int(value)}
+    return {"kind": "llvm", **(attrs or {}), **({"opt-level": int(value)} if value is not None else {})}
 
 
 def resolve(value: str) -> Target:
     """The Target of a --target value; a malformed or unknown one is one line listing the valid ones."""
     kind, _, rest = value.partition(":")
     if value == "llvm":
-        return Target("llvm", "cpu", {"kind": "llvm", "num-cores": os.cpu_count() or 1, **llvm_opt_level()})
+        return Target("llvm", "cpu", llvm_json({"num-cores": os.cpu_count() or 1}))
     if value == "cpu":
         from tvm.target import codegen
 
         mcpu = codegen.llvm_get_system_cpu()
-        return Target(f"llvm-{mcpu}", "cpu", {"kind": "llvm", "mcpu": mcpu, "num-cores": os.cpu_count() or 1,
-                                             **llvm_opt_level()})
+        return Target(f"llvm-{mcpu}", "cpu", llvm_json({"mcpu": mcpu, "num-cores": os.cpu_count() or 1}))
     if value == "metal":
         return Target("metal", "metal", {"kind": "metal", "max_threads_per_block": 256, "thread_warp_size": 1,
-                                         "host": {"kind": "llvm", "mtriple": "arm64-apple-macos", **llvm_opt_level()}})
+                                         "host": llvm_json({"mtriple": "arm64-apple-macos"})})
     if kind == "cuda" and rest:
         arches = tuple(rest.split(","))
         if all(a in CUDA_ARCHES for a in arches) and len(set(arches)) == len(arches):
@@ -138,10 +136,9 @@ def resolve(value: str) -> Target:
             return Target("cuda-" + "+".join(arches), "cuda",
                           # 48 KB: the shared memory a block may use on every architecture without opting in
                           {"kind": "cuda", "arch": arches[0], "max_shared_memory_per_block": 49152,
-                           "host": {"kind": "llvm", **llvm_opt_level()}}, arches)
+                           "host": llvm_json()}, arches)
     if kind == "rocm" and rest in ROCM_ARCHES:
-        return Target(f"rocm-{rest}", "rocm", {"kind": "rocm", "mcpu": rest, "host": {"kind": "llvm", **llvm_opt_level()}},
-                      (rest,))
+        return Target(f"rocm-{rest}", "rocm", {"kind": "rocm", "mcpu": rest, "host": llvm_json()}, (rest,))
     raise Ds4Error(f"--target {value!r} is not a target; expected one of: {_valid()}")
 
 

@@ -204,7 +204,7 @@ def _check_cpu_kernels(qtype, int8: str | None, blocking=None, interleaved: bool
     from tvm.relax.frontend import nn
     from tvm.target import codegen
 
-    from ds4tvm.compile.targets import llvm_opt_level
+    from ds4tvm.compile.targets import llvm_json
     from ds4tvm.kernels import cpu as cpu_kernels
     from ds4tvm.kernels.forms import CpuLinears, Forms
     from ds4tvm.nn.qweight import QWeight, parameter_sources, set_forms
@@ -242,8 +242,7 @@ def _check_cpu_kernels(qtype, int8: str | None, blocking=None, interleaved: bool
     assert ("vpdpbusd" in script) == (int8 == "vpdpbusd") and ("pmadd.ub.sw" in script) == (int8 == "vpmaddubsw")
     assert all((sources[id(p)][1].endswith(":r16")) == (interleaved and int8 == "vpdpbusd"
                                                          and qtype in cpu_interleaved.FORMATS) for _, p in params)
-    target = tvm.target.Target({"kind": "llvm", "num-cores": 2, **llvm_opt_level(),
-                                **({"mcpu": codegen.llvm_get_system_cpu()} if int8 else {})})
+    target = tvm.target.Target(llvm_json({"num-cores": 2, **({"mcpu": codegen.llvm_get_system_cpu()} if int8 else {})}))
     vm = relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu())
     raw, raw_e = random_blocks(qtype, (N, K), rng), random_blocks(qtype, (E, N, K), rng)
     W, We = quants.dequantize(raw, qtype).astype(np.float64), quants.dequantize(raw_e, qtype).astype(np.float64)
