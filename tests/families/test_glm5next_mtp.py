@@ -71,9 +71,10 @@ def _transformers(model):
     return hf
 
 
-def _transformers_rows(model, ids) -> np.ndarray:
+def _transformers_rows(model, ids) -> tuple[np.ndarray, np.ndarray]:
     """What the MTP layer reads at every position, as transformers computes it: the output head's
-    input (the trunk's streams collapsed and normed) or the streams before the collapse."""
+    input (the trunk's streams collapsed and normed) or the streams before the collapse; in
+    float64, and in float32 (how far float32 rounding alone moves these rows on this input)."""
     import torch
 
     hf, seen = _transformers(model), []
@@ -81,8 +82,20 @@ def _transformers_rows(model, ids) -> np.ndarray:
     hook = module.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
     with torch.no_grad():
         hf(torch.tensor([ids]))
+        hf.float()(torch.tensor([ids]))
     hook.remove()
-    return seen[0][0].reshape(len(ids), -1).numpy()
+    return tuple(s[0].double().reshape(len(ids), -1).numpy() for s in seen)
+
+
+def _assert_within_trunk_bound(ours, rows, rows32):
+    """Each row of ours within GLM's trunk bound (2e-4, test_glm5next_oracle.py) of transformers'
+    float64 rows, or, where float32 rounding alone moves a row further, within 3x of what it moves
+    transformers' own float32 run: past 16 positions the indexer's selection and the KDA recurrence
+    amplify rounding (this prompt's row 16: transformers' float32 run 1.3e-4 from its float64,
+    ours 2.5e-4 on an AVX-512 Xeon, 6.9e-5 on a Zen 3)."""
+    ours_off = np.abs(ours - rows).max(axis=1)
+    bound = np.maximum(2e-4, 3 * np.abs(rows32 - rows).max(axis=1))
+    assert (ours_off <= bound).all(), [(i, ours_off[i], bound[i]) for i in np.flatnonzero(ours_off > bound)]
 
 
 def test_nextn_step_matches_the_numpy_reference(model):
@@ -90,7 +103,7 @@ def test_nextn_step_matches_the_numpy_reference(model):
     written while drafting and observing), the step's logits equal the reference's over the
     whole history. After the prompt the reference reads the trunk's hidden states as transformers
     computes them (the artifact's own, from a separate target-only prefill, checked against those:
-    2e-4, GLM's trunk bound, test_glm5next_oracle.py; measured 6.9e-5); after 24 more tokens it
+    _assert_within_trunk_bound); after 24 more tokens it
     reads the artifact's, because on this random model transformers' trunk departs from ours at
     rows 46, 47 and 57 (up to 0.18) where candidates tie exactly (pool scores of zero, which
     glm5_decision_margins leaves out) and torch.topk breaks the tie otherwise than ours (lowest
@@ -114,8 +127,8 @@ def test_nextn_step_matches_the_numpy_reference(model):
         got = e.call("mtp_step", hidden_prev=drafter.hidden[None], tokens=[t], start=e.pos)["logits"][0]
         rows = step.outputs[model[2]].astype(np.float64)
         if not n_new:   # see the docstring for the longer history
-            rows = _transformers_rows(model, e.history)
-            assert np.abs(step.outputs[model[2]] - rows).max() <= 2e-4
+            rows, rows32 = _transformers_rows(model, e.history)
+            _assert_within_trunk_bound(step.outputs[model[2]], rows, rows32)
         want = _reference_logits(model, e.history + [t], rows)[-1]
         assert np.abs(want).max() > 0.5
         # measured 3.9e-5 (hidden) and 5.4e-5 (streams) after the prompt, the trunk's departure from
