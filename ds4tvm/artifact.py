@@ -141,10 +141,15 @@ class StateSpec:
 INPUT_KINDS = ("tokens", "float32", "int32", "position", "positions", "host")
 
 
-def batch_name(sequences: int, chunked: bool = False) -> str:
-    """The name of the target's batched decode of that many sequences (FunctionSpec.sequences), or
-    (chunked) of its batched prefill: a prompt's chunk and a decode of each other sequence."""
-    return f"{'prefill' if chunked else 'decode'}_batch{sequences}"
+BATCHED = ("decode", "prefill", "verify")   # what a batched function does for its sequences
+
+
+def batch_name(sequences: int, kind: str = "decode") -> str:
+    """The name of the target's batched function of that many sequences (FunctionSpec.sequences):
+    its batched decode, its batched prefill (a prompt's chunk and a decode of each other sequence:
+    FunctionSpec.chunked) or its batched verify (a block of rows of each: FunctionSpec.blocks)."""
+    assert kind in BATCHED, kind
+    return f"{kind}_batch{sequences}"
 
 
 def width_variant(fn: str, width: int) -> str:
@@ -170,7 +175,8 @@ class FunctionSpec:
     the state tensors of the group follow once per sequence. chunked: the first of those sequences
     brings the rows of a prefill chunk (the others one row each), and the function returns the
     logits of each sequence's last row (its other outputs: those of every row, or of the logits'
-    rows)."""
+    rows). blocks: each sequence brings a block of the same k <= max_verify rows (a batched
+    verify), and the function returns the logits of every row."""
     name: str
     inputs: tuple[tuple[str, str], ...]     # (name, kind)
     outputs: tuple[str, ...]
@@ -181,6 +187,7 @@ class FunctionSpec:
     widths: tuple[int, ...] = ()
     sequences: int = 1
     chunked: bool = False
+    blocks: bool = False
 
     def to_json(self) -> dict:
         return {"name": self.name, "inputs": [list(i) for i in self.inputs], "outputs": list(self.outputs),
@@ -188,7 +195,7 @@ class FunctionSpec:
                 **({"recorded": True} if self.recorded else {}), **({"per_width": True} if self.per_width else {}),
                 **({"widths": list(self.widths)} if self.widths else {}),
                 **({"sequences": self.sequences} if self.sequences != 1 else {}),
-                **({"chunked": True} if self.chunked else {})}
+                **({"chunked": True} if self.chunked else {}), **({"blocks": True} if self.blocks else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> "FunctionSpec":
@@ -196,7 +203,7 @@ class FunctionSpec:
         return cls(d["name"], tuple(tuple(i) for i in d["inputs"]), tuple(d["outputs"]), d.get("states"),
                    tuple(params) if params is not None else None, bool(d.get("recorded", False)),
                    bool(d.get("per_width", False)), tuple(int(w) for w in d.get("widths", ())),
-                   int(d.get("sequences", 1)), bool(d.get("chunked", False)))
+                   int(d.get("sequences", 1)), bool(d.get("chunked", False)), bool(d.get("blocks", False)))
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Checks of continuous batching every family's tests share (tests/runtime/test_batching.py has the
-engine-level ones): a batched decode against decodes alone and a batched prefill against a
-prefill and decodes alone, bit for bit, and generations through the scheduler against each
-generated alone."""
+engine-level ones): a batched decode against decodes alone, a batched prefill against a prefill
+and decodes alone and a batched verify against verifies alone, bit for bit, and generations
+through the scheduler against each generated alone."""
 
 import threading
 from collections import Counter
@@ -101,7 +101,7 @@ def assert_batched_prefill_is_prefill(engine, prompt_list: list[list[int]], chun
     equal logits and named outputs, bit for bit."""
     from ds4tvm.artifact import batch_name
 
-    assert batch_name(len(prompt_list), chunked=True) in engine.functions
+    assert batch_name(len(prompt_list), "prefill") in engine.functions
     first, rest = prompt_list[0], prompt_list[1:]
     assert len(first) > chunk and all(len(p) > 1 for p in rest)
 
@@ -123,3 +123,37 @@ def assert_batched_prefill_is_prefill(engine, prompt_list: list[list[int]], chun
         assert all(np.array_equal(step.outputs[k], w.outputs[k]) for k in w.outputs), (i, step.outputs.keys())
     assert [s.pos for s in seqs] == [len(p) for p in prompt_list]
     assert [s.history for s in seqs] == prompt_list
+
+
+def assert_batched_verify_is_verify(engine, prompt_list: list[list[int]], blocks: list[list[int]]) -> None:
+    """A verify block after each prompt, alone and all in one call (Engine.verify_batch; blocks of
+    different lengths: the shorter ones padded): equal logits and named outputs, bit for bit, the
+    same rows pending; then each sequence commits all but its block's last row (padded rows and a
+    rejected row never committed) and decodes that row's token: equal logits again."""
+    from ds4tvm.artifact import batch_name
+
+    assert batch_name(len(prompt_list), "verify") in engine.functions
+
+    def fresh(tokens):
+        engine.attach(engine.new_sequence())
+        engine.prefill(tokens)
+        return engine.seq
+
+    want = []
+    for p, b in zip(prompt_list, blocks):
+        fresh(p)
+        verified = engine.verify(b)
+        engine.commit(len(b) - 1)
+        want.append((verified, engine.decode(b[-1])))
+    seqs, calls = [fresh(p) for p in prompt_list], engine.verify_calls[len(prompt_list)]
+    got = engine.verify_batch(seqs, blocks)
+    assert engine.verify_calls[len(prompt_list)] == calls + 1
+    for i, (step, (w, _)) in enumerate(zip(got, want)):
+        assert np.array_equal(step.logits, w.logits), i
+        assert step.outputs.keys() == w.outputs.keys()
+        assert all(np.array_equal(step.outputs[k], w.outputs[k]) for k in w.outputs), (i, step.outputs.keys())
+        assert seqs[i].pending == len(blocks[i]) and seqs[i].pending_tokens == list(blocks[i])
+    for i, (seq, b) in enumerate(zip(seqs, blocks)):
+        engine.attach(seq)
+        engine.commit(len(b) - 1)
+        assert np.array_equal(engine.decode(b[-1]).logits, want[i][1].logits), i

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ..artifact import FunctionSpec, batch_name
+from ..artifact import BATCHED, FunctionSpec, batch_name
 from .state import VERIFY_ROWS
 
 MODE = {"param_mode": "plain", "effect_mode": "none"}
@@ -57,10 +57,12 @@ class Fn:
     state_arg: str = "states"
     sequences: int = 1
     chunked: bool = False
+    blocks: bool = False
 
     def function_spec(self) -> FunctionSpec:
         return FunctionSpec(self.name, tuple((a.name, a.kind) for a in self.args), self.outputs, self.states,
-                            per_width=self.per_width, sequences=self.sequences, chunked=self.chunked)
+                            per_width=self.per_width, sequences=self.sequences, chunked=self.chunked,
+                            blocks=self.blocks)
 
     def export_spec(self, state_specs: list) -> dict:
         spec = {a.name: a.export(self.sequences) for a in self.args}
@@ -74,29 +76,36 @@ def target_functions(args, outputs: tuple[str, ...], max_batch: int = 1) -> list
     """prefill, prefill_all, decode and verify of a target module: args(rows) gives the inputs of a
     call of `rows` rows (TARGET_ROWS), the model's states follow; verify is called with 1..max_verify
     rows. A module whose decode_batch decodes several sequences in one call (max_batch > 1) adds
-    batch_name(b) for b = 2..max_batch: one row per sequence, STARTS for their positions; and its
-    prefill_batch, batch_name(b, chunked=True): a prompt's chunk and b - 1 decodes in one call."""
+    batch_name(b) for b = 2..max_batch: one row per sequence, STARTS for their positions; its
+    prefill_batch, batch_name(b, "prefill"): a prompt's chunk and b - 1 decodes in one call; and
+    its verify_batch, batch_name(b, "verify"): a verify block of each of b sequences."""
     out = [Fn(f, tuple(args(rows)), outputs, "model", per_width=f == "verify") for f, rows in TARGET_ROWS.items()]
-    for chunked in (False, True):
-        out += [Fn(batch_name(b, chunked), tuple(STARTS if a == START else a for a in args("n" if chunked else b)),
-                   outputs, "model", sequences=b, chunked=chunked) for b in range(2, max_batch + 1)]
+    # a batched verify's rows counted as verify's (nn/state.few_rows): its all-rows kernels are
+    # verify's, whose rows do not depend on each other, so each block's logits are verify's bit for bit
+    rows = {"decode": None, "prefill": TARGET_ROWS["prefill"], "verify": TARGET_ROWS["verify"]}
+    for kind in BATCHED:
+        out += [Fn(batch_name(b, kind), tuple(STARTS if a == START else a for a in args(rows[kind] or b)),
+                   outputs, "model", sequences=b, chunked=kind == "prefill", blocks=kind == "verify")
+                for b in range(2, max_batch + 1)]
     return out
 
 
 class Sequences:
     """The sequences whose rows a call holds (one; several of one row each: a batched decode; or,
-    chunked, a prompt's chunk first and one row of each other: a batched prefill): each one's
+    chunked, a prompt's chunk first and one row of each other: a batched prefill; or, blocks, a
+    verify block of the same k rows of each: a batched verify): each one's
     first position and state tensors by name, updated as its sublayers write them. The sublayers
     that read and write a sequence's state run per sequence (`per_sequence`), everything else on
     all rows at once."""
 
-    def __init__(self, state_names: list[str], sequences: list[tuple], chunked: bool = False):
+    def __init__(self, state_names: list[str], sequences: list[tuple], chunked: bool = False, blocks: bool = False):
         from tvm import tirx
 
-        self.names, self.chunked = state_names, chunked
+        self.names, self.chunked, self.blocks = state_names, chunked, blocks
         self.starts = [start for start, _ in sequences]
         self.states = [dict(zip(state_names, states)) for _, states in sequences]
         self.chunk = tirx.Var("chunk", "int64")   # the rows of a batched prefill's chunk
+        self.block = tirx.Var(VERIFY_ROWS, "int64")   # the rows of each of a batched verify's blocks
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -105,6 +114,8 @@ class Sequences:
         """x's rows of each sequence."""
         if len(self) == 1:
             return [x]
+        if self.blocks:   # each block as verify's k rows: its per-sequence kernels are verify's
+            return [with_rows(p, self.block) for p in op.split(x, len(self), axis=0)]
         if not self.chunked:
             return list(op.split(x, len(self), axis=0))
         others = len(self) - 1   # (relax's split takes constant indices only)
@@ -139,12 +150,13 @@ class Declared:
     `state_specs()`."""
 
     def exported(self) -> list[Fn]:
-        """functions(), less the batched prefills in the GPU forms, where a GPU prefills a chunk in
-        a call of its own: the chunk's rows (n - b of a call's n) reach Qwen3.8's fused kernels as
-        two expressions (n - 1 + 3 - 3 beside n - 1) and FuseTIR fails ("VarRemapGet(source) ==
-        nullptr")."""
+        """functions(), less the batched prefills and verifies in the GPU forms, where a GPU
+        prefills a chunk in a call of its own: the chunk's rows (n - b of a call's n) reach Qwen3.8's
+        fused kernels as two expressions (n - 1 + 3 - 3 beside n - 1) and FuseTIR fails
+        ("VarRemapGet(source) == nullptr"); a batched verify's blocks are rows of a count of their
+        own in the same way (not tried on a GPU form)."""
         gpu = getattr(getattr(self, "forms", None), "gpu", False)
-        return [f for f in self.functions() if not (f.chunked and gpu)]
+        return [f for f in self.functions() if not ((f.chunked or f.blocks) and gpu)]
 
     def function_specs(self) -> list[FunctionSpec]:
         return [f.function_spec() for f in self.exported()]
@@ -153,7 +165,8 @@ class Declared:
         states = self.state_specs()
         for f in self.exported():
             if f.sequences > 1:   # every batch size is one method; TVM finds it under each name
-                setattr(self, f.name, self.prefill_batch if f.chunked else self.decode_batch)
+                setattr(self, f.name, self.prefill_batch if f.chunked else self.verify_batch if f.blocks
+                        else self.decode_batch)
         return {f.name: f.export_spec(states) for f in self.exported()}
 
 
@@ -186,6 +199,11 @@ class TargetFunctions(Declared):
         """A prompt's chunk (the first sequence's rows) and one token of each other sequence; the
         logits of each sequence's last row, then every sequence's states."""
         return self._rows(ids, Sequences(self.state_names, list(zip(starts, states)), chunked=True), last=len(starts))
+
+    def verify_batch(self, ids: nn.Tensor, starts, states):
+        """A verify block of the same k rows of each of len(starts) sequences, one after another;
+        the logits of every row, then every sequence's states."""
+        return self._rows(ids, Sequences(self.state_names, list(zip(starts, states)), blocks=True), last=None)
 
     def _forward(self, ids, start, states, last_only: bool):
         return self._rows(ids, Sequences(self.state_names, [(start, states)]), last=1 if last_only else None)

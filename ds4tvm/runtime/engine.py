@@ -147,6 +147,7 @@ class Engine:
         # the most sequences one call decodes (its batched functions: FunctionSpec.sequences)
         self.max_batch = max(f.sequences for f in self.functions.values())
         self.decode_calls: Counter = Counter()   # sequences per decode call -> calls (ds4 serve's /metrics)
+        self.verify_calls: Counter = Counter()   # sequences per verify call -> calls (/metrics)
         self.prefilled_beside_decodes = 0        # prompt tokens prefilled in a call with decodes (prefill_batch)
         self.tokenizer_data = read_json_object(self.dir / m.tokenizer, "tokenizer data")
 
@@ -355,8 +356,9 @@ class Engine:
         if spec.sequences == 1:
             return provider(self, inputs)
         ids = np.asarray(inputs["ids"]).reshape(-1)
-        first = len(ids) - (len(seqs) - 1) if spec.chunked else 1   # a batched prefill's chunk, then a row each
-        bounds = np.cumsum([0, first] + [1] * (len(seqs) - 1))
+        each = len(ids) // len(seqs) if spec.blocks else 1   # a batched verify's blocks, else a row each
+        first = len(ids) - (len(seqs) - 1) if spec.chunked else each   # but a batched prefill's chunk first
+        bounds = np.cumsum([0, first] + [each] * (len(seqs) - 1))
         return np.concatenate([provider(SequenceView(self, seq), {"ids": ids[a:b], "start": seq.pos})
                                for seq, a, b in zip(seqs, bounds, bounds[1:])])
 
@@ -439,7 +441,7 @@ class Engine:
         next_tokens), in one call of the batched prefill of 1 + len(seqs) sequences where the
         artifact has one (the weights read once for both; else one after the other): each step as
         prefill and decode give it, bit for bit. The attached sequence stays attached."""
-        fn, ids, nxt = batch_name(1 + len(seqs), chunked=True), self._ids(tokens), self._ids(next_tokens)
+        fn, ids, nxt = batch_name(1 + len(seqs), "prefill"), self._ids(tokens), self._ids(next_tokens)
         if not seqs or fn not in self.functions:
             attached = self.seq
             self.attach(seq)
@@ -477,8 +479,40 @@ class Engine:
             raise Ds4Error(f"verify takes 1..{self.max_verify} tokens, got {len(ids)}")
         self._room(len(ids))
         step = self._step("verify", ids)
+        self.verify_calls[1] += 1
         self.pending, self.seq.pending_tokens = len(ids), ids.tolist()
         return step
+
+    def verify_batch(self, seqs: list[Sequence], blocks) -> list[Step]:
+        """verify(blocks[i]) in each seqs[i], distinct sequences, in one call of the batched verify
+        of that many sequences where the artifact has one (else one verify each, in turn): each
+        step's logits [k_i, V] as verify gives them, each sequence left with its k_i rows pending.
+        A block shorter than the longest is padded with copies of its last token: rows verified
+        and never committed, as a rejected draft's are (nn/state.py). The attached sequence stays
+        attached."""
+        fn, attached = batch_name(len(seqs), "verify"), self.seq
+        ids = [self._ids(b) for b in blocks]
+        k = max(len(b) for b in ids)
+        if len(ids) != len(seqs) or len({id(s) for s in seqs}) != len(seqs):
+            raise Ds4Error(f"verify_batch: {len(seqs)} distinct sequences and a block for each are expected")
+        if len(seqs) == 1 or fn not in self.functions or any(s.pos + k > self.max_context for s in seqs):
+            steps = []   # (where a block's padding would pass the context, each verifies its own rows)
+            for seq, b in zip(seqs, ids):
+                self.attach(seq)
+                steps.append(self.verify(b))
+            self.attach(attached)
+            return steps
+        if not all(1 <= len(b) <= self.max_verify for b in ids):
+            raise Ds4Error(f"verify takes 1..{self.max_verify} tokens, got {[len(b) for b in ids]}")
+        padded = np.concatenate([np.concatenate([b, np.repeat(b[-1:], k - len(b))]) for b in ids])
+        out = self.call(fn, seqs, ids=padded, starts=[s.pos for s in seqs])
+        self.verify_calls[len(seqs)] += 1
+        steps = []
+        for i, (seq, b) in enumerate(zip(seqs, ids)):
+            rows = slice(i * k, i * k + len(b))
+            steps.append(Step("verify", out["logits"][rows], {n: v[rows] for n, v in out.items() if n != "logits"}))
+            seq.pending, seq.pending_tokens = len(b), b.tolist()
+        return steps
 
     def commit(self, k: int) -> None:
         if not 0 <= k <= self.pending:

@@ -7,7 +7,8 @@ kernels or moves counters becomes an operation queued here, and one scheduler th
 one that touches the engine, runs them in rounds:
   1. it waits until every running generation has an operation queued (each spends only its
      sampling between two steps) or `max_wait` has passed since the first one came;
-  2. other operations (verify, commit, a drafter's calls, snapshots) run one by one;
+  2. other operations (commit, a drafter's calls, snapshots) run one by one, then the speculating
+     generations' verify blocks in batches of up to max_batch sequences (Engine.verify_batch);
   3. the decode steps run in batches of up to the engine's max_batch sequences, the first prompt
      being prefilled bringing its chunk into that call where the artifact has batched prefills
      (Engine.prefill_batch: the weights read once for the chunk and the decodes);
@@ -45,9 +46,9 @@ STALL = 1.5
 @dataclass
 class _Op:
     seq: object
-    kind: str                       # "decode", "prefill" or "run"
+    kind: str                       # "decode", "prefill", "verify" or "run"
     token: int = 0                  # decode
-    tokens: np.ndarray | None = None  # prefill: what is left to prefill
+    tokens: np.ndarray | None = None  # prefill: what is left to prefill; verify: the block
     total: int = 0                  # prefill: its token count
     parts: list = field(default_factory=list)   # prefill: the chunks' steps
     on_chunk: object = None         # prefill: on_chunk(done, total) -> True cancels
@@ -134,11 +135,14 @@ class Scheduler:
         for op in ops:
             if op.kind == "run":
                 self._finish(op, lambda op=op: self._attached(op.seq, op.fn))
+        verifies = [op for op in ops if op.kind == "verify"]
+        for i in range(0, len(verifies), self.engine.max_batch):
+            self._verify(verifies[i:i + self.engine.max_batch])
         self._prefills += [op for op in ops if op.kind == "prefill"]
         decodes = [op for op in ops if op.kind == "decode"]
         prefills = list(self._prefills)
         budget, moved = self._budget(len(decodes), len(prefills)), False
-        if prefills and batch_name(len(decodes) + 1, chunked=True) in self.engine.functions:
+        if prefills and batch_name(len(decodes) + 1, "prefill") in self.engine.functions:
             budget -= self._prefill_with_decodes(prefills.pop(0), self._chunk(budget, True, first=True), decodes)
             moved = True
         else:
@@ -172,6 +176,17 @@ class Scheduler:
                 self._finish(op, lambda op=op: self.engine.decode_batch([op.seq], [op.token])[0])
             return
         self._step_s = _recent(self._step_s, time.perf_counter() - t0)
+        for op, step in zip(ops, steps):
+            op.result = step
+            op.done.set()
+
+    def _verify(self, ops: list[_Op]) -> None:
+        try:
+            steps = self.engine.verify_batch([op.seq for op in ops], [op.tokens for op in ops])
+        except BaseException:
+            for op in ops:   # alone, each says what it did
+                self._finish(op, lambda op=op: self._attached(op.seq, lambda e: e.verify(op.tokens)))
+            return
         for op, step in zip(ops, steps):
             op.result = step
             op.done.set()
@@ -293,7 +308,8 @@ class SequenceEngine(SequenceView):
         return self._scheduler.submit(_Op(self.seq, "prefill", tokens=ids, total=len(ids), on_chunk=on_chunk))
 
     def verify(self, tokens):
-        return self._run(lambda e: e.verify(tokens))
+        self._engine._ids(tokens)   # a bad id is this request's error, before it joins a batch
+        return self._scheduler.submit(_Op(self.seq, "verify", tokens=np.asarray(tokens)))
 
     def commit(self, k: int) -> None:
         self._run(lambda e: e.commit(k))

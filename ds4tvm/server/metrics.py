@@ -10,6 +10,15 @@ def _line(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) ->
     return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *(f"{name}{labels} {value:g}" for labels, value in samples)]
 
 
+def _histogram(name: str, help_: str, calls) -> list[str]:
+    """A histogram of call sizes from a Counter of size -> calls."""
+    buckets = [(f'_bucket{{le="{b}"}}', sum(n for size, n in calls.items() if size <= b)) for b in BATCH_BUCKETS]
+    total = sum(calls.values())
+    return [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *(f"{name}{labels} {v}" for labels, v in buckets),
+            f'{name}_bucket{{le="+Inf"}} {total}', f"{name}_sum {sum(size * n for size, n in calls.items())}",
+            f"{name}_count {total}"]
+
+
 def metrics_text(service) -> str:
     c, calls = service.counters(), service.engine.decode_calls
     out = []
@@ -28,14 +37,7 @@ def metrics_text(service) -> str:
     out += _line("ds4_generated_tokens_total", "counter", "tokens generated", [("", c["generated"])])
     out += _line("ds4_generated_tokens_per_second", "gauge", "tokens generated per second over the last 10 s",
                  [("", c["tok_s"])])
-    buckets = []
-    for b in BATCH_BUCKETS:
-        below = sum(n for size, n in calls.items() if size <= b)
-        buckets.append((f'_bucket{{le="{b}"}}', below))
-    total = sum(calls.values())
-    out += ["# HELP ds4_decode_batch_size sequences per decode call", "# TYPE ds4_decode_batch_size histogram",
-            *(f"ds4_decode_batch_size{labels} {v}" for labels, v in buckets),
-            f'ds4_decode_batch_size_bucket{{le="+Inf"}} {total}',
-            f"ds4_decode_batch_size_sum {sum(size * n for size, n in calls.items())}",
-            f"ds4_decode_batch_size_count {total}"]
+    out += _histogram("ds4_decode_batch_size", "sequences per decode call", calls)
+    out += _histogram("ds4_verify_batch_size", "sequences per verify call (speculative decoding)",
+                      service.engine.verify_calls)
     return "\n".join(out) + "\n"

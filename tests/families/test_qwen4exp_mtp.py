@@ -224,7 +224,8 @@ def test_batched_decode_and_generations_sharing_the_engine(model, depth, monkeyp
     """Two sequences' decode, and a chunk beside a decode, in one call (each one's PLE rows from its own history): logits and
     MTP inputs bit for bit as alone; four generations through the scheduler, the MTP drafter at
     depth 2 or 3 in two of them, greedy and seeded, as each alone (greedy: target-only)."""
-    from batching import assert_batched_decode_is_decode, assert_batched_prefill_is_prefill, assert_together_is_alone
+    from batching import (assert_batched_decode_is_decode, assert_batched_prefill_is_prefill,
+                          assert_batched_verify_is_verify, assert_together_is_alone)
 
     from ds4tvm.runtime.drafters.qwen_mtp import QwenMTPDrafter
 
@@ -233,6 +234,7 @@ def test_batched_decode_and_generations_sharing_the_engine(model, depth, monkeyp
     if depth == "2":
         assert_batched_decode_is_decode(e, [PROMPT, PROMPT[:20]])   # two sequences: the default run's time
         assert_batched_prefill_is_prefill(e, [PROMPT, PROMPT[:20]])   # two sequences: the default run's time
+        assert_batched_verify_is_verify(e, [PROMPT, PROMPT[:20]], [PROMPT[5:5 + e.max_verify], PROMPT[9:10]])
     mtp = lambda: QwenMTPDrafter(e)  # noqa: E731
     calls, _ = assert_together_is_alone(e, [(PROMPT, 0, 0, mtp), (PROMPT[:30], 0, 1, None), (PROMPT[3:], 1, 2, mtp),
                                             (PROMPT[:17], 0.9, 3, None)])

@@ -1,6 +1,7 @@
-"""Continuous batching (runtime/scheduler.py, Engine.decode_batch and prefill_batch): a batched
-decode gives every sequence the logits a decode of it alone gives, and a batched prefill a chunk
-the logits its prefill gives, bit for bit; generations sharing the engine
+"""Continuous batching (runtime/scheduler.py, Engine.decode_batch, prefill_batch and verify_batch):
+a batched decode gives every sequence the logits a decode of it alone gives, a batched prefill a
+chunk the logits its prefill gives, a batched verify each block the logits its verify gives, bit
+for bit; generations sharing the engine
 through the scheduler, at temperature 0 and seeded, with and without a drafter, give what each
 gives alone; one request's error stays its own."""
 
@@ -9,8 +10,8 @@ import time
 
 import numpy as np
 import pytest
-from batching import (alone, assert_batched_decode_is_decode, assert_batched_prefill_is_prefill, assert_together_is_alone,
-                      prompts, together)
+from batching import (alone, assert_batched_decode_is_decode, assert_batched_prefill_is_prefill,
+                      assert_batched_verify_is_verify, assert_together_is_alone, prompts, together)
 
 from ds4tvm.errors import Ds4Error
 from ds4tvm.runtime.sampler import SamplingParams
@@ -37,6 +38,44 @@ def test_batched_decode_equals_decode_bit_for_bit(engine):
 def test_batched_prefill_equals_prefill_and_decodes_bit_for_bit(engine):
     assert_batched_prefill_is_prefill(engine, prompts(engine.n_vocab, (40, 70, 11)), chunk=32)
     assert_batched_prefill_is_prefill(engine, prompts(engine.n_vocab, (3, 5)), chunk=1)
+
+
+def test_batched_verify_equals_verify_bit_for_bit(engine):
+    """Blocks of one length, and of three (padded in the call), after prompts of different lengths."""
+    assert "verify_batch3" in engine.functions and "verify_batch2" in engine.functions
+    assert_batched_verify_is_verify(engine, prompts(engine.n_vocab, (40, 70, 11)), prompts(engine.n_vocab, (4, 4, 4), 6))
+    assert_batched_verify_is_verify(engine, prompts(engine.n_vocab, (3, 130, 9)), prompts(engine.n_vocab, (1, 6, 3), 7))
+
+
+def test_verify_blocks_arriving_together_share_a_call(engine):
+    """Two generations' verify blocks in one round (both members, the round waiting for both) run
+    as one batched verify, each given what its verify alone gives; then each commits its own rows."""
+    ps, blocks = prompts(engine.n_vocab, (12, 30)), prompts(engine.n_vocab, (5, 2), 8)
+    want = []
+    for p, b in zip(ps, blocks):
+        engine.attach(engine.new_sequence())
+        engine.prefill(p)
+        want.append(engine.verify(b).logits)
+    scheduler, calls = Scheduler(engine, max_wait=30.0), engine.verify_calls[2]
+    seqs, got, barrier = [engine.new_sequence() for _ in ps], [None, None], threading.Barrier(2)
+
+    def one(i):
+        with scheduler.member(seqs[i]) as seq_engine:
+            seq_engine.prefill(ps[i])
+            barrier.wait()   # both prefilled: the next round holds both blocks
+            got[i] = seq_engine.verify(blocks[i]).logits
+            seq_engine.commit(1)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        scheduler.close()
+    assert engine.verify_calls[2] == calls + 1
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    assert [s.pos for s in seqs] == [13, 31] and [s.pending for s in seqs] == [0, 0]
 
 
 def test_batched_decode_checks_its_input(engine):

@@ -327,6 +327,9 @@ def test_concurrent_requests_share_decode_calls_and_answer_as_alone(servers, mod
     calls = after["ds4_decode_batch_size_count"] - before["ds4_decode_batch_size_count"]
     rows = after["ds4_decode_batch_size_sum"] - before["ds4_decode_batch_size_sum"]
     assert rows > calls > 0   # some calls decoded several sequences
+    # verify calls have a histogram of their own (batched verifies: tests/runtime/test_batching.py)
+    assert after["ds4_verify_batch_size_count"] >= before["ds4_verify_batch_size_count"] >= 0
+    assert after['ds4_verify_batch_size_bucket{le="+Inf"}'] == after["ds4_verify_batch_size_count"]
     assert after['ds4_requests_total{outcome="ok"}'] - before['ds4_requests_total{outcome="ok"}'] == len(bodies)
     assert after["ds4_prompt_tokens_cached_total"] > before["ds4_prompt_tokens_cached_total"]   # the repeats
     assert after["ds4_requests_running"] == 0 and after["ds4_parallel"] == 4
