@@ -2,16 +2,23 @@
 against the same blocks verified one sequence after another, beside a batched decode of B and a
 decode, in one process, alternated (this machine's speed drifts between minutes). Usage:
     python benchmarks/batched_verify.py ARTIFACT [--batches 2,4,8] [--k 2,4] [--rounds 6] [--steps 10]
+        [--generations N [--gen 64]]
 
 Each of max(batches) sequences holds a 64-token prompt; a step verifies a block of k random tokens
 in each of the first B of them (or decodes one token of each) and rolls it back. Prints per (B, k)
-the median step of each way, their ratio, and each in decode steps."""
+the median step of each way, their ratio, and each in decode steps. With --generations N (an
+artifact whose GGUF holds its MTP draft layer: GLM-5.3, Qwen3.8): N greedy generations of --gen
+tokens through the scheduler, each with its drafter asked every cycle (DS4_SPEC_COST_MODEL=0), their
+verify blocks batched and one by one, alternated: aggregate tok/s and sequences per verify call."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import threading
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -34,9 +41,14 @@ def main() -> None:
     ap.add_argument("--k", default="2,4")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--generations", type=int, default=0)
+    ap.add_argument("--gen", type=int, default=64)
     a = ap.parse_args()
     sizes, widths = [int(b) for b in a.batches.split(",")], [int(k) for k in a.k.split(",")]
+    os.environ.setdefault("DS4_SPEC_COST_MODEL", "0")
     engine, rng = Engine(a.artifact), np.random.default_rng(0)
+    if a.generations:
+        generations(engine, a.generations, a.gen, a.rounds)
     seqs = [engine.new_sequence() for _ in range(max(sizes))]
     for s in seqs:
         engine.attach(s)
@@ -80,6 +92,53 @@ def main() -> None:
         for k in widths:
             x, y = med[("batched", b, k)], med[("one by one", b, k)]
             print(f"{b:>3} {k:>3} {x:>11.2f} {y:>14.2f} {x / y:>6.2f} {x / d:>17.2f} {y / d:>20.2f}")
+
+
+def generations(engine, n: int, gen: int, rounds: int) -> None:
+    """n speculating generations through the scheduler, verify blocks batched against one by one."""
+    from ds4tvm.cli.common import spec_options
+    from ds4tvm.runtime.drafters import choose_drafter
+    from ds4tvm.runtime.sampler import SamplingParams
+    from ds4tvm.runtime.scheduler import Scheduler
+    from ds4tvm.runtime.speculative import generate
+
+    options = spec_options("", 1, None, False, False, None, False, False, False)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, engine.n_vocab, 64).tolist() for _ in range(n)]
+    batched = engine.verify_batch
+
+    def one_by_one(seqs, blocks):
+        return [batched([s], [b])[0] for s, b in zip(seqs, blocks)]
+
+    def run(verify_batch) -> tuple[float, float]:
+        engine.verify_batch = verify_batch
+        scheduler, calls = Scheduler(engine), Counter(engine.verify_calls)
+
+        def one(i):
+            drafter = choose_drafter(engine, options, engine.dir)
+            with scheduler.member(engine.new_sequence()) as seq_engine:
+                generate(seq_engine, prompts[i], gen, SamplingParams(0.0), np.random.default_rng(0), drafter=drafter)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        seconds = time.perf_counter() - t
+        scheduler.close()
+        made = engine.verify_calls - calls
+        return n * gen / seconds, sum(b * c for b, c in made.items()) / max(1, sum(made.values()))
+
+    run(batched)   # first calls outside the timing
+    results = {"batched": [], "one by one": []}
+    for _ in range(rounds):
+        results["batched"].append(run(batched))
+        results["one by one"].append(run(one_by_one))
+    engine.verify_batch = batched
+    for way, rs in results.items():
+        print(f"{n} speculating generations, verify blocks {way}: {statistics.median(r[0] for r in rs):.1f} tok/s "
+              f"(runs: {', '.join(f'{r[0]:.1f}' for r in rs)}), {statistics.median(r[1] for r in rs):.2f} sequences "
+              f"per verify call")
 
 
 if __name__ == "__main__":

@@ -318,7 +318,8 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
           verify_k: int = typer.Option(6, "--verify-k", help="measure verify(k) for k = 1..K"),
           repeats: int = typer.Option(3, "--repeats"),
           concurrency: int = typer.Option(1, "--concurrency", help="also run N greedy generations at once "
-                                          "(their decode steps batched) against one alone"),
+                                          "(their decode steps batched; with a drafter, their verify blocks "
+                                          "too) against one alone"),
           ctx: Optional[int] = CtxOpt, target: str = TargetOpt,
           as_json: bool = typer.Option(False, "--json"),
           plot_file: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of verify cost vs k"),
@@ -348,7 +349,7 @@ def bench(model: Path = typer.Option(..., "-m", "--model", help="artifact direct
     stops = Tokenizer.from_metadata(engine.tokenizer_data, source=str(model)).stop_ids
     r = b.bench(engine, prompt_len, gen, verify_k, repeats, factory, stops)
     if concurrency > 1:
-        r["concurrency"] = b.concurrency(engine, concurrency, prompt_len, gen, repeats, stops)
+        r["concurrency"] = b.concurrency(engine, concurrency, prompt_len, gen, repeats, stops, factory)
     if plot_file is not None:
         b.plot(r, plot_file)
     if as_json:

@@ -64,22 +64,25 @@ def bench(engine, prompt_len: int = 128, gen: int = 64, verify_k: int = 6, repea
     return out
 
 
-def concurrency(engine, n: int, prompt_len: int, gen: int, repeats: int, stop_ids=frozenset()) -> dict:
-    """n greedy generations (distinct prompts of prompt_len, gen tokens each) at once through the
-    scheduler against one alone: aggregate tok/s (prompts included), medians over repeats, and the
-    sequences per decode call (Engine.decode_calls over the last run)."""
+def concurrency(engine, n: int, prompt_len: int, gen: int, repeats: int, stop_ids=frozenset(),
+                drafter_factory=None) -> dict:
+    """n greedy generations (distinct prompts of prompt_len, gen tokens each; each with a drafter
+    of its own where drafter_factory makes one) at once through the scheduler against one alone:
+    aggregate tok/s (prompts included), medians over repeats, and the sequences per decode call
+    and per verify call (Engine.decode_calls and verify_calls over the last run)."""
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(0, engine.n_vocab, prompt_len) if int(t) not in stop_ids]
                for _ in range(n)]
 
-    def run(k: int) -> tuple[float, Counter]:
+    def run(k: int) -> tuple[float, Counter, Counter]:
         scheduler, seqs = Scheduler(engine), [engine.new_sequence() for _ in range(k)]
-        before = Counter(engine.decode_calls)
+        decodes, verifies = Counter(engine.decode_calls), Counter(engine.verify_calls)
 
         def one(i):
+            drafter = drafter_factory(engine) if drafter_factory is not None else None
             with scheduler.member(seqs[i]) as seq_engine:
                 generate(seq_engine, prompts[i], gen, SamplingParams(temperature=0.0), np.random.default_rng(0),
-                         stop_ids=stop_ids)
+                         stop_ids=stop_ids, drafter=drafter)
         threads = [threading.Thread(target=one, args=(i,)) for i in range(k)]
         t = time.perf_counter()
         for th in threads:
@@ -88,16 +91,18 @@ def concurrency(engine, n: int, prompt_len: int, gen: int, repeats: int, stop_id
             th.join()
         seconds = time.perf_counter() - t
         scheduler.close()
-        return seconds, engine.decode_calls - before
+        return seconds, engine.decode_calls - decodes, engine.verify_calls - verifies
+
+    def mean(calls: Counter) -> float:
+        return round(sum(b * c for b, c in calls.items()) / max(1, sum(calls.values())), 2)
 
     run(min(n, 2))   # warm-up: the batched function's first call
     alone = [run(1)[0] for _ in range(repeats)]
     together = [run(n) for _ in range(repeats)]
-    batches = together[-1][1]
-    single, many = gen / statistics.median(alone), n * gen / statistics.median(s for s, _ in together)
+    single, many = gen / statistics.median(alone), n * gen / statistics.median(s for s, *_ in together)
     return {"clients": n, "alone_tok_s": round(single, 2), "together_tok_s": round(many, 2),
-            "ratio": round(many / single, 3), "max_batch": engine.max_batch,
-            "mean_batch": round(sum(b * c for b, c in batches.items()) / max(1, sum(batches.values())), 2)}
+            "ratio": round(many / single, 3), "max_batch": engine.max_batch, "mean_batch": mean(together[-1][1]),
+            "verify_calls": sum(together[-1][2].values()), "mean_verify_batch": mean(together[-1][2])}
 
 
 def table(r: dict) -> str:
@@ -112,7 +117,8 @@ def table(r: dict) -> str:
         c = r["concurrency"]
         lines.append(f"{c['clients']} at once  {c['together_tok_s']:.1f} tok/s vs {c['alone_tok_s']:.1f} alone "
                      f"(x{c['ratio']:.2f}), {c['mean_batch']:.2f} sequences per decode call "
-                     f"(compiled for up to {c['max_batch']})")
+                     f"(compiled for up to {c['max_batch']})"
+                     + (f", {c['mean_verify_batch']:.2f} per verify call" if c["verify_calls"] else ""))
     return "\n".join(lines)
 
 

@@ -8,7 +8,9 @@ one that touches the engine, runs them in rounds:
   1. it waits until every running generation has an operation queued (each spends only its
      sampling between two steps) or `max_wait` has passed since the first one came;
   2. other operations (commit, a drafter's calls, snapshots) run one by one, then the speculating
-     generations' verify blocks in batches of up to max_batch sequences (Engine.verify_batch);
+     generations' verify blocks in batches of up to max_batch sequences (Engine.verify_batch; a
+     block waits a round or two while other generations run their drafters' calls, so that
+     generations one call apart come to verify together);
   3. the decode steps run in batches of up to the engine's max_batch sequences, the first prompt
      being prefilled bringing its chunk into that call where the artifact has batched prefills
      (Engine.prefill_batch: the weights read once for the chunk and the decodes);
@@ -41,6 +43,8 @@ MIN_CHUNK = 8       # a round's first prefill chunk at least, while others decod
 # more per token (the benchmark model, beside 3 decodes: a chunk of 8 added 7.4 ms, of 16 11.5 ms, of
 # 64 31.3 ms); in process, 8 clients gave 493 / 569 / 566 tok/s at 1 / 1.5 / 2 (BENCHMARKS.md).
 STALL = 1.5
+# rounds a verify block may wait for other generations' verify blocks (Scheduler._verifies_now)
+VERIFY_WAIT = 2
 
 
 @dataclass
@@ -53,6 +57,7 @@ class _Op:
     parts: list = field(default_factory=list)   # prefill: the chunks' steps
     on_chunk: object = None         # prefill: on_chunk(done, total) -> True cancels
     fn: object = None               # run: fn(engine) with seq attached
+    waited: int = 0                 # verify: rounds held for others' blocks
     result: object = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -135,7 +140,7 @@ class Scheduler:
         for op in ops:
             if op.kind == "run":
                 self._finish(op, lambda op=op: self._attached(op.seq, op.fn))
-        verifies = [op for op in ops if op.kind == "verify"]
+        verifies = self._verifies_now([op for op in ops if op.kind == "verify"], ops)
         for i in range(0, len(verifies), self.engine.max_batch):
             self._verify(verifies[i:i + self.engine.max_batch])
         self._prefills += [op for op in ops if op.kind == "prefill"]
@@ -179,6 +184,20 @@ class Scheduler:
         for op, step in zip(ops, steps):
             op.result = step
             op.done.set()
+
+    def _verifies_now(self, verifies: list[_Op], ops: list[_Op]) -> list[_Op]:
+        """The verify blocks to run this round: none while another generation ran one of its other
+        calls this round (a drafter's, a commit: its own verify may come next), each held for at
+        most VERIFY_WAIT rounds. Generations one call apart would otherwise never verify in the
+        same round (each round takes one call of each)."""
+        if not verifies or not any(op.kind == "run" for op in ops) or \
+                all(op.waited >= VERIFY_WAIT for op in verifies):
+            return verifies
+        for op in verifies:
+            op.waited += 1
+        with self._cond:
+            self._queued[:0] = verifies
+        return []
 
     def _verify(self, ops: list[_Op]) -> None:
         try:

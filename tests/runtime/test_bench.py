@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import run_ds4
+from conftest import always_drafting, run_ds4
 
 pytestmark = pytest.mark.compile
 
@@ -22,6 +22,20 @@ def test_bench_json_fields(tiny_artifact, tmp_path):
     assert table.returncode == 0 and "verify(k) / decode" in table.stdout
     line = next(x for x in table.stdout.splitlines() if x.startswith("3 at once"))
     assert "sequences per decode call (compiled for up to 3)" in line, line
+
+
+def test_bench_concurrency_with_a_drafter(tmp_path_factory):
+    """`--mtp --concurrency 2` (GLM-5.3's draft layer, asked every cycle): the generations at once
+    speculate, each with its own drafter, and verify their blocks in shared calls (a block waits
+    for the other generation's: Scheduler._verifies_now; without that wait 1.00 per call here)."""
+    from conftest import shared_tiny_glm
+
+    art = shared_tiny_glm(tmp_path_factory)[0]
+    r = run_ds4("bench", "-m", art, "--mtp", "--prompt-len", "16", "--gen", "12", "--verify-k", "2", "--repeats", "1",
+                "--concurrency", "2", "--json", env=always_drafting())
+    assert r.returncode == 0, r.stderr
+    c = json.loads(r.stdout)["concurrency"]
+    assert c["clients"] == 2 and c["verify_calls"] > 0 and 1 < c["mean_verify_batch"] <= 2, c
 
 
 def test_bench_errors(tiny_artifact):
