@@ -6,7 +6,9 @@ decode, in one process, alternated (this machine's speed drifts between minutes)
 
 Each of max(batches) sequences holds a 64-token prompt; a step verifies a block of k random tokens
 in each of the first B of them (or decodes one token of each) and rolls it back. Prints per (B, k)
-the median step of each way, their ratio, and each in decode steps. With --generations N (an
+the median step of each way, their ratio, and each in decode steps; then a round where one of
+the B verifies a block of k and the others decode: in one call (the decodes as one-row blocks)
+against a batched decode of B - 1 and the verify. With --generations N (an
 artifact whose GGUF holds its MTP draft layer: GLM-5.3, Qwen3.8): N greedy generations of --gen
 tokens through the scheduler, each with its drafter asked every cycle (DS4_SPEC_COST_MODEL=0), their
 verify blocks batched and one by one, alternated: aggregate tok/s and sequences per verify call."""
@@ -63,7 +65,15 @@ def main() -> None:
             engine.attach(s)
             engine.verify(block)
 
-    def decode(b):
+    def mixed(b, k):
+        engine.verify_batch(seqs[:b], blocks[k][:1] + [[5]] * (b - 1))
+
+    def apart(b, k):
+        decode(b - 1, seqs[1:b])
+        engine.attach(seqs[0])
+        engine.verify(blocks[k][0])
+
+    def decode(b, seqs=seqs):
         if b == 1:
             engine.attach(seqs[0])
             engine.decode(5)
@@ -75,7 +85,7 @@ def main() -> None:
 
     cases = [("decode", 1, 1, lambda: decode(1))] + [("decode", b, 1, lambda b=b: decode(b)) for b in sizes]
     cases += [(way, b, k, (lambda b=b, k=k, f=f: f(b, k))) for b in sizes for k in widths
-              for way, f in (("batched", batched), ("one by one", one_by_one))]
+              for way, f in (("batched", batched), ("one by one", one_by_one), ("mixed", mixed), ("apart", apart))]
     for *_, step in cases:   # first calls (storage, threads) outside the timing
         step()
     times: dict = {}
@@ -92,6 +102,11 @@ def main() -> None:
         for k in widths:
             x, y = med[("batched", b, k)], med[("one by one", b, k)]
             print(f"{b:>3} {k:>3} {x:>11.2f} {y:>14.2f} {x / y:>6.2f} {x / d:>17.2f} {y / d:>20.2f}")
+    print(f"{'B':>3} {'k':>3} {'1 verify + B-1 decodes, one call ms':>36} {'apart ms':>9} {'ratio':>6}")
+    for b in sizes:
+        for k in widths:
+            x, y = med[("mixed", b, k)], med[("apart", b, k)]
+            print(f"{b:>3} {k:>3} {x:>36.2f} {y:>9.2f} {x / y:>6.2f}")
 
 
 def generations(engine, n: int, gen: int, rounds: int) -> None:

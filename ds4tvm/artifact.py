@@ -135,10 +135,10 @@ class StateSpec:
 
 
 # Input kinds of a FunctionSpec: token ids (int32, checked against the vocabulary before any
-# call), a float32 or int32 tensor, the start position (a shape value), or a host input that the
-# family's provider computes from the call's inputs and the engine's token history
-# (families.Family.host_inputs).
-INPUT_KINDS = ("tokens", "float32", "int32", "position", "positions", "host")
+# call), a float32 or int32 tensor, the start position (a shape value), a batched function's start
+# positions or row counts (a shape value per sequence), or a host input that the family's provider
+# computes from the call's inputs and the engine's token history (families.Family.host_inputs).
+INPUT_KINDS = ("tokens", "float32", "int32", "position", "positions", "counts", "host")
 
 
 BATCHED = ("decode", "prefill", "verify")   # what a batched function does for its sequences
@@ -175,8 +175,9 @@ class FunctionSpec:
     the state tensors of the group follow once per sequence. chunked: the first of those sequences
     brings the rows of a prefill chunk (the others one row each), and the function returns the
     logits of each sequence's last row (its other outputs: those of every row, or of the logits'
-    rows). blocks: each sequence brings a block of the same k <= max_verify rows (a batched
-    verify), and the function returns the logits of every row."""
+    rows). blocks: each sequence brings a block of 1..max_verify rows of its own (a batched
+    verify; a "counts" input holds each one's row count), and the function returns the logits of
+    every row."""
     name: str
     inputs: tuple[tuple[str, str], ...]     # (name, kind)
     outputs: tuple[str, ...]

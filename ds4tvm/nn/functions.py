@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
@@ -24,14 +25,15 @@ class Arg:
     """An input: its name (the method's parameter), its kind in the manifest (tokens, position,
     host, float32, ...), and for a tensor its shape (ints, or names of symbolic sizes) and dtype;
     a position is the call's first position, a host int; "positions" (batched functions) the
-    first position of each sequence, a host int per sequence."""
+    first position of each sequence, a host int per sequence; "counts" (a batched verify) the rows
+    of each sequence, a host int per sequence."""
     name: str
     kind: str
     shape: tuple = ()
     dtype: str = "float32"
 
     def export(self, sequences: int = 1):
-        if self.kind == "positions":
+        if self.kind in ("positions", "counts"):
             return [int] * sequences
         return int if self.kind == "position" else nn.spec.Tensor(list(self.shape), self.dtype)
 
@@ -42,6 +44,7 @@ def tokens(rows, name: str = "tokens") -> Arg:
 
 START = Arg("start", "position")
 STARTS = Arg("starts", "positions")
+COUNTS = Arg("counts", "counts")
 
 
 @dataclass(frozen=True)
@@ -78,34 +81,29 @@ def target_functions(args, outputs: tuple[str, ...], max_batch: int = 1) -> list
     rows. A module whose decode_batch decodes several sequences in one call (max_batch > 1) adds
     batch_name(b) for b = 2..max_batch: one row per sequence, STARTS for their positions; its
     prefill_batch, batch_name(b, "prefill"): a prompt's chunk and b - 1 decodes in one call; and
-    its verify_batch, batch_name(b, "verify"): a verify block of each of b sequences."""
+    its verify_batch, batch_name(b, "verify"): a block of rows of each of b sequences, their row
+    counts in COUNTS after STARTS."""
     out = [Fn(f, tuple(args(rows)), outputs, "model", per_width=f == "verify") for f, rows in TARGET_ROWS.items()]
-    # a batched verify's rows counted as verify's (nn/state.few_rows): its all-rows kernels are
-    # verify's, whose rows do not depend on each other, so each block's logits are verify's bit for bit
-    rows = {"decode": None, "prefill": TARGET_ROWS["prefill"], "verify": TARGET_ROWS["verify"]}
     for kind in BATCHED:
-        out += [Fn(batch_name(b, kind), tuple(STARTS if a == START else a for a in args(rows[kind] or b)),
-                   outputs, "model", sequences=b, chunked=kind == "prefill", blocks=kind == "verify")
-                for b in range(2, max_batch + 1)]
+        out += [Fn(batch_name(b, kind), _batched_inputs(args, kind, b), outputs, "model", sequences=b,
+                   chunked=kind == "prefill", blocks=kind == "verify") for b in range(2, max_batch + 1)]
     return out
 
 
 class Sequences:
     """The sequences whose rows a call holds (one; several of one row each: a batched decode; or,
-    chunked, a prompt's chunk first and one row of each other: a batched prefill; or, blocks, a
-    verify block of the same k rows of each: a batched verify): each one's
+    chunked, a prompt's chunk first and one row of each other: a batched prefill; or, with
+    `counts`, a block of rows of each, counts[i] rows of sequence i: a batched verify): each one's
     first position and state tensors by name, updated as its sublayers write them. The sublayers
     that read and write a sequence's state run per sequence (`per_sequence`), everything else on
     all rows at once."""
 
-    def __init__(self, state_names: list[str], sequences: list[tuple], chunked: bool = False, blocks: bool = False):
-        from tvm import tirx
-
-        self.names, self.chunked, self.blocks = state_names, chunked, blocks
+    def __init__(self, state_names: list[str], sequences: list[tuple], chunked: bool = False, counts=None):
+        self.names, self.chunked, self.counts = state_names, chunked, counts
         self.starts = [start for start, _ in sequences]
         self.states = [dict(zip(state_names, states)) for _, states in sequences]
         self.chunk = tirx.Var("chunk", "int64")   # the rows of a batched prefill's chunk
-        self.block = tirx.Var(VERIFY_ROWS, "int64")   # the rows of each of a batched verify's blocks
+        self.blocks = [tirx.Var(VERIFY_ROWS, "int64") for _ in sequences]   # a batched verify's rows of each
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -114,8 +112,8 @@ class Sequences:
         """x's rows of each sequence."""
         if len(self) == 1:
             return [x]
-        if self.blocks:   # each block as verify's k rows: its per-sequence kernels are verify's
-            return [with_rows(p, self.block) for p in op.split(x, len(self), axis=0)]
+        if self.counts is not None:   # each block stated verify's row count: its kernels are verify's
+            return [with_rows(block_rows(x, self.counts[:i], self.counts[i]), self.blocks[i]) for i in range(len(self))]
         if not self.chunked:
             return list(op.split(x, len(self), axis=0))
         others = len(self) - 1   # (relax's split takes constant indices only)
@@ -153,8 +151,9 @@ class Declared:
         """functions(), less the batched prefills and verifies in the GPU forms, where a GPU
         prefills a chunk in a call of its own: the chunk's rows (n - b of a call's n) reach Qwen3.8's
         fused kernels as two expressions (n - 1 + 3 - 3 beside n - 1) and FuseTIR fails
-        ("VarRemapGet(source) == nullptr"); a batched verify's blocks are rows of a count of their
-        own in the same way (not tried on a GPU form)."""
+        ("VarRemapGet(source) == nullptr"); a batched verify's blocks, each matched to verify's row
+        count, fail FuseTIR on Qwen3.8 for cuda ("All shape inputs are expected to be single tirx
+        var"), as the batched prefill now does too."""
         gpu = getattr(getattr(self, "forms", None), "gpu", False)
         return [f for f in self.functions() if not ((f.chunked or f.blocks) and gpu)]
 
@@ -168,6 +167,16 @@ class Declared:
                 setattr(self, f.name, self.prefill_batch if f.chunked else self.verify_batch if f.blocks
                         else self.decode_batch)
         return {f.name: f.export_spec(states) for f in self.exported()}
+
+
+def _batched_inputs(args, kind: str, sequences: int) -> tuple[Arg, ...]:
+    """A batched function's inputs: those of a call of its rows (one per sequence; a prompt's
+    chunk and one each; verify blocks, counted as verify's rows (nn/state.few_rows), so that its
+    all-rows kernels are verify's, whose rows do not depend on each other: each block's logits are
+    its verify's bit for bit), with STARTS for START and, in a batched verify, COUNTS after it."""
+    rows = {"decode": sequences, "prefill": TARGET_ROWS["prefill"], "verify": TARGET_ROWS["verify"]}[kind]
+    batched = (STARTS, COUNTS) if kind == "verify" else (STARTS,)
+    return tuple(x for a in args(rows) for x in (batched if a == START else (a,)))
 
 
 class TargetFunctions(Declared):
@@ -200,10 +209,10 @@ class TargetFunctions(Declared):
         logits of each sequence's last row, then every sequence's states."""
         return self._rows(ids, Sequences(self.state_names, list(zip(starts, states)), chunked=True), last=len(starts))
 
-    def verify_batch(self, ids: nn.Tensor, starts, states):
-        """A verify block of the same k rows of each of len(starts) sequences, one after another;
-        the logits of every row, then every sequence's states."""
-        return self._rows(ids, Sequences(self.state_names, list(zip(starts, states)), blocks=True), last=None)
+    def verify_batch(self, ids: nn.Tensor, starts, counts, states):
+        """A block of counts[i] rows of each of len(starts) sequences, one after another; the
+        logits of every row, then every sequence's states."""
+        return self._rows(ids, Sequences(self.state_names, list(zip(starts, states)), counts=counts), last=None)
 
     def _forward(self, ids, start, states, last_only: bool):
         return self._rows(ids, Sequences(self.state_names, [(start, states)]), last=1 if last_only else None)
@@ -218,6 +227,18 @@ def rows_of(x: nn.Tensor, first, count, name: str) -> nn.Tensor:
         return te.compute((count(n), *t.shape[1:]), lambda r, *i: t[first(n) + r, *i], name=name)
 
     return op.tensor_expr_op(rows, name, [x])
+
+
+def block_rows(x: nn.Tensor, before: list, count) -> nn.Tensor:
+    """The `count` rows of x after the rows of the blocks before it (their counts: `before`), each
+    count a symbolic value of the call (a batched verify's COUNTS)."""
+    from tvm import te
+
+    def rows(t, *counts):
+        first = sum(counts[:-1], 0)
+        return te.compute((counts[-1], *t.shape[1:]), lambda r, *i: t[first + r, *i], name="block_rows")
+
+    return op.tensor_expr_op(rows, "block_rows", [x, *before, count])
 
 
 def with_rows(x: nn.Tensor, rows) -> nn.Tensor:

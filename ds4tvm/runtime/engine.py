@@ -289,12 +289,12 @@ class Engine:
     def _argument(self, kind: str, value):
         if kind == "position":
             return self._Shape([int(value)])
-        if kind == "positions":
+        if kind in ("positions", "counts"):
             return tuple(self._Shape([int(v)]) for v in value)
         return self._tvm.runtime.tensor(self._array(kind, value), self.dev)
 
     def _array(self, kind: str, value) -> np.ndarray:
-        if kind in ("position", "positions"):
+        if kind in ("position", "positions", "counts"):
             return np.array([int(v) for v in np.atleast_1d(value)], np.int64)
         if kind == "tokens":
             return self._ids(value)
@@ -356,9 +356,9 @@ class Engine:
         if spec.sequences == 1:
             return provider(self, inputs)
         ids = np.asarray(inputs["ids"]).reshape(-1)
-        each = len(ids) // len(seqs) if spec.blocks else 1   # a batched verify's blocks, else a row each
-        first = len(ids) - (len(seqs) - 1) if spec.chunked else each   # but a batched prefill's chunk first
-        bounds = np.cumsum([0, first] + [each] * (len(seqs) - 1))
+        first = len(ids) - (len(seqs) - 1) if spec.chunked else 1   # a batched prefill's chunk, then a row each
+        counts = inputs["counts"] if spec.blocks else [first] + [1] * (len(seqs) - 1)   # or a verify's blocks
+        bounds = np.cumsum([0, *counts])
         return np.concatenate([provider(SequenceView(self, seq), {"ids": ids[a:b], "start": seq.pos})
                                for seq, a, b in zip(seqs, bounds, bounds[1:])])
 
@@ -486,31 +486,29 @@ class Engine:
     def verify_batch(self, seqs: list[Sequence], blocks) -> list[Step]:
         """verify(blocks[i]) in each seqs[i], distinct sequences, in one call of the batched verify
         of that many sequences where the artifact has one (else one verify each, in turn): each
-        step's logits [k_i, V] as verify gives them, each sequence left with its k_i rows pending.
-        A block shorter than the longest is padded with copies of its last token: rows verified
-        and never committed, as a rejected draft's are (nn/state.py). The attached sequence stays
-        attached."""
+        step's logits [k_i, V] as verify gives them, bit for bit, each sequence left with its k_i
+        rows pending. The attached sequence stays attached."""
         fn, attached = batch_name(len(seqs), "verify"), self.seq
         ids = [self._ids(b) for b in blocks]
-        k = max(len(b) for b in ids)
         if len(ids) != len(seqs) or len({id(s) for s in seqs}) != len(seqs):
             raise Ds4Error(f"verify_batch: {len(seqs)} distinct sequences and a block for each are expected")
-        if len(seqs) == 1 or fn not in self.functions or any(s.pos + k > self.max_context for s in seqs):
-            steps = []   # (where a block's padding would pass the context, each verifies its own rows)
+        if len(seqs) == 1 or fn not in self.functions:
+            steps = []
             for seq, b in zip(seqs, ids):
                 self.attach(seq)
                 steps.append(self.verify(b))
             self.attach(attached)
             return steps
         if not all(1 <= len(b) <= self.max_verify for b in ids):
-            raise Ds4Error(f"verify takes 1..{self.max_verify} tokens, got {[len(b) for b in ids]}")
-        padded = np.concatenate([np.concatenate([b, np.repeat(b[-1:], k - len(b))]) for b in ids])
-        out = self.call(fn, seqs, ids=padded, starts=[s.pos for s in seqs])
+            raise Ds4Error(f"verify takes 1..{self.max_verify} tokens, got blocks of {[len(b) for b in ids]}")
+        for s, b in zip(seqs, ids):
+            self._room(len(b), s)
+        counts = [len(b) for b in ids]
+        out = self.call(fn, seqs, ids=np.concatenate(ids), starts=[s.pos for s in seqs], counts=counts)
         self.verify_calls[len(seqs)] += 1
-        steps = []
-        for i, (seq, b) in enumerate(zip(seqs, ids)):
-            rows = slice(i * k, i * k + len(b))
-            steps.append(Step("verify", out["logits"][rows], {n: v[rows] for n, v in out.items() if n != "logits"}))
+        steps, bounds = [], np.cumsum([0, *counts])
+        for seq, b, lo, hi in zip(seqs, ids, bounds, bounds[1:]):
+            steps.append(Step("verify", out["logits"][lo:hi], {n: v[lo:hi] for n, v in out.items() if n != "logits"}))
             seq.pending, seq.pending_tokens = len(b), b.tolist()
         return steps
 

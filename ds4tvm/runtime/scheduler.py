@@ -8,9 +8,10 @@ one that touches the engine, runs them in rounds:
   1. it waits until every running generation has an operation queued (each spends only its
      sampling between two steps) or `max_wait` has passed since the first one came;
   2. other operations (commit, a drafter's calls, snapshots) run one by one, then the speculating
-     generations' verify blocks in batches of up to max_batch sequences (Engine.verify_batch; a
-     block waits a round or two while other generations run their drafters' calls, so that
-     generations one call apart come to verify together);
+     generations' verify blocks in one call of up to max_batch sequences, the decode steps in it as
+     blocks of one row where they fit (Engine.verify_batch; a block waits a round or two while
+     other generations run their drafters' calls, so that generations one call apart come to
+     verify together);
   3. the decode steps run in batches of up to the engine's max_batch sequences, the first prompt
      being prefilled bringing its chunk into that call where the artifact has batched prefills
      (Engine.prefill_batch: the weights read once for the chunk and the decodes);
@@ -141,12 +142,16 @@ class Scheduler:
             if op.kind == "run":
                 self._finish(op, lambda op=op: self._attached(op.seq, op.fn))
         verifies = self._verifies_now([op for op in ops if op.kind == "verify"], ops)
-        for i in range(0, len(verifies), self.engine.max_batch):
-            self._verify(verifies[i:i + self.engine.max_batch])
         self._prefills += [op for op in ops if op.kind == "prefill"]
         decodes = [op for op in ops if op.kind == "decode"]
         prefills = list(self._prefills)
-        budget, moved = self._budget(len(decodes), len(prefills)), False
+        budget, moved = self._budget(len(decodes) + len(verifies), len(prefills)), False
+        if verifies and len(verifies) + len(decodes) <= self.engine.max_batch:
+            self._verify(verifies, decodes)   # the decodes ride along as blocks of one row
+            decodes = []
+        else:
+            for i in range(0, len(verifies), self.engine.max_batch):
+                self._verify(verifies[i:i + self.engine.max_batch])
         if prefills and batch_name(len(decodes) + 1, "prefill") in self.engine.functions:
             budget -= self._prefill_with_decodes(prefills.pop(0), self._chunk(budget, True, first=True), decodes)
             moved = True
@@ -199,16 +204,27 @@ class Scheduler:
             self._queued[:0] = verifies
         return []
 
-    def _verify(self, ops: list[_Op]) -> None:
+    def _verify(self, ops: list[_Op], decodes: list[_Op] = ()) -> None:
+        """The verify blocks of ops, and the decodes as blocks of one row committed at once (a
+        decode gives the logits of a one-row verify, bit for bit), in one call (Engine.verify_batch)."""
+        t0, seqs = time.perf_counter(), [op.seq for op in [*ops, *decodes]]
         try:
-            steps = self.engine.verify_batch([op.seq for op in ops], [op.tokens for op in ops])
+            steps = self.engine.verify_batch(seqs, [op.tokens for op in ops] + [[d.token] for d in decodes])
         except BaseException:
             for op in ops:   # alone, each says what it did
                 self._finish(op, lambda op=op: self._attached(op.seq, lambda e: e.verify(op.tokens)))
+            if decodes:
+                self._decode(list(decodes))
             return
+        self._step_s = _recent(self._step_s, time.perf_counter() - t0)
         for op, step in zip(ops, steps):
             op.result = step
             op.done.set()
+        for d, step in zip(decodes, steps[len(ops):]):
+            self.engine.attach(d.seq)
+            self.engine.commit(1)
+            d.result = Step("decode", step.logits[0], step.outputs)
+            d.done.set()
 
     def _budget(self, decoding: int, prefilling: int) -> float:
         """Seconds the round's prefill may add: unbounded where no one decodes (prompts waiting only

@@ -41,7 +41,7 @@ def test_batched_prefill_equals_prefill_and_decodes_bit_for_bit(engine):
 
 
 def test_batched_verify_equals_verify_bit_for_bit(engine):
-    """Blocks of one length, and of three (padded in the call), after prompts of different lengths."""
+    """Blocks of one length, and of three, after prompts of different lengths."""
     assert "verify_batch3" in engine.functions and "verify_batch2" in engine.functions
     assert_batched_verify_is_verify(engine, prompts(engine.n_vocab, (40, 70, 11)), prompts(engine.n_vocab, (4, 4, 4), 6))
     assert_batched_verify_is_verify(engine, prompts(engine.n_vocab, (3, 130, 9)), prompts(engine.n_vocab, (1, 6, 3), 7))
