@@ -246,8 +246,8 @@ def batched(engine, ids: list[int]) -> np.ndarray:
     one sits out, one decodes alone, the order of the rows turns), so that the tensors each row of
     a recorded batched function takes (runtime/residency.py) pass between sequences; then a
     prefill chunk of one with a decode of the others (Engine.prefill_batch: one call on the CPU,
-    the chunk alone then the batch in the GPU forms). An artifact without batched functions runs
-    each sequence's calls in turn: the reference."""
+    the chunk alone then the batch in the GPU forms), and a verify block of each (verify_batch).
+    An artifact without batched functions runs each sequence's calls in turn: the reference."""
     engine.reset()
     a = engine.seq
     engine.prefill(ids[:10])
@@ -260,7 +260,14 @@ def batched(engine, ids: list[int]) -> np.ndarray:
     for seqs in ([a, b], [a, b, c], [c, a, b], [b, c], [a], [c, a], [a, b, c]):
         rows += [step.logits for step in engine.decode_batch(seqs, [next(tokens) for _ in seqs])]
     chunk, steps = engine.prefill_batch(b, ids[36:40], [c, a], ids[:2])   # a chunk and two decodes
-    return np.array(rows + [chunk.logits] + [s.logits for s in steps])
+    rows += [chunk.logits] + [s.logits for s in steps]
+    widths = [min(3, engine.max_verify), 1, min(2, engine.max_verify)]   # verify blocks of each (verify_batch)
+    blocks = [ids[3 * i:3 * i + w] for i, w in enumerate(widths)]
+    for seq, step, block in zip((a, b, c), engine.verify_batch([a, b, c], blocks), blocks):
+        rows += list(step.logits)
+        engine.attach(seq)
+        engine.commit(len(block))
+    return np.array(rows)
 
 
 def all_logits(engine, ids: list[int]) -> dict[str, np.ndarray]:

@@ -134,9 +134,14 @@ class Sequences:
             rows, new = fn(i, rows, self.starts[i], mine)
             self.states[i].update({prefix + k: v for k, v in new.items()})
             out.append(rows)
-        # (a batched prefill's rows come back as chunk + others rows: stating them n again, a
-        # second match_cast, sent TVM 0.27's KillAfterLastUse into a recursion that overflowed the stack)
-        return out[0] if len(out) == 1 else op.concat(out, dim=0)
+        rows = out[0] if len(out) == 1 else op.concat(out, dim=0)
+        if self.counts is None:
+            # (a batched prefill's rows come back as chunk + others rows: stating them n again, a second
+            # match_cast, sent TVM 0.27's KillAfterLastUse into a recursion that overflowed the stack)
+            return rows
+        # a batched verify's blocks stated the call's rows again: with k0 + k1 + ... rows beside k,
+        # FuseTIR fails on the GPU forms ("All shape inputs are expected to be single tirx var")
+        return with_rows(rows, (x[0] if isinstance(x, list) else x).shape[0])
 
     def outputs(self) -> list[tuple]:
         """Every sequence's state tensors, in the names' order: what the function returns last."""
@@ -148,14 +153,13 @@ class Declared:
     `state_specs()`."""
 
     def exported(self) -> list[Fn]:
-        """functions(), less the batched prefills and verifies in the GPU forms, where a GPU
-        prefills a chunk in a call of its own: the chunk's rows (n - b of a call's n) reach Qwen3.8's
-        fused kernels as two expressions (n - 1 + 3 - 3 beside n - 1) and FuseTIR fails
-        ("VarRemapGet(source) == nullptr"); a batched verify's blocks, each matched to verify's row
-        count, fail FuseTIR on Qwen3.8 for cuda ("All shape inputs are expected to be single tirx
-        var"), as the batched prefill now does too."""
+        """functions(), less the batched prefills in the GPU forms, where a GPU prefills a chunk in
+        a call of its own: the chunk's rows (n - b of a call's n) reach Qwen3.8's fused kernels as
+        two expressions (n - 1 + 3 - 3 beside n - 1) and FuseTIR fails ("VarRemapGet(source) ==
+        nullptr"; with the chunk's own row count, "All shape inputs are expected to be single tirx
+        var"; stating its rows n again crashes: Sequences.per_sequence)."""
         gpu = getattr(getattr(self, "forms", None), "gpu", False)
-        return [f for f in self.functions() if not ((f.chunked or f.blocks) and gpu)]
+        return [f for f in self.functions() if not (f.chunked and gpu)]
 
     def function_specs(self) -> list[FunctionSpec]:
         return [f.function_spec() for f in self.exported()]

@@ -23,7 +23,8 @@ TOP = {"plan", "target", "device", "arch", "copy_bandwidth_gb_s", "models", "fai
 MODEL_KEYS = {"gguf_seconds", "load_seconds", "logits_vs_cpu", "speculation", "timed"}
 LOGIT_KEYS = {"max_abs_diff", "limit", "max_abs_logit", "argmax_equal", "rows"}
 LIMITS = {"deepseek4-tiny": 1e-4, "glm5next-tiny": 2e-4, "qwen4exp-tiny": 1e-4}   # why GLM's: device_check.GLM_LIMIT
-ROWS = {"prefill": 40, "decode": 40, "verify": 40, "interleaved": 12, "batched": 19}
+# batched: 16 rows of batched decodes, a chunk's last and two decodes, verify blocks of 3, 1 and 2 rows
+ROWS = {"prefill": 40, "decode": 40, "verify": 40, "interleaved": 12, "batched": 25}
 ARM_KEYS = {"tokens", "tok_s", "functions", "proposed", "accepted", "drafter_ms_per_token", "ms_per_token",
             "equal_prefix", "speedup"}
 # what the drafters verify and write at full acceptance, as copies recorded per width (max_verify 4):
