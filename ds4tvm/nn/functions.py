@@ -103,7 +103,7 @@ class Sequences:
         self.starts = [start for start, _ in sequences]
         self.states = [dict(zip(state_names, states)) for _, states in sequences]
         self.chunk = tirx.Var("chunk", "int64")   # the rows of a batched prefill's chunk
-        self.blocks = [tirx.Var(VERIFY_ROWS, "int64") for _ in sequences]   # a batched verify's rows of each
+        self.verify_rows = [tirx.Var(VERIFY_ROWS, "int64") for _ in sequences]   # a batched verify's blocks' rows
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -113,7 +113,7 @@ class Sequences:
         if len(self) == 1:
             return [x]
         if self.counts is not None:   # each block stated verify's row count: its kernels are verify's
-            return [with_rows(block_rows(x, self.counts[:i], self.counts[i]), self.blocks[i]) for i in range(len(self))]
+            return [with_rows(block_rows(x, self.counts[:i], self.counts[i]), self.verify_rows[i]) for i in range(len(self))]
         if not self.chunked:
             return list(op.split(x, len(self), axis=0))
         others = len(self) - 1   # (relax's split takes constant indices only)

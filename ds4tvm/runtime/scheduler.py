@@ -73,6 +73,7 @@ class Scheduler:
         self._prefills: list[_Op] = []     # prompts being prefilled, a chunk per round
         self._members = 0                   # generations running (each has at most one operation queued)
         self._step_s = None                 # recent seconds of a decode call
+        self._stream_s = None               # recent seconds of the running streams' call (decode or verify)
         # recent seconds a prefill chunk adds to a round by its token count, apart (False) and
         # sharing a call with decodes (True: what the call took beyond a decode step)
         self._chunk_s: dict[bool, dict[int, float]] = {False: {}, True: {}}
@@ -185,7 +186,8 @@ class Scheduler:
             for op in ops:   # alone, each says what it did: one request's full context fails no other
                 self._finish(op, lambda op=op: self.engine.decode_batch([op.seq], [op.token])[0])
             return
-        self._step_s = _recent(self._step_s, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self._step_s, self._stream_s = _recent(self._step_s, took), _recent(self._stream_s, took)
         for op, step in zip(ops, steps):
             op.result = step
             op.done.set()
@@ -216,7 +218,7 @@ class Scheduler:
             if decodes:
                 self._decode(list(decodes))
             return
-        self._step_s = _recent(self._step_s, time.perf_counter() - t0)
+        self._stream_s = _recent(self._stream_s, time.perf_counter() - t0)
         for op, step in zip(ops, steps):
             op.result = step
             op.done.set()
@@ -228,11 +230,12 @@ class Scheduler:
 
     def _budget(self, decoding: int, prefilling: int) -> float:
         """Seconds the round's prefill may add: unbounded where no one decodes (prompts waiting only
-        for each other: whole chunks make every first token come soonest), else STALL decode steps,
-        or STALL steps per newcomer where newcomers outnumber the running streams."""
+        for each other: whole chunks make every first token come soonest), else STALL of the running
+        streams' steps (a decode call, or a verify call where they speculate), or STALL steps per
+        newcomer where newcomers outnumber the running streams."""
         if not decoding:
             return float("inf")
-        return 0.0 if self._step_s is None else STALL * max(1.0, prefilling / decoding) * self._step_s
+        return 0.0 if self._stream_s is None else STALL * max(1.0, prefilling / decoding) * self._stream_s
 
     def _chunk(self, budget: float, joined: bool, first: bool) -> int:
         """The next prompt's tokens this round: the largest doubling of MIN_CHUNK whose time, measured

@@ -38,6 +38,6 @@ def metrics_text(service) -> str:
     out += _line("ds4_generated_tokens_per_second", "gauge", "tokens generated per second over the last 10 s",
                  [("", c["tok_s"])])
     out += _histogram("ds4_decode_batch_size", "sequences per decode call", calls)
-    out += _histogram("ds4_verify_batch_size", "sequences per verify call (speculative decoding)",
+    out += _histogram("ds4_verify_batch_size", "sequences per verify call (speculative decoding; a decode step in a verify call counts here)",
                       service.engine.verify_calls)
     return "\n".join(out) + "\n"

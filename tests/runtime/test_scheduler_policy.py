@@ -28,7 +28,7 @@ def test_prompts_waiting_only_for_each_other_get_whole_chunks(scheduler):
 
 
 def test_beside_decodes_the_budget_goes_to_one_prompt_after_another(scheduler):
-    scheduler._step_s = 0.010
+    scheduler._step_s = scheduler._stream_s = 0.010
     scheduler._chunk_s = {False: {8: 0.010, 16: 0.012, 32: 0.016, 64: 0.030}, True: {8: 0.004, 16: 0.007}}
     assert scheduler._budget(decoding=3, prefilling=2) == pytest.approx(STALL * 0.010)
     # the first prompt: the largest measured size that fits
@@ -46,7 +46,7 @@ def test_beside_decodes_the_budget_goes_to_one_prompt_after_another(scheduler):
 
 
 def test_the_first_prompt_waiting_always_moves(scheduler):
-    scheduler._step_s = 0.010
+    scheduler._step_s = scheduler._stream_s = 0.010
     assert scheduler._chunk(0.0, False, first=True) == MIN_CHUNK
     assert scheduler._chunk(-1.0, True, first=True) == MIN_CHUNK
     assert scheduler._chunk(0.0, False, first=False) == 0   # nothing measured yet: it waits
@@ -54,7 +54,7 @@ def test_the_first_prompt_waiting_always_moves(scheduler):
 
 
 def test_newcomers_outnumbering_the_streams_get_a_budget_each(scheduler):
-    scheduler._step_s = 0.010
+    scheduler._step_s = scheduler._stream_s = 0.010
     assert scheduler._budget(decoding=1, prefilling=4) == pytest.approx(4 * STALL * 0.010)
     assert scheduler._budget(decoding=4, prefilling=1) == pytest.approx(STALL * 0.010)
 
