@@ -47,6 +47,25 @@ def test_batched_verify_equals_verify_bit_for_bit(engine):
     assert_batched_verify_is_verify(engine, prompts(engine.n_vocab, (3, 130, 9)), prompts(engine.n_vocab, (1, 6, 3), 7))
 
 
+def test_batched_verify_checks_its_input(engine):
+    """Each bad input is one Ds4Error naming it, before any kernel runs: no sequence moves."""
+    seqs = [engine.new_sequence(), engine.new_sequence()]
+    with pytest.raises(Ds4Error, match="distinct sequences"):
+        engine.verify_batch([seqs[0], seqs[0]], [[1], [2]])
+    with pytest.raises(Ds4Error, match="distinct sequences"):
+        engine.verify_batch(seqs, [[1]])
+    with pytest.raises(Ds4Error, match="outside the vocabulary"):
+        engine.verify_batch(seqs, [[1], [2, engine.n_vocab]])
+    with pytest.raises(Ds4Error, match=f"verify takes 1..{engine.max_verify} tokens"):
+        engine.verify_batch(seqs, [[1], []])
+    with pytest.raises(Ds4Error, match=f"verify takes 1..{engine.max_verify} tokens"):
+        engine.verify_batch(seqs, [[1], [2] * (engine.max_verify + 1)])
+    seqs[1].pos = engine.max_context - 1
+    with pytest.raises(Ds4Error, match="exceed the compiled context"):
+        engine.verify_batch(seqs, [[1], [2, 3]])
+    assert [s.pos for s in seqs] == [0, engine.max_context - 1] and [s.pending for s in seqs] == [0, 0]
+
+
 def test_verify_blocks_arriving_together_share_a_call(engine):
     """Two generations' verify blocks in one round (both members, the round waiting for both) run
     as one batched verify, each given what its verify alone gives; then each commits its own rows."""
