@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import threading
 import time
-from collections import Counter
 
 import numpy as np
+from batch_ab import _step
 
 
 def _median_ms(step, steps: int) -> float:
@@ -74,14 +73,7 @@ def main() -> None:
         engine.verify(blocks[k][0])
 
     def decode(b, seqs=seqs):
-        if b == 1:
-            engine.attach(seqs[0])
-            engine.decode(5)
-        else:
-            engine.decode_batch(seqs[:b], [5] * b)
-        for s in seqs[:b]:
-            engine.attach(s)
-            engine.rewind(1)
+        _step(engine, seqs, b)
 
     cases = [("decode", 1, 1, lambda: decode(1))] + [("decode", b, 1, lambda b=b: decode(b)) for b in sizes]
     cases += [(way, b, k, (lambda b=b, k=k, f=f: f(b, k))) for b in sizes for k in widths
@@ -110,45 +102,24 @@ def main() -> None:
 
 
 def generations(engine, n: int, gen: int, rounds: int) -> None:
-    """n speculating generations through the scheduler, verify blocks batched against one by one."""
+    """n speculating generations through the scheduler (runtime/bench.concurrency), verify blocks
+    batched against one by one."""
     from ds4tvm.cli.common import spec_options
+    from ds4tvm.runtime.bench import concurrency
     from ds4tvm.runtime.drafters import choose_drafter
-    from ds4tvm.runtime.sampler import SamplingParams
-    from ds4tvm.runtime.scheduler import Scheduler
-    from ds4tvm.runtime.speculative import generate
 
     options = spec_options("", 1, None, False, False, None, False, False, False)
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, engine.n_vocab, 64).tolist() for _ in range(n)]
     batched = engine.verify_batch
 
     def one_by_one(seqs, blocks):
         return [batched([s], [b])[0] for s, b in zip(seqs, blocks)]
 
-    def run(verify_batch) -> tuple[float, float]:
-        engine.verify_batch = verify_batch
-        scheduler, calls = Scheduler(engine), Counter(engine.verify_calls)
-
-        def one(i):
-            drafter = choose_drafter(engine, options, engine.dir)
-            with scheduler.member(engine.new_sequence()) as seq_engine:
-                generate(seq_engine, prompts[i], gen, SamplingParams(0.0), np.random.default_rng(0), drafter=drafter)
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        t = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        seconds = time.perf_counter() - t
-        scheduler.close()
-        made = engine.verify_calls - calls
-        return n * gen / seconds, sum(b * c for b, c in made.items()) / max(1, sum(made.values()))
-
-    run(batched)   # first calls outside the timing
     results = {"batched": [], "one by one": []}
     for _ in range(rounds):
-        results["batched"].append(run(batched))
-        results["one by one"].append(run(one_by_one))
+        for way, verify_batch in (("batched", batched), ("one by one", one_by_one)):
+            engine.verify_batch = verify_batch
+            c = concurrency(engine, n, 64, gen, 1, drafter_factory=lambda e: choose_drafter(e, options, e.dir))
+            results[way].append((c["together_tok_s"], c["mean_verify_batch"]))
     engine.verify_batch = batched
     for way, rs in results.items():
         print(f"{n} speculating generations, verify blocks {way}: {statistics.median(r[0] for r in rs):.1f} tok/s "

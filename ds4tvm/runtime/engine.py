@@ -412,14 +412,9 @@ class Engine:
         function of that many sequences where the artifact has one (else one decode each, in
         turn); each step's logits are those decode gives, bit for bit. The attached sequence stays
         attached."""
-        fn, attached = batch_name(len(seqs)), self.seq
+        fn = batch_name(len(seqs))
         if len(seqs) == 1 or fn not in self.functions:
-            steps = []
-            for seq, t in zip(seqs, tokens):
-                self.attach(seq)
-                steps.append(self.decode(t))
-            self.attach(attached)
-            return steps
+            return self._in_turn(seqs, tokens, self.decode)
         ids = self._ids(tokens)
         if len(ids) != len(seqs) or len({id(s) for s in seqs}) != len(seqs):
             raise Ds4Error(f"decode_batch: {len(seqs)} distinct sequences and a token for each are expected")
@@ -434,6 +429,15 @@ class Engine:
         for row, i in enumerate(order):
             steps[i] = Step("decode", out["logits"][row], {k: v[row:row + 1] for k, v in out.items() if k != "logits"})
             self._committed(seqs[i], ids[i:i + 1])
+        return steps
+
+    def _in_turn(self, seqs: list[Sequence], inputs, step) -> list[Step]:
+        """step(inputs[i]) with seqs[i] attached, one after another; the attached sequence stays attached."""
+        attached, steps = self.seq, []
+        for seq, x in zip(seqs, inputs):
+            self.attach(seq)
+            steps.append(step(x))
+        self.attach(attached)
         return steps
 
     def prefill_batch(self, seq: Sequence, tokens, seqs: list[Sequence], next_tokens) -> tuple[Step, list[Step]]:
@@ -488,17 +492,12 @@ class Engine:
         of that many sequences where the artifact has one (else one verify each, in turn): each
         step's logits [k_i, V] as verify gives them, bit for bit, each sequence left with its k_i
         rows pending. The attached sequence stays attached."""
-        fn, attached = batch_name(len(seqs), "verify"), self.seq
+        fn = batch_name(len(seqs), "verify")
         ids = [self._ids(b) for b in blocks]
         if len(ids) != len(seqs) or len({id(s) for s in seqs}) != len(seqs):
             raise Ds4Error(f"verify_batch: {len(seqs)} distinct sequences and a block for each are expected")
         if len(seqs) == 1 or fn not in self.functions:
-            steps = []
-            for seq, b in zip(seqs, ids):
-                self.attach(seq)
-                steps.append(self.verify(b))
-            self.attach(attached)
-            return steps
+            return self._in_turn(seqs, ids, self.verify)
         if not all(1 <= len(b) <= self.max_verify for b in ids):
             raise Ds4Error(f"verify takes 1..{self.max_verify} tokens, got blocks of {[len(b) for b in ids]}")
         for s, b in zip(seqs, ids):
