@@ -136,8 +136,9 @@ class StateSpec:
 
 # Input kinds of a FunctionSpec: token ids (int32, checked against the vocabulary before any
 # call), a float32 or int32 tensor, the start position (a shape value), a batched function's start
-# positions or row counts (a shape value per sequence), or a host input that the family's provider
-# computes from the call's inputs and the engine's token history (families.Family.host_inputs).
+# positions or row counts (a shape value per sequence: a batched verify's blocks' rows, the rows
+# before each), or a host input that the family's provider computes from the call's inputs and the
+# engine's token history (families.Family.host_inputs).
 INPUT_KINDS = ("tokens", "float32", "int32", "position", "positions", "counts", "host")
 
 
@@ -176,7 +177,7 @@ class FunctionSpec:
     brings the rows of a prefill chunk (the others one row each), and the function returns the
     logits of each sequence's last row (its other outputs: those of every row, or of the logits'
     rows). blocks: each sequence brings a block of 1..max_verify rows of its own (a batched
-    verify; a "counts" input holds each one's row count), and the function returns the logits of
+    verify; "counts" inputs hold each one's row count and the rows before it), and the function returns the logits of
     every row."""
     name: str
     inputs: tuple[tuple[str, str], ...]     # (name, kind)

@@ -25,8 +25,8 @@ class Arg:
     """An input: its name (the method's parameter), its kind in the manifest (tokens, position,
     host, float32, ...), and for a tensor its shape (ints, or names of symbolic sizes) and dtype;
     a position is the call's first position, a host int; "positions" (batched functions) the
-    first position of each sequence, a host int per sequence; "counts" (a batched verify) the rows
-    of each sequence, a host int per sequence."""
+    first position of each sequence, a host int per sequence; "counts" (a batched verify) a row
+    count per sequence, a host int each (its block's rows, the call's rows before its block)."""
     name: str
     kind: str
     shape: tuple = ()
@@ -45,6 +45,7 @@ def tokens(rows, name: str = "tokens") -> Arg:
 START = Arg("start", "position")
 STARTS = Arg("starts", "positions")
 COUNTS = Arg("counts", "counts")
+OFFSETS = Arg("offsets", "counts")
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def target_functions(args, outputs: tuple[str, ...], max_batch: int = 1) -> list
     batch_name(b) for b = 2..max_batch: one row per sequence, STARTS for their positions; its
     prefill_batch, batch_name(b, "prefill"): a prompt's chunk and b - 1 decodes in one call; and
     its verify_batch, batch_name(b, "verify"): a block of rows of each of b sequences, their row
-    counts in COUNTS after STARTS."""
+    counts in COUNTS and the rows before each block in OFFSETS, after STARTS."""
     out = [Fn(f, tuple(args(rows)), outputs, "model", per_width=f == "verify") for f, rows in TARGET_ROWS.items()]
     for kind in BATCHED:
         out += [Fn(batch_name(b, kind), _batched_inputs(args, kind, b), outputs, "model", sequences=b,
@@ -98,8 +99,9 @@ class Sequences:
     that read and write a sequence's state run per sequence (`per_sequence`), everything else on
     all rows at once."""
 
-    def __init__(self, state_names: list[str], sequences: list[tuple], chunked: bool = False, counts=None):
-        self.names, self.chunked, self.counts = state_names, chunked, counts
+    def __init__(self, state_names: list[str], sequences: list[tuple], chunked: bool = False, counts=None,
+                 offsets=None):
+        self.names, self.chunked, self.counts, self.offsets = state_names, chunked, counts, offsets
         self.starts = [start for start, _ in sequences]
         self.states = [dict(zip(state_names, states)) for _, states in sequences]
         self.chunk = tirx.Var("chunk", "int64")   # the rows of a batched prefill's chunk
@@ -113,7 +115,7 @@ class Sequences:
         if len(self) == 1:
             return [x]
         if self.counts is not None:   # each block stated verify's row count: its kernels are verify's
-            return [with_rows(block_rows(x, self.counts[:i], self.counts[i]), self.verify_rows[i]) for i in range(len(self))]
+            return [with_rows(block_rows(x, self.offsets[i], self.counts[i]), self.verify_rows[i]) for i in range(len(self))]
         if not self.chunked:
             return list(op.split(x, len(self), axis=0))
         others = len(self) - 1   # (relax's split takes constant indices only)
@@ -177,9 +179,9 @@ def _batched_inputs(args, kind: str, sequences: int) -> tuple[Arg, ...]:
     """A batched function's inputs: those of a call of its rows (one per sequence; a prompt's
     chunk and one each; verify blocks, counted as verify's rows (nn/state.few_rows), so that its
     all-rows kernels are verify's, whose rows do not depend on each other: each block's logits are
-    its verify's bit for bit), with STARTS for START and, in a batched verify, COUNTS after it."""
+    its verify's bit for bit), with STARTS for START and, in a batched verify, COUNTS and OFFSETS after it."""
     rows = {"decode": sequences, "prefill": TARGET_ROWS["prefill"], "verify": TARGET_ROWS["verify"]}[kind]
-    batched = (STARTS, COUNTS) if kind == "verify" else (STARTS,)
+    batched = (STARTS, COUNTS, OFFSETS) if kind == "verify" else (STARTS,)
     return tuple(x for a in args(rows) for x in (batched if a == START else (a,)))
 
 
@@ -213,10 +215,11 @@ class TargetFunctions(Declared):
         logits of each sequence's last row, then every sequence's states."""
         return self._rows(ids, Sequences(self.state_names, list(zip(starts, states)), chunked=True), last=len(starts))
 
-    def verify_batch(self, ids: nn.Tensor, starts, counts, states):
-        """A block of counts[i] rows of each of len(starts) sequences, one after another; the
-        logits of every row, then every sequence's states."""
-        return self._rows(ids, Sequences(self.state_names, list(zip(starts, states)), counts=counts), last=None)
+    def verify_batch(self, ids: nn.Tensor, starts, counts, offsets, states):
+        """A block of counts[i] rows of each of len(starts) sequences, one after another (offsets[i]
+        rows before it); the logits of every row, then every sequence's states."""
+        return self._rows(ids, Sequences(self.state_names, list(zip(starts, states)), counts=counts, offsets=offsets),
+                          last=None)
 
     def _forward(self, ids, start, states, last_only: bool):
         return self._rows(ids, Sequences(self.state_names, [(start, states)]), last=1 if last_only else None)
@@ -233,16 +236,15 @@ def rows_of(x: nn.Tensor, first, count, name: str) -> nn.Tensor:
     return op.tensor_expr_op(rows, name, [x])
 
 
-def block_rows(x: nn.Tensor, before: list, count) -> nn.Tensor:
-    """The `count` rows of x after the rows of the blocks before it (their counts: `before`), each
-    count a symbolic value of the call (a batched verify's COUNTS)."""
+def block_rows(x: nn.Tensor, offset, count) -> nn.Tensor:
+    """The `count` rows of x from row `offset`, both symbolic values of the call (a batched verify's
+    OFFSETS and COUNTS: one kernel for every block)."""
     from tvm import te
 
-    def rows(t, *counts):
-        first = sum(counts[:-1], 0)
-        return te.compute((counts[-1], *t.shape[1:]), lambda r, *i: t[first + r, *i], name="block_rows")
+    def rows(t, first, n):
+        return te.compute((n, *t.shape[1:]), lambda r, *i: t[first + r, *i], name="block_rows")
 
-    return op.tensor_expr_op(rows, "block_rows", [x, *before, count])
+    return op.tensor_expr_op(rows, "block_rows", [x, offset, count])
 
 
 def with_rows(x: nn.Tensor, rows) -> nn.Tensor:

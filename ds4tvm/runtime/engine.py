@@ -503,9 +503,11 @@ class Engine:
         for s, b in zip(seqs, ids):
             self._room(len(b), s)
         counts = [len(b) for b in ids]
-        out = self.call(fn, seqs, ids=np.concatenate(ids), starts=[s.pos for s in seqs], counts=counts)
+        bounds = np.cumsum([0, *counts])
+        out = self.call(fn, seqs, ids=np.concatenate(ids), starts=[s.pos for s in seqs], counts=counts,
+                        offsets=bounds[:-1])
         self.verify_calls[len(seqs)] += 1
-        steps, bounds = [], np.cumsum([0, *counts])
+        steps = []
         for seq, b, lo, hi in zip(seqs, ids, bounds, bounds[1:]):
             steps.append(Step("verify", out["logits"][lo:hi], {n: v[lo:hi] for n, v in out.items() if n != "logits"}))
             seq.pending, seq.pending_tokens = len(b), b.tolist()

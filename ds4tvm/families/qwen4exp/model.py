@@ -347,9 +347,10 @@ class Qwen4Exp(Declared, nn.Module):
         """A prompt's chunk and one token of each other sequence (TargetFunctions.prefill_batch)."""
         return self._rows(ids, ple, Sequences(self.state_names, list(zip(starts, states)), chunked=True), len(starts))
 
-    def verify_batch(self, ids: nn.Tensor, ple: nn.Tensor, starts, counts, states):
+    def verify_batch(self, ids: nn.Tensor, ple: nn.Tensor, starts, counts, offsets, states):
         """A block of rows of each sequence (TargetFunctions.verify_batch)."""
-        return self._rows(ids, ple, Sequences(self.state_names, list(zip(starts, states)), counts=counts), None)
+        seqs = Sequences(self.state_names, list(zip(starts, states)), counts=counts, offsets=offsets)
+        return self._rows(ids, ple, seqs, None)
 
     def state_specs(self) -> list[StateSpec]:
         return state_specs(self.cfg, self.bounds)
