@@ -137,6 +137,8 @@ class Scheduler:
                         op.error = op.error or e
                         op.done.set()
                 self._prefills = []
+                with self._cond:   # (verify blocks held back for the next round among them)
+                    self._queued = [op for op in self._queued if not op.done.is_set()]
 
     def _round(self, ops: list[_Op]) -> None:
         for op in ops:
