@@ -149,8 +149,8 @@ class Scheduler:
         decodes = [op for op in ops if op.kind == "decode"]
         prefills = list(self._prefills)
         budget, moved = self._budget(len(decodes) + len(verifies), len(prefills)), False
-        if verifies and len(verifies) + len(decodes) <= self.engine.max_batch:
-            self._verify(verifies, decodes)   # the decodes ride along as blocks of one row
+        if verifies and decodes and self._decodes_ride_along(len(verifies), len(decodes)):
+            self._verify(verifies, decodes)
             decodes = []
         else:
             for i in range(0, len(verifies), self.engine.max_batch):
@@ -193,6 +193,14 @@ class Scheduler:
         for op, step in zip(ops, steps):
             op.result = step
             op.done.set()
+
+    def _decodes_ride_along(self, verifying: int, decoding: int) -> bool:
+        """Whether a round's decode steps join its verify call as one-row blocks: where the artifact
+        has that batched verify, and its batched decode is no recorded CUDA graph (whose replay a
+        call of symbolic rows would not match); an artifact without batched verifies keeps them apart."""
+        fns = self.engine.functions
+        decode = fns.get(batch_name(decoding) if decoding > 1 else "decode")
+        return batch_name(verifying + decoding, "verify") in fns and not (decode is not None and decode.recorded)
 
     def _verifies_now(self, verifies: list[_Op], ops: list[_Op]) -> list[_Op]:
         """The verify blocks to run this round: none while another generation ran one of its other

@@ -1,7 +1,8 @@
 """How the scheduler sizes a round's prefill (runtime/scheduler.py), from the chunk costs it has
 measured: a prompt waiting only for others gets whole chunks; beside running decodes the round adds
 about STALL decode steps' time, given to one prompt after another in the largest chunks that fit
-(a small chunk costs more per token), and the first prompt waiting always moves."""
+(a small chunk costs more per token), and the first prompt waiting always moves; and when a
+round's decode steps join its verify call."""
 
 import pytest
 
@@ -62,3 +63,22 @@ def test_newcomers_outnumbering_the_streams_get_a_budget_each(scheduler):
 def test_before_any_step_is_timed_a_prompt_beside_decodes_gets_the_smallest_chunk(scheduler):
     assert scheduler._budget(2, 1) == 0.0
     assert scheduler._chunk(scheduler._budget(2, 1), True, first=True) == MIN_CHUNK
+
+
+def test_decodes_join_a_verify_call_only_where_a_batched_verify_takes_them(scheduler):
+    """A round's decode steps ride in its verify call where the artifact has the batched verify of
+    them all, and not where its batched decode is a recorded CUDA graph or it has no batched verify
+    (an artifact compiled before them: the decodes keep their batched decode)."""
+    from ds4tvm.artifact import FunctionSpec
+
+    def spec(name, recorded=False):
+        return FunctionSpec(name, (), ("logits",), "model", recorded=recorded)
+
+    scheduler.engine.functions = {f: spec(f) for f in ("decode", "decode_batch2", "verify_batch3", "verify_batch4")}
+    assert scheduler._decodes_ride_along(verifying=1, decoding=2)
+    assert scheduler._decodes_ride_along(verifying=3, decoding=1)
+    assert not scheduler._decodes_ride_along(verifying=3, decoding=2)   # no verify_batch5
+    scheduler.engine.functions["decode_batch2"] = spec("decode_batch2", recorded=True)
+    assert not scheduler._decodes_ride_along(verifying=1, decoding=2)
+    scheduler.engine.functions = {f: spec(f) for f in ("decode", "decode_batch2")}
+    assert not scheduler._decodes_ride_along(verifying=1, decoding=1)
