@@ -115,7 +115,8 @@ class Sequences:
         if len(self) == 1:
             return [x]
         if self.counts is not None:   # each block stated verify's row count: its kernels are verify's
-            return [with_rows(block_rows(x, self.offsets[i], self.counts[i]), self.verify_rows[i]) for i in range(len(self))]
+            return [with_rows(block_rows(x, first, rows), k)
+                    for first, rows, k in zip(self.offsets, self.counts, self.verify_rows)]
         if not self.chunked:
             return list(op.split(x, len(self), axis=0))
         others = len(self) - 1   # (relax's split takes constant indices only)

@@ -20,7 +20,7 @@ def _histogram(name: str, help_: str, calls) -> list[str]:
 
 
 def metrics_text(service) -> str:
-    c, calls = service.counters(), service.engine.decode_calls
+    c = service.counters()
     out = []
     out += _line("ds4_requests_running", "gauge", "requests generating now", [("", c["running"])])
     out += _line("ds4_requests_queued", "gauge", "requests waiting for a free worker", [("", service.jobs.qsize())])
@@ -37,7 +37,8 @@ def metrics_text(service) -> str:
     out += _line("ds4_generated_tokens_total", "counter", "tokens generated", [("", c["generated"])])
     out += _line("ds4_generated_tokens_per_second", "gauge", "tokens generated per second over the last 10 s",
                  [("", c["tok_s"])])
-    out += _histogram("ds4_decode_batch_size", "sequences per decode call", calls)
-    out += _histogram("ds4_verify_batch_size", "sequences per verify call (speculative decoding; a decode step in a verify call counts here)",
+    out += _histogram("ds4_decode_batch_size", "sequences per decode call", service.engine.decode_calls)
+    out += _histogram("ds4_verify_batch_size",
+                      "sequences per verify call (speculative decoding; a decode step in a verify call counts here)",
                       service.engine.verify_calls)
     return "\n".join(out) + "\n"
