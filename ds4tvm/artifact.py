@@ -148,8 +148,9 @@ BATCHED = ("decode", "prefill", "verify")   # what a batched function does for i
 def batch_name(sequences: int, kind: str = "decode") -> str:
     """The name of the target's batched function of that many sequences (FunctionSpec.sequences):
     its batched decode, its batched prefill (a prompt's chunk and a decode of each other sequence:
-    FunctionSpec.chunked) or its batched verify (a block of rows of each: FunctionSpec.blocks)."""
-    assert kind in BATCHED, kind
+    FunctionSpec.chunked) or its batched verify (a block of rows of each: FunctionSpec.blocks); or,
+    kind another function's name, that function's calls of that many sequences in one (a drafter's
+    one-row step: nn/functions.batched_copies)."""
     return f"{kind}_batch{sequences}"
 
 

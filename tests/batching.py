@@ -159,3 +159,33 @@ def assert_batched_verify_is_verify(engine, prompt_list: list[list[int]], blocks
         engine.attach(seq)
         engine.commit(len(b) - 1)
         assert np.array_equal(engine.decode(b[-1]).logits, want[i][1].logits), i
+
+
+def assert_batched_call_is_call(engine, fn: str, prompt_list: list[list[int]], inputs_of) -> None:
+    """A one-row function (a drafter's step) after each prompt, alone and all in one call of its
+    batched copy (Engine.call_batch): equal outputs and equal state tensors of its group after it,
+    bit for bit. inputs_of(engine, step) gives its inputs after the prompt's prefill step."""
+    from ds4tvm.artifact import batch_name
+
+    assert batch_name(len(prompt_list), fn) in engine.functions
+    group = engine.functions[fn].states
+
+    def fresh(tokens):
+        engine.attach(engine.new_sequence())
+        return engine.seq, inputs_of(engine, engine.prefill(tokens))
+
+    def states(seq):
+        return [t.numpy() for t in seq.states[group]]
+
+    want = []
+    for p in prompt_list:
+        seq, inputs = fresh(p)
+        want.append((engine.call(fn, **inputs), states(seq)))
+    seqs, inputs = zip(*[fresh(p) for p in prompt_list])
+    calls = engine.batched_calls[(fn, len(seqs))]
+    got = engine.call_batch(fn, list(seqs), list(inputs))
+    assert engine.batched_calls[(fn, len(seqs))] == calls + 1
+    for i, (out, (w, w_states)) in enumerate(zip(got, want)):
+        assert out.keys() == w.keys()
+        assert all(np.array_equal(out[k], w[k]) for k in w), (i, fn)
+        assert all(np.array_equal(a, b) for a, b in zip(states(seqs[i]), w_states)), (i, fn)

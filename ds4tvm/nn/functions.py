@@ -62,6 +62,7 @@ class Fn:
     sequences: int = 1
     chunked: bool = False
     blocks: bool = False
+    method: str | None = None   # a batched copy's method (batched_copies); else the kind's (Declared.spec)
 
     def function_spec(self) -> FunctionSpec:
         return FunctionSpec(self.name, tuple((a.name, a.kind) for a in self.args), self.outputs, self.states,
@@ -89,6 +90,16 @@ def target_functions(args, outputs: tuple[str, ...], max_batch: int = 1) -> list
         out += [Fn(batch_name(b, kind), _batched_inputs(args, kind, b), outputs, "model", sequences=b,
                    chunked=kind == "prefill", blocks=kind == "verify") for b in range(2, max_batch + 1)]
     return out
+
+
+def batched_copies(fn: Fn, args, max_batch: int, method: str) -> list[Fn]:
+    """fn's batched copies, batch_name(b, fn.name) for b = 2..max_batch, implemented by the module's
+    `method`: one row of each of b sequences (args(rows) gives the inputs of a call of that many
+    rows, START among them, which becomes STARTS), each sequence's states of fn's group, fn's outputs
+    one row per sequence. For a drafter's one-row step, so that the scheduler runs the steps of
+    several generations in one call (Engine.call_batch)."""
+    return [Fn(batch_name(b, fn.name), tuple(STARTS if a == START else a for a in args(b)), fn.outputs, fn.states,
+               state_arg=fn.state_arg, sequences=b, method=method) for b in range(2, max_batch + 1)]
 
 
 class Sequences:
@@ -160,9 +171,11 @@ class Declared:
         a call of its own: the chunk's rows (n - b of a call's n) reach Qwen3.8's fused kernels as
         two expressions (n - 1 + 3 - 3 beside n - 1) and FuseTIR fails ("VarRemapGet(source) ==
         nullptr"; with the chunk's own row count, "All shape inputs are expected to be single tirx
-        var"; stating its rows n again crashes: Sequences.per_sequence)."""
+        var"; stating its rows n again crashes: Sequences.per_sequence). A drafter step's batched
+        copies are left out of the GPU forms too: never built or run on a GPU yet (a GPU drafts
+        one sequence at a time, as before them)."""
         gpu = getattr(getattr(self, "forms", None), "gpu", False)
-        return [f for f in self.functions() if not (f.chunked and gpu)]
+        return [f for f in self.functions() if not ((f.chunked or f.method) and gpu)]
 
     def function_specs(self) -> list[FunctionSpec]:
         return [f.function_spec() for f in self.exported()]
@@ -171,8 +184,8 @@ class Declared:
         states = self.state_specs()
         for f in self.exported():
             if f.sequences > 1:   # every batch size is one method; TVM finds it under each name
-                setattr(self, f.name, self.prefill_batch if f.chunked else self.verify_batch if f.blocks
-                        else self.decode_batch)
+                setattr(self, f.name, getattr(self, f.method) if f.method else self.prefill_batch if f.chunked
+                        else self.verify_batch if f.blocks else self.decode_batch)
         return {f.name: f.export_spec(states) for f in self.exported()}
 
 

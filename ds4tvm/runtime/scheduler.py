@@ -7,11 +7,12 @@ kernels or moves counters becomes an operation queued here, and one scheduler th
 one that touches the engine, runs them in rounds:
   1. it waits until every running generation has an operation queued (each spends only its
      sampling between two steps) or `max_wait` has passed since the first one came;
-  2. other operations (commit, a drafter's calls, snapshots) run one by one, then the speculating
-     generations' verify blocks in one call of up to max_batch sequences, the decode steps in it as
-     blocks of one row where they fit (Engine.verify_batch; a block waits a round or two while
-     other generations run their drafters' calls, so that generations one call apart come to
-     verify together);
+  2. other operations (commit, snapshots, a drafter's calls) run one by one, except a drafter's
+     one-row steps of one function, in one call where the artifact has its batched copies
+     (Engine.call_batch); then the speculating generations' verify blocks in one call of up to
+     max_batch sequences, the decode steps in it as blocks of one row where they fit
+     (Engine.verify_batch; a block waits a round or two while other generations run their
+     drafters' calls, so that generations one call apart come to verify together);
   3. the decode steps run in batches of up to the engine's max_batch sequences, the first prompt
      being prefilled bringing its chunk into that call where the artifact has batched prefills
      (Engine.prefill_batch: the weights read once for the chunk and the decodes);
@@ -51,13 +52,14 @@ VERIFY_WAIT = 2
 @dataclass
 class _Op:
     seq: object
-    kind: str                       # "decode", "prefill", "verify" or "run"
+    kind: str                       # "decode", "prefill", "verify", "call" or "run"
     token: int = 0                  # decode
     tokens: np.ndarray | None = None  # prefill: what is left to prefill; verify: the block
     total: int = 0                  # prefill: its token count
     parts: list = field(default_factory=list)   # prefill: the chunks' steps
     on_chunk: object = None         # prefill: on_chunk(done, total) -> True cancels
-    fn: object = None               # run: fn(engine) with seq attached
+    fn: object = None               # run: fn(engine) with seq attached; call: the function's name
+    inputs: dict = field(default_factory=dict)   # call: its inputs
     waited: int = 0                 # verify: rounds held for others' blocks
     result: object = None
     error: BaseException | None = None
@@ -144,6 +146,7 @@ class Scheduler:
         for op in ops:
             if op.kind == "run":
                 self._finish(op, lambda op=op: self._attached(op.seq, op.fn))
+        self._calls([op for op in ops if op.kind == "call"])
         verifies = self._verifies_now([op for op in ops if op.kind == "verify"], ops)
         self._prefills += [op for op in ops if op.kind == "prefill"]
         decodes = [op for op in ops if op.kind == "decode"]
@@ -167,6 +170,26 @@ class Scheduler:
                 break
             budget -= self._prefill_chunk(op, n)
             moved = True
+
+    def _calls(self, ops: list[_Op]) -> None:
+        """The round's calls of named functions (a drafter's step), those of one function in calls of
+        up to max_batch sequences (Engine.call_batch: in one call where its batched copy exists); if
+        one fails, each alone says what it did."""
+        by_name: dict = {}
+        for op in ops:
+            by_name.setdefault(op.fn, []).append(op)
+        for name, same in by_name.items():
+            for i in range(0, len(same), self.engine.max_batch):
+                group = same[i:i + self.engine.max_batch]
+                try:
+                    results = self.engine.call_batch(name, [op.seq for op in group], [op.inputs for op in group])
+                except BaseException:
+                    for op in group:
+                        self._finish(op, lambda op=op: self._attached(op.seq, lambda e: e.call(op.fn, **op.inputs)))
+                    continue
+                for op, result in zip(group, results):
+                    op.result = result
+                    op.done.set()
 
     def _attached(self, seq, fn):
         self.engine.attach(seq)
@@ -207,7 +230,7 @@ class Scheduler:
         calls this round (a drafter's, a commit: its own verify may come next), each held for at
         most VERIFY_WAIT rounds. Generations one call apart would otherwise never verify in the
         same round (each round takes one call of each)."""
-        if not verifies or not any(op.kind == "run" for op in ops) or \
+        if not verifies or not any(op.kind in ("run", "call") for op in ops) or \
                 all(op.waited >= VERIFY_WAIT for op in verifies):
             return verifies
         for op in verifies:
@@ -378,4 +401,6 @@ class SequenceEngine(SequenceView):
         self._run(lambda e: e.restore(cp))
 
     def call(self, fn: str, **inputs):
+        if batch_name(2, fn) in self._engine.functions:   # it has batched copies: it may share a call
+            return self._scheduler.submit(_Op(self.seq, "call", fn=fn, inputs=inputs))
         return self._run(lambda e: e.call(fn, **inputs))

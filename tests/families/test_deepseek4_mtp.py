@@ -117,9 +117,11 @@ def test_agreeing_drafter_equals_target_only_and_is_accepted(agreeing):
 
 def test_generations_sharing_the_engine_with_the_legacy_drafter(agreeing):
     """Four generations through the scheduler, two with the legacy MTP drafter, greedy and seeded:
-    each as alone (greedy: target-only); the batched decode carries the hc streams it reads."""
-    from batching import (assert_batched_decode_is_decode, assert_batched_prefill_is_prefill,
-                          assert_batched_verify_is_verify, assert_together_is_alone)
+    each as alone (greedy: target-only); the batched decode carries the hc streams it reads, and
+    two sequences' MTP steps in one call give each one's logits, streams and ring as alone."""
+    from batching import (assert_batched_call_is_call, assert_batched_decode_is_decode,
+                          assert_batched_prefill_is_prefill, assert_batched_verify_is_verify,
+                          assert_together_is_alone)
 
     from ds4tvm.runtime.drafters.mtp import MTPDrafter
     from ds4tvm.runtime.engine import Engine
@@ -128,6 +130,8 @@ def test_generations_sharing_the_engine_with_the_legacy_drafter(agreeing):
     assert_batched_decode_is_decode(e, [PROMPT, [3, 4, 5, 6, 7, 8, 9, 10]])
     assert_batched_prefill_is_prefill(e, [PROMPT, [3, 4, 5, 6, 7, 8, 9, 10]], chunk=3)
     assert_batched_verify_is_verify(e, [PROMPT, [3, 4, 5, 6, 7, 8, 9, 10]], [[5, 6, 7], [9]])
+    assert_batched_call_is_call(e, "mtp_step", [PROMPT, [3, 4, 5, 6, 7, 8, 9, 10]], lambda engine, step: {
+        "hc_prev": step.outputs["hc_state"][-1:], "tokens": [11], "start": engine.pos})
     mtp = lambda: MTPDrafter(e, 3, margin=0.0)  # noqa: E731
     calls, _ = assert_together_is_alone(e, [(PROMPT, 0, 0, mtp), (PROMPT[:3], 0, 1, None), (PROMPT[1:], 1, 2, mtp),
                                             ([9, 8, 7], 0.9, 3, None)])

@@ -137,11 +137,13 @@ def test_nextn_step_matches_the_numpy_reference(model):
 
 
 def test_batched_decode_and_generations_sharing_the_engine(model):
-    """Two sequences' decode, and a chunk beside a decode, in one call: each one's logits and MTP inputs bit for bit as alone;
+    """Two sequences' decode, a chunk beside a decode, two verify blocks and two MTP steps, each in one
+    call: each one's logits, MTP inputs and MTP state bit for bit as alone;
     four generations through the scheduler (with the MTP drafter and without, greedy and seeded)
     as each alone, the greedy ones as target-only decoding."""
-    from batching import (assert_batched_decode_is_decode, assert_batched_prefill_is_prefill,
-                          assert_batched_verify_is_verify, assert_together_is_alone)
+    from batching import (assert_batched_call_is_call, assert_batched_decode_is_decode,
+                          assert_batched_prefill_is_prefill, assert_batched_verify_is_verify,
+                          assert_together_is_alone)
 
     from ds4tvm.runtime.drafters.glm_mtp import GLMMTPDrafter
 
@@ -149,6 +151,9 @@ def test_batched_decode_and_generations_sharing_the_engine(model):
     assert_batched_decode_is_decode(e, [PROMPT, PROMPT[:20]])   # two sequences: the default run's time
     assert_batched_prefill_is_prefill(e, [PROMPT, PROMPT[:20]])   # two sequences: the default run's time
     assert_batched_verify_is_verify(e, [PROMPT, PROMPT[:20]], [PROMPT[5:5 + e.max_verify], PROMPT[9:10]])
+    reads = e.drafters["glm_mtp"]["reads"]
+    assert_batched_call_is_call(e, "mtp_step", [PROMPT, PROMPT[:20]], lambda engine, step: {
+        "hidden_prev": step.outputs[reads][-1:], "tokens": [PROMPT[-1]], "start": engine.pos})
     mtp = lambda: GLMMTPDrafter(e)  # noqa: E731
     calls, _ = assert_together_is_alone(e, [(PROMPT, 0, 0, mtp), (PROMPT[:30], 0, 1, None), (PROMPT[3:], 1, 2, mtp),
                                             (PROMPT[:17], 0.9, 3, None)])

@@ -82,3 +82,38 @@ def test_decodes_join_a_verify_call_only_where_a_batched_verify_takes_them(sched
     assert not scheduler._decodes_ride_along(verifying=1, decoding=2)
     scheduler.engine.functions = {f: spec(f) for f in ("decode", "decode_batch2")}
     assert not scheduler._decodes_ride_along(verifying=1, decoding=1)
+
+
+def test_a_rounds_calls_of_one_function_share_calls_and_a_failed_call_fails_alone(scheduler):
+    """A round's calls of one named function (a drafter's steps) go to Engine.call_batch in groups
+    of up to max_batch sequences, each function's apart; where a batched call fails, each runs
+    alone and only the one at fault gets the error."""
+    from ds4tvm.errors import Ds4Error
+    from ds4tvm.runtime.scheduler import _Op
+
+    class Engine(_Engine):
+        max_batch = 2
+        batches: list = []
+
+        def call_batch(self, fn, seqs, inputs):
+            self.batches.append((fn, list(seqs)))
+            if any(x.get("bad") for x in inputs):
+                raise Ds4Error("a bad row")
+            return [{"out": x["v"] * 10} for x in inputs]
+
+        def attach(self, seq):
+            self.seq = seq
+
+        def call(self, fn, **inputs):
+            if inputs.get("bad"):
+                raise Ds4Error(f"{self.seq}: bad")
+            return {"out": inputs["v"] * 10}
+
+    scheduler.engine = Engine()
+    ops = [_Op(s, "call", fn=fn, inputs={"v": v, "bad": s == "e"})
+           for s, fn, v in (("a", "step", 1), ("b", "observe", 2), ("c", "step", 3), ("d", "step", 4), ("e", "step", 5))]
+    scheduler._round(ops)
+    assert scheduler.engine.batches == [("step", ["a", "c"]), ("step", ["d", "e"]), ("observe", ["b"])]
+    assert [op.result for op in ops[:4]] == [{"out": 10}, {"out": 20}, {"out": 30}, {"out": 40}]
+    assert isinstance(ops[4].error, Ds4Error) and "e: bad" in str(ops[4].error)
+    assert all(op.done.is_set() for op in ops)

@@ -19,7 +19,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import StateSpec
-from ...nn.functions import START, Arg, Fn, tokens
+from ...nn.functions import START, Arg, Fn, Sequences, batched_copies, tokens
 from ...nn.norm_rope import rms, rope_inv_freq
 from ...nn.state import ring_write
 from ...nn.qweight import Weights
@@ -54,9 +54,11 @@ class MTPBlock(nn.Module):
         N, _, _ = self.block.attn_input(X)
         return ring_write(ring, self.block.kv_rows(N, start, self.rope, self.kv_rounding), start, name="mtp_ring_write")
 
-    def step(self, X: nn.Tensor, start, ring: nn.Tensor):
-        X, new = self.block.attention(X, start, {"kv_ring": ring}, self.rope, None, self.kv_rounding)
-        return self.block.moe(X, None), new["kv_ring"]
+    def step(self, X: nn.Tensor, seqs: Sequences) -> nn.Tensor:
+        """The block over the rows of seqs: attention per sequence on its ring (updated in seqs), the
+        MoE on every row at once."""
+        X = self.block.attention_rows(X, seqs, "", self.rope, None, self.kv_rounding)
+        return self.block.moe(X, None)
 
 
 def ring_shape(cfg: Config, max_verify: int) -> tuple[int, int]:
@@ -79,11 +81,16 @@ def extend(target_cls):
 
         def mtp_step(self, hc_prev, tokens, start, rings):
             """One draft after tokens[0] at position start: the target's logits of it and X'."""
-            X = self.drafter.inputs(hc_prev, self.token_embd.rows(tokens, name="mtp_embedding"))
-            X, ring = self.drafter.step(X, start, rings[0])
+            return self.mtp_step_batch(hc_prev, tokens, [start], [rings])
+
+        def mtp_step_batch(self, hc_prev, tokens, starts, rings):
+            """mtp_step of one token of each of len(starts) sequences (row i: sequence i's, at
+            starts[i], with rings[i]): every row's logits and X', then every sequence's ring."""
+            seqs = Sequences(["kv_ring"], [(start, list(r)) for start, r in zip(starts, rings)])
+            X = self.drafter.step(self.drafter.inputs(hc_prev, self.token_embd.rows(tokens, name="mtp_embedding")), seqs)
             d = self.drafter
             logits = self.logits_of(X, d.hc_head_fn, d.hc_head_scale, d.hc_head_base, d.norm, "mtp")
-            return logits, X, (ring,)
+            return (logits, X, *seqs.outputs())
 
         def state_specs(self):
             shape = ring_shape(self.draft_cfg, self.bounds.max_verify)
@@ -93,9 +100,13 @@ def extend(target_cls):
 
         def functions(self):
             b = self.draft_cfg.block
-            step, observe = ((Arg("hc_prev", "float32", (n, b.hc, b.n_embd)), tokens(n), START) for n in (1, "n"))
-            return super().functions() + [Fn("mtp_observe", observe, (), "mtp", per_width=True, state_arg="rings"),
-                                          Fn("mtp_step", step, ("logits", "hc_state"), "mtp", state_arg="rings")]
+
+            def args(n):
+                return Arg("hc_prev", "float32", (n, b.hc, b.n_embd)), tokens(n), START
+
+            step = Fn("mtp_step", args(1), ("logits", "hc_state"), "mtp", state_arg="rings")
+            return super().functions() + [Fn("mtp_observe", args("n"), (), "mtp", per_width=True, state_arg="rings"),
+                                          step, *batched_copies(step, args, self.bounds.max_batch, "mtp_step_batch")]
 
         def drafter_settings(self) -> dict:
             return {"mtp": {"window": self.draft_cfg.block.sliding_window}}

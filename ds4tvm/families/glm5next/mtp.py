@@ -27,7 +27,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import StateSpec
-from ...nn.functions import START, Arg, Fn, tokens
+from ...nn.functions import START, Arg, Fn, Sequences, batched_copies, tokens
 from ...nn.norm_rope import rms
 from .config import STREAMS
 from .model import GLM5Next, Layer, layer_states
@@ -55,11 +55,17 @@ class NextN(nn.Module):
         L = self.layer
         return L.dsa_writes(rms(x, self.cfg.rms_eps, L.v("attn_norm")), start, states)
 
-    def step(self, x: nn.Tensor, start, states: dict):
+    def step(self, x: nn.Tensor, seqs: Sequences) -> nn.Tensor:
+        """The layer over the rows of seqs: attention per sequence on its states (updated in seqs),
+        the FFN on every row at once."""
         L, eps = self.layer, self.cfg.rms_eps
-        out, new, _ = L.dsa(rms(x, eps, L.v("attn_norm")), start, states, None)
-        x = x + out
-        return x + L.ffn_out(rms(x, eps, L.v("ffn_norm"))), new
+
+        def attend(_, rows, start, states):
+            out, new, _ = L.dsa(rms(rows, eps, L.v("attn_norm")), start, states, None)
+            return rows + out, new
+
+        x = seqs.per_sequence(x, "", attend)
+        return x + L.ffn_out(rms(x, eps, L.v("ffn_norm")))
 
 
 def mtp_states(cfg, bounds) -> list[StateSpec]:
@@ -87,22 +93,29 @@ class GLM5NextWithMTP(GLM5Next):
 
     def mtp_step(self, hidden_prev, tokens, start, states):
         """The target's logits of the token after tokens[0] (at position start)."""
-        named = dict(zip(self.mtp_state_keys, states))
-        x, new = self.nextn.step(self._embedded_inputs(hidden_prev, tokens), start, named)
+        logits, states = self.mtp_step_batch(hidden_prev, tokens, [start], [states])
+        return logits, states
+
+    def mtp_step_batch(self, hidden_prev, tokens, starts, states):
+        """mtp_step of one token of each of len(starts) sequences (row i: sequence i's, at
+        starts[i], in states[i]): every row's logits, then every sequence's states."""
+        seqs = Sequences(self.mtp_state_keys, list(zip(starts, states)))
+        x = self.nextn.step(self._embedded_inputs(hidden_prev, tokens), seqs)
         L = self.nextn.layer
         norm = L.v("nextn.shared_head_norm") if "nextn.shared_head_norm.weight" in L.w else \
             self.output_norm.values(name="mtp_head_norm")
-        logits = self.output.linear(rms(x, self.cfg.rms_eps, norm), name="mtp_lm_head")
-        return logits, tuple({**named, **new}[k] for k in self.mtp_state_keys)
+        return (self.output.linear(rms(x, self.cfg.rms_eps, norm), name="mtp_lm_head"), *seqs.outputs())
 
     def state_specs(self) -> list[StateSpec]:
         return super().state_specs() + mtp_states(self.cfg, self.bounds)
 
     def functions(self) -> list[Fn]:
-        step, observe = ((Arg("hidden_prev", "float32", (n, self.cfg.mtp_input_width)), tokens(n), START)
-                         for n in (1, "n"))
-        return super().functions() + [Fn("mtp_observe", observe, (), GROUP, per_width=True),
-                                      Fn("mtp_step", step, ("logits",), GROUP)]
+        def args(n):
+            return Arg("hidden_prev", "float32", (n, self.cfg.mtp_input_width)), tokens(n), START
+
+        step = Fn("mtp_step", args(1), ("logits",), GROUP)
+        return super().functions() + [Fn("mtp_observe", args("n"), (), GROUP, per_width=True), step,
+                                      *batched_copies(step, args, self.bounds.max_batch, "mtp_step_batch")]
 
     def drafter_settings(self) -> dict:
         return {"glm_mtp": {"layer": self.cfg.n_layers, "reads": self.cfg.mtp_input}}
