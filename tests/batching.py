@@ -184,7 +184,7 @@ def assert_batched_call_is_call(engine, fn: str, prompt_list: list[list[int]], i
     seqs, inputs = zip(*[fresh(p) for p in prompt_list])
     calls = engine.batched_calls[(fn, len(seqs))]
     got = engine.call_batch(fn, list(seqs), list(inputs))
-    assert engine.batched_calls[(fn, len(seqs))] == calls + 1
+    assert engine.batched_calls[(fn, len(seqs))] == calls + 1   # one call of them all
     for i, (out, (w, w_states)) in enumerate(zip(got, want)):
         assert out.keys() == w.keys()
         assert all(np.array_equal(out[k], w[k]) for k in w), (i, fn)

@@ -94,10 +94,11 @@ def target_functions(args, outputs: tuple[str, ...], max_batch: int = 1) -> list
 
 def batched_copies(fn: Fn, args, max_batch: int, method: str) -> list[Fn]:
     """fn's batched copies, batch_name(b, fn.name) for b = 2..max_batch, implemented by the module's
-    `method`: one row of each of b sequences (args(rows) gives the inputs of a call of that many
-    rows, START among them, which becomes STARTS), each sequence's states of fn's group, fn's outputs
-    one row per sequence. For a drafter's one-row step, so that the scheduler runs the steps of
-    several generations in one call (Engine.call_batch)."""
+    `method`: fn's call for each of b sequences in one (args(b) gives their inputs, each sequence's
+    rows one after another, START among them, which becomes STARTS), each sequence's states of fn's
+    group, fn's outputs the same rows per sequence, one sequence after another. For a drafter's
+    step of fixed rows, so that the scheduler runs the steps of several generations in one call
+    (Engine.call_batch)."""
     return [Fn(batch_name(b, fn.name), tuple(STARTS if a == START else a for a in args(b)), fn.outputs, fn.states,
                state_arg=fn.state_arg, sequences=b, method=method) for b in range(2, max_batch + 1)]
 

@@ -148,7 +148,7 @@ class Engine:
         self.max_batch = max(f.sequences for f in self.functions.values())
         self.decode_calls: Counter = Counter()   # sequences per decode call -> calls (ds4 serve's /metrics)
         self.verify_calls: Counter = Counter()   # sequences per verify call -> calls (/metrics)
-        self.batched_calls: Counter = Counter()  # (function, sequences) -> calls of call_batch's batched copies
+        self.batched_calls: Counter = Counter()  # (function, sequences per call) -> calls by call_batch (/metrics)
         self.prefilled_beside_decodes = 0        # prompt tokens prefilled in a call with decodes (prefill_batch)
         self.tokenizer_data = read_json_object(self.dir / m.tokenizer, "tokenizer data")
 
@@ -515,14 +515,15 @@ class Engine:
         return steps
 
     def call_batch(self, fn: str, seqs: list[Sequence], inputs: list[dict]) -> list[dict]:
-        """call(fn, **inputs[i]) in each seqs[i], distinct sequences, one row each, in one call of
-        fn's batched copy of that many sequences where the artifact has one (else one call each, in
-        turn): each sequence's outputs as its own call gives them, bit for bit. The attached
-        sequence stays attached."""
+        """call(fn, **inputs[i]) in each seqs[i], distinct sequences, in one call of fn's batched copy
+        of that many sequences where the artifact has one (else one call each, in turn): each input
+        the same rows for every sequence (fn's fixed ones: a drafter's step), each sequence's outputs
+        as its own call gives them, bit for bit. The attached sequence stays attached."""
         name = batch_name(len(seqs), fn)
         if len(inputs) != len(seqs) or len({id(s) for s in seqs}) != len(seqs):
             raise Ds4Error(f"call_batch: {len(seqs)} distinct sequences and the inputs of each are expected")
         if len(seqs) == 1 or name not in self.functions:
+            self.batched_calls[(fn, 1)] += len(seqs)
             return self._in_turn(seqs, inputs, lambda x: self.call(fn, **x))
         joined: dict = {"starts": []}
         for arg, kind in self.functions[fn].inputs:
@@ -532,12 +533,13 @@ class Engine:
             if any(x.get(arg) is None for x in inputs):
                 raise Ds4Error(f"{fn}: input {arg!r} ({kind}) is missing")
             rows = [self._array(kind, x[arg]) for x in inputs]
-            if any(len(r) != 1 for r in rows):
-                raise Ds4Error(f"call_batch: {fn} takes one row of {arg!r} per sequence, got {[len(r) for r in rows]}")
+            if len({len(r) for r in rows}) != 1:
+                raise Ds4Error(f"call_batch: {fn} takes as many rows of {arg!r} for each sequence, got {[len(r) for r in rows]}")
             joined[arg] = np.concatenate(rows)
         out = self.call(name, seqs, **joined)
         self.batched_calls[(fn, len(seqs))] += 1
-        return [{k: v[i:i + 1] for k, v in out.items()} for i in range(len(seqs))]
+        each = {k: len(v) // len(seqs) for k, v in out.items()}   # every output: the same rows per sequence
+        return [{k: v[i * each[k]:(i + 1) * each[k]] for k, v in out.items()} for i in range(len(seqs))]
 
     def commit(self, k: int) -> None:
         if not 0 <= k <= self.pending:

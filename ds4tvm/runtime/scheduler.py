@@ -8,7 +8,7 @@ one that touches the engine, runs them in rounds:
   1. it waits until every running generation has an operation queued (each spends only its
      sampling between two steps) or `max_wait` has passed since the first one came;
   2. other operations (commit, snapshots, a drafter's calls) run one by one, except a drafter's
-     one-row steps of one function, in one call where the artifact has its batched copies
+     steps of one function, in one call where the artifact has its batched copies
      (Engine.call_batch); then the speculating generations' verify blocks in one call of up to
      max_batch sequences, the decode steps in it as blocks of one row where they fit
      (Engine.verify_batch; a block waits a round or two while other generations run their

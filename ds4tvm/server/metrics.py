@@ -3,6 +3,8 @@ its engine when scraped."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -41,4 +43,10 @@ def metrics_text(service) -> str:
     out += _histogram("ds4_verify_batch_size",
                       "sequences per verify call (speculative decoding; a decode step in a verify call counts here)",
                       service.engine.verify_calls)
+    drafts = Counter()
+    for (_, sequences), calls in service.engine.batched_calls.items():
+        drafts[sequences] += calls
+    out += _histogram("ds4_draft_step_batch_size",
+                      "sequences per call of a drafter's step (an MTP layer's; where the artifact has its batched copies)",
+                      drafts)
     return "\n".join(out) + "\n"

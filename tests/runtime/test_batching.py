@@ -10,8 +10,9 @@ import time
 
 import numpy as np
 import pytest
-from batching import (alone, assert_batched_decode_is_decode, assert_batched_prefill_is_prefill,
-                      assert_batched_verify_is_verify, assert_together_is_alone, prompts, together)
+from batching import (alone, assert_batched_call_is_call, assert_batched_decode_is_decode,
+                      assert_batched_prefill_is_prefill, assert_batched_verify_is_verify, assert_together_is_alone,
+                      prompts, together)
 
 from ds4tvm.errors import Ds4Error
 from ds4tvm.runtime.sampler import SamplingParams
@@ -172,12 +173,20 @@ def test_one_request_out_of_context_fails_alone(engine):
 def test_drafters_speculate_inside_the_batch(demo_pair):
     """DSpark generations (each with its own drafter) beside target-only ones, greedy and sampled:
     every answer equals the same generation alone (greedy ones: target-only decoding's), and the
-    drafters' drafts were accepted."""
+    drafters' drafts were accepted. Two sequences' proposals in one call (dspark_propose_batch2):
+    each one's drafts and confidences as its own call's, bit for bit."""
     from ds4tvm.runtime.drafters.dspark import DSparkDrafter
     from ds4tvm.runtime.engine import Engine
 
     engine = Engine(demo_pair[2])
     prompt = demo_pair[3]
+    block, noise = engine.drafters["dspark"]["block_size"], engine.drafters["dspark"]["noise_token_id"]
+
+    def proposal(e, step):   # the rings written from the prompt's captures, then a block after its last token
+        e.call("dspark_observe", captured=step.outputs["captured"], start=0)
+        return {"captured": step.outputs["captured"][-1:], "tokens": [e.history[-1]] + [noise] * (block - 1),
+                "start": e.pos - 1}
+    assert_batched_call_is_call(engine, "dspark_propose", [prompt, prompt[2:-3]], proposal)
     made = []
 
     def dspark():

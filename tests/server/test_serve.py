@@ -330,7 +330,31 @@ def test_concurrent_requests_share_decode_calls_and_answer_as_alone(servers, mod
     # verify calls have a histogram of their own (batched verifies: tests/runtime/test_batching.py)
     assert after["ds4_verify_batch_size_count"] >= before["ds4_verify_batch_size_count"] >= 0
     assert after['ds4_verify_batch_size_bucket{le="+Inf"}'] == after["ds4_verify_batch_size_count"]
+    # and a drafter's steps (DSpark's proposals: one call of one or more sequences each)
+    drafted = after["ds4_draft_step_batch_size_count"] - before["ds4_draft_step_batch_size_count"]
+    assert drafted > 0 if mode == "dspark" else drafted == 0
+    assert after['ds4_draft_step_batch_size_bucket{le="+Inf"}'] == after["ds4_draft_step_batch_size_count"]
     assert after['ds4_requests_total{outcome="ok"}'] - before['ds4_requests_total{outcome="ok"}'] == len(bodies)
     assert after["ds4_prompt_tokens_cached_total"] > before["ds4_prompt_tokens_cached_total"]   # the repeats
     assert after["ds4_requests_running"] == 0 and after["ds4_parallel"] == 4
     assert after["ds4_prompt_tokens_beside_decodes_total"] >= before["ds4_prompt_tokens_beside_decodes_total"] >= 0
+
+
+def test_metrics_histograms_count_sequences_per_call():
+    """/metrics' call-size histograms from the engine's counters (no server): cumulative buckets,
+    the drafter steps' summed over their functions."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from ds4tvm.server.metrics import metrics_text
+
+    engine = SimpleNamespace(decode_calls=Counter({1: 4, 3: 2}), verify_calls=Counter(), prefilled_beside_decodes=0,
+                             batched_calls=Counter({("mtp_step", 2): 3, ("mtp_step", 1): 2, ("other_step", 4): 1}))
+    service = SimpleNamespace(engine=engine, parallel=4, jobs=SimpleNamespace(qsize=lambda: 0), counters=lambda: {
+        "running": 0, "outcomes": {}, "prompt": 0, "cached": 0, "generated": 0, "tok_s": 0.0})
+    got = {k: float(v) for k, v in (line.rsplit(" ", 1) for line in metrics_text(service).splitlines()
+                                    if not line.startswith("#"))}
+    assert [got[f'ds4_draft_step_batch_size_bucket{{le="{b}"}}'] for b in (1, 2, 4, 8)] == [2, 5, 6, 6]
+    assert got["ds4_draft_step_batch_size_count"] == 6 and got["ds4_draft_step_batch_size_sum"] == 12
+    assert [got[f'ds4_decode_batch_size_bucket{{le="{b}"}}'] for b in (1, 2, 4)] == [4, 4, 6]
+    assert got["ds4_decode_batch_size_sum"] == 10 and got["ds4_verify_batch_size_count"] == 0

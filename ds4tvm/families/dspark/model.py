@@ -15,6 +15,8 @@ dspark-crosscheck.md §2).
   lower id) and the confidence c_i = conf . [r_i; m_i]. It returns every row's draft and c_i; the
   runtime cuts at the first sigma(c_i) < theta. The chain is unrolled in the graph: one call per
   proposal, not one per draft (each host call costs about a small GEMV on the demo model).
+  `dspark_propose_batch<B>` (`--max-batch`): the proposals of B sequences in one call, each on its
+  own rings, the weights read once (the scheduler's generations: runtime/scheduler.py).
   `dspark_block`, `dspark_logits` and `dspark_markov` are its pieces, compiled for the checks
   against the PyTorch reference.
 """
@@ -26,7 +28,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from ...artifact import StateSpec
-from ...nn.functions import START, Arg, Fn, tokens
+from ...nn.functions import START, Arg, Fn, Sequences, batched_copies, tokens
 from ...nn.attention import attend_with_sinks
 from ...nn.hyper import hc_head, hc_post
 from ...nn.norm_rope import rms, rope, rope_inv_freq
@@ -57,6 +59,21 @@ def block_attention(q: nn.Tensor, keys: nn.Tensor, sinks: nn.Tensor, start, n_co
 def _rows(x: nn.Tensor, lo: int, hi: int, name: str) -> nn.Tensor:
     def f(t):
         return te.compute((hi - lo, *t.shape[1:]), lambda i, *rest: t[(i + lo, *rest)], name=name)
+    return op.tensor_expr_op(f, name, [x])
+
+
+def _token_rows(x: nn.Tensor, B: int, name: str) -> nn.Tensor:
+    """The token rows of blocks of B + 1 rows (each sequence's row 0, then its B token rows)."""
+    def f(t):
+        S = int(t.shape[0]) // (B + 1)
+        return te.compute((S * B, *t.shape[1:]), lambda r, *rest: t[(r // B * (B + 1) + 1 + r % B, *rest)], name=name)
+    return op.tensor_expr_op(f, name, [x])
+
+
+def _row_of_blocks(x: nn.Tensor, B: int, i: int, name: str) -> nn.Tensor:
+    """Row i of every block of B rows of x: [S, ...]."""
+    def f(t):
+        return te.compute((int(t.shape[0]) // B, *t.shape[1:]), lambda j, *rest: t[(j * B + i, *rest)], name=name)
     return op.tensor_expr_op(f, name, [x])
 
 
@@ -111,52 +128,65 @@ class DSparkDrafter(nn.Module):
             out.append(ring_write(ring, kv, start, name="dspark_ring_write"))
         return tuple(out)
 
-    def block(self, captured, tokens_embedded, start, rings):
-        """r [B, D] for the B token rows of a proposal anchored at position start."""
-        b = self.cfg.block
-        B = int(tokens_embedded.shape[0])
-        mx = self.main_x(captured)                                        # [1, D]
-        row0 = op.broadcast_to(op.reshape(mx, (1, 1, b.n_embd)), (1, b.hc, b.n_embd))
-        T = op.broadcast_to(op.reshape(tokens_embedded, (B, 1, b.n_embd)), (B, b.hc, b.n_embd))
+    def block(self, captured, tokens_embedded, seqs: Sequences):
+        """r [S*B, D]: the B token rows of the proposal of each of the S sequences of seqs (sequence
+        i's anchored at its start, on its rings), one block after another."""
+        b, S = self.cfg.block, len(seqs)
+        B, D = int(tokens_embedded.shape[0]) // S, b.n_embd
+        mx = self.main_x(captured)                                        # [S, D]
+        row0 = op.broadcast_to(op.reshape(mx, (S, 1, 1, D)), (S, 1, b.hc, D))
+        T = op.broadcast_to(op.reshape(tokens_embedded, (S * B, 1, D)), (S * B, b.hc, D))
         H, Dh = b.n_head, b.head_dim
-        for stage, ring in zip(self.stages, rings):
-            X = op.concat([row0, T], dim=0)                               # [B+1, hc, D]
+        for (ring, _), stage in zip(ring_shapes(self.cfg), self.stages):
+            # each sequence's row 0, then its token rows
+            X = op.reshape(op.concat([row0, op.reshape(T, (S, B, b.hc, D))], dim=1), (S * (B + 1), b.hc, D))
             N, post, comb = stage.attn_input(X)
-            kv0 = self._kv(stage, _rows(N, 0, 1, "row0"), start)          # row 0 at P
-            kvt = self._kv(stage, _rows(N, 1, B + 1, "token_rows"), start)  # token rows at P..P+B-1
-            keys = gather_context(ring, op.concat([kv0, kvt], dim=0), start, WINDOW - 1, name="dspark_keys")
-            Nt = _rows(N, 1, B + 1, "token_rows_q")
-            QR = rms(stage.w["attn_q_a.weight"].linear(Nt), b.rms_eps, stage.v("attn_q_a_norm"))
-            Q = rms(op.reshape(stage.w["attn_q_b.weight"].linear(QR), (B, H, Dh)), b.rms_eps)
-            Q = rope(Q, start, self.rope)
-            attn = block_attention(Q, keys, stage.v("attn_sinks"), start, WINDOW - 1, name="dspark_attention")
-            attn = rope(attn, start, self.rope, inverse=True)
+            QR = rms(stage.w["attn_q_a.weight"].linear(_token_rows(N, B, "token_rows_q")), b.rms_eps,
+                     stage.v("attn_q_a_norm"))
+            Q = rms(op.reshape(stage.w["attn_q_b.weight"].linear(QR), (S * B, H, Dh)), b.rms_eps)
+            attn = seqs.per_sequence([N, Q], "", lambda _, parts, start, states, ring=ring, stage=stage: (
+                self._attend(stage, parts, start, states[ring]), {}))
             g = b.o_groups
-            low = stage.w["attn_output_a.weight"].grouped_linear(op.reshape(attn, (B, g, H // g * Dh)), g)
-            out = stage.w["attn_output_b.weight"].linear(op.reshape(low, (B, g * b.o_lora_rank)))
-            post_t, comb_t = _rows(post, 1, B + 1, "post_t"), _rows(comb, 1, B + 1, "comb_t")
-            T = hc_post(out, T, post_t, comb_t, forms=self.forms)
+            low = stage.w["attn_output_a.weight"].grouped_linear(op.reshape(attn, (S * B, g, H // g * Dh)), g)
+            out = stage.w["attn_output_b.weight"].linear(op.reshape(low, (S * B, g * b.o_lora_rank)))
+            T = hc_post(out, T, _token_rows(post, B, "post_t"), _token_rows(comb, B, "comb_t"), forms=self.forms)
             T = stage.moe(T, None)
         return hc_head(T, self.hc_head_fn, self.hc_head_scale.values(name="dspark_hc_scale"),
                        self.hc_head_base.values(name="dspark_hc_base"), b.rms_eps, b.hc_eps,
                        self.norm.values(name="dspark_norm"), forms=self.forms)
+
+    def _attend(self, stage: Block, parts: list, start, ring: nn.Tensor) -> nn.Tensor:
+        """One sequence's block attention: from its rows after attn_input, N [B + 1, D] (row 0, then
+        the token rows), and its queries Q [B, H, Dh], over its ring."""
+        N, Q = parts
+        B = int(Q.shape[0])
+        kv0 = self._kv(stage, _rows(N, 0, 1, "row0"), start)          # row 0 at P
+        kvt = self._kv(stage, _rows(N, 1, B + 1, "token_rows"), start)  # token rows at P..P+B-1
+        keys = gather_context(ring, op.concat([kv0, kvt], dim=0), start, WINDOW - 1, name="dspark_keys")
+        attn = block_attention(rope(Q, start, self.rope), keys, stage.v("attn_sinks"), start, WINDOW - 1,
+                               name="dspark_attention")
+        return rope(attn, start, self.rope, inverse=True)
 
     def markov(self, prev: nn.Tensor):
         """m = w1[prev] (rank values) and its vocabulary bias w2 · m."""
         m = self.markov_w1.rows(prev, name="markov_w1")
         return m, self.markov_w2.linear(m, name="markov_w2")
 
-    def propose(self, r: nn.Tensor, logits: nn.Tensor, anchor: nn.Tensor):
-        """(drafts [B] int32, confidence logits [B]) of the block rows r [B, D] with base logits
-        [B, V] after the anchor token ([1] int32): row i's Markov head reads draft i-1."""
-        prev, drafts, confidences = anchor, [], []
-        for i in range(int(r.shape[0])):
+    def propose(self, r: nn.Tensor, logits: nn.Tensor, anchors: nn.Tensor):
+        """(drafts [S*B] int32, confidence logits [S*B]) of the block rows r [S*B, D] of S sequences
+        (B rows each, one block after another) with base logits [S*B, V] after each one's anchor
+        token (anchors [S] int32): row i's Markov head reads draft i-1 of its sequence; the S
+        sequences' row i in one step."""
+        S = int(anchors.shape[0])
+        B = int(r.shape[0]) // S
+        prev, drafts, confidences = anchors, [], []
+        for i in range(B):
             m, bias = self.markov(prev)
-            rm = op.concat([_rows(r, i, i + 1, "r_row"), m], dim=1)
-            confidences.append(op.reshape(self.confidence_proj.linear(rm, name="confidence_head"), (1,)))
-            prev = _argmax_sum(_rows(logits, i, i + 1, "logits_row"), bias, name="markov_argmax")
-            drafts.append(prev)
-        return op.concat(drafts, dim=0), op.concat(confidences, dim=0)
+            rm = op.concat([_row_of_blocks(r, B, i, "r_row"), m], dim=1)
+            confidences.append(op.reshape(self.confidence_proj.linear(rm, name="confidence_head"), (S, 1)))
+            prev = _argmax_sum(_row_of_blocks(logits, B, i, "logits_row"), bias, name="markov_argmax")
+            drafts.append(op.reshape(prev, (S, 1)))
+        return op.reshape(op.concat(drafts, dim=1), (S * B,)), op.reshape(op.concat(confidences, dim=1), (S * B,))
 
 
 def extend(target_cls):
@@ -176,7 +206,11 @@ def extend(target_cls):
             return self.drafter.observe(captured, start, rings, direct=True)
 
         def dspark_block(self, captured, tokens, start, rings):
-            return self.drafter.block(captured, self.token_embd.rows(tokens, name="dspark_embedding"), start, rings)
+            return self._block(captured, tokens, [start], [rings])
+
+        def _block(self, captured, tokens, starts, rings):
+            seqs = Sequences([name for name, _ in ring_shapes(self.draft_cfg)], list(zip(starts, map(list, rings))))
+            return self.drafter.block(captured, self.token_embd.rows(tokens, name="dspark_embedding"), seqs)
 
         def dspark_logits(self, r):
             return self.output.linear(r, name="dspark_lm_head")
@@ -185,9 +219,15 @@ def extend(target_cls):
             return self.drafter.markov(prev)
 
         def dspark_propose(self, captured, tokens, start, rings):
-            r = self.dspark_block(captured, tokens, start, rings)
-            anchor = op.tensor_expr_op(lambda t: te.compute((1,), lambda i: t[0], name="anchor"), "anchor", [tokens])
-            return self.drafter.propose(r, self.dspark_logits(r), anchor)
+            return self.dspark_propose_batch(captured, tokens, [start], [rings])
+
+        def dspark_propose_batch(self, captured, tokens, starts, rings):
+            """dspark_propose of each of len(starts) sequences: their blocks of tokens one after another."""
+            r = self._block(captured, tokens, starts, rings)
+            B = self.draft_cfg.block_size
+            anchors = op.tensor_expr_op(lambda t: te.compute((len(starts),), lambda i: t[i * B], name="anchor"),
+                                        "anchor", [tokens])
+            return self.drafter.propose(r, self.dspark_logits(r), anchors)
 
         def state_specs(self):
             # a block reads the WINDOW - 1 rows before its anchor: one position can be rewound
@@ -198,14 +238,18 @@ def extend(target_cls):
             d, b = self.draft_cfg, self.draft_cfg.block
             L = len(d.target_layer_ids)
             observed = Arg("captured", "float32", ("n", L, b.n_embd))
-            block = (Arg("captured", "float32", (1, L, b.n_embd)), tokens(d.block_size), START)
+
+            def block(n):   # the proposals of n sequences
+                return Arg("captured", "float32", (n, L, b.n_embd)), tokens(n * d.block_size), START
+
+            propose = Fn("dspark_propose", block(1), ("drafts", "confidence"), "dspark", state_arg="rings")
             return super().functions() + [
                 Fn("dspark_observe", (observed, START), (), "dspark", per_width=True, state_arg="rings"),
                 Fn("dspark_observe_direct", (observed, START), (), "dspark", state_arg="rings"),
-                Fn("dspark_block", block, ("r",), "dspark", state_arg="rings"),
+                Fn("dspark_block", block(1), ("r",), "dspark", state_arg="rings"),
                 Fn("dspark_logits", (Arg("r", "float32", ("m", b.n_embd)),), ("logits",)),
                 Fn("dspark_markov", (tokens(1, "prev"),), ("m", "bias")),
-                Fn("dspark_propose", block, ("drafts", "confidence"), "dspark", state_arg="rings"),
+                propose, *batched_copies(propose, block, self.bounds.max_batch, "dspark_propose_batch"),
             ]
 
         def drafter_settings(self) -> dict:
