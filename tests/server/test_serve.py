@@ -330,10 +330,10 @@ def test_concurrent_requests_share_decode_calls_and_answer_as_alone(servers, mod
     # verify calls have a histogram of their own (batched verifies: tests/runtime/test_batching.py)
     assert after["ds4_verify_batch_size_count"] >= before["ds4_verify_batch_size_count"] >= 0
     assert after['ds4_verify_batch_size_bucket{le="+Inf"}'] == after["ds4_verify_batch_size_count"]
-    # and a drafter's steps (DSpark's proposals: one call of one or more sequences each)
-    drafted = after["ds4_draft_step_batch_size_count"] - before["ds4_draft_step_batch_size_count"]
-    assert drafted > 0 if mode == "dspark" else drafted == 0
+    # and a drafter's steps (DSpark's proposals, where the cost model asks for them: none when drafting
+    # does not pay on this machine; counted by test_metrics_histograms_count_sequences_per_call)
     assert after['ds4_draft_step_batch_size_bucket{le="+Inf"}'] == after["ds4_draft_step_batch_size_count"]
+    assert mode == "dspark" or after["ds4_draft_step_batch_size_count"] == 0
     assert after['ds4_requests_total{outcome="ok"}'] - before['ds4_requests_total{outcome="ok"}'] == len(bodies)
     assert after["ds4_prompt_tokens_cached_total"] > before["ds4_prompt_tokens_cached_total"]   # the repeats
     assert after["ds4_requests_running"] == 0 and after["ds4_parallel"] == 4
