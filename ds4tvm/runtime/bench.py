@@ -68,15 +68,16 @@ def concurrency(engine, n: int, prompt_len: int, gen: int, repeats: int, stop_id
                 drafter_factory=None) -> dict:
     """n greedy generations (distinct prompts of prompt_len, gen tokens each; each with a drafter
     of its own where drafter_factory makes one) at once through the scheduler against one alone:
-    aggregate tok/s (prompts included), medians over repeats, and the sequences per decode call
-    and per verify call (Engine.decode_calls and verify_calls over the last run)."""
+    aggregate tok/s (prompts included), medians over repeats, and the sequences per decode call,
+    per verify call and per drafter step call (Engine.decode_calls, verify_calls and step_calls
+    over the last run)."""
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(0, engine.n_vocab, prompt_len) if int(t) not in stop_ids]
                for _ in range(n)]
 
-    def run(k: int) -> tuple[float, Counter, Counter]:
+    def run(k: int) -> tuple[float, Counter, Counter, Counter]:
         scheduler, seqs = Scheduler(engine), [engine.new_sequence() for _ in range(k)]
-        decodes, verifies = Counter(engine.decode_calls), Counter(engine.verify_calls)
+        decodes, verifies, drafts = Counter(engine.decode_calls), Counter(engine.verify_calls), engine.step_calls
 
         def one(i):
             drafter = drafter_factory(engine) if drafter_factory is not None else None
@@ -91,7 +92,7 @@ def concurrency(engine, n: int, prompt_len: int, gen: int, repeats: int, stop_id
             th.join()
         seconds = time.perf_counter() - t
         scheduler.close()
-        return seconds, engine.decode_calls - decodes, engine.verify_calls - verifies
+        return seconds, engine.decode_calls - decodes, engine.verify_calls - verifies, engine.step_calls - drafts
 
     def mean(calls: Counter) -> float:
         return round(sum(b * c for b, c in calls.items()) / max(1, sum(calls.values())), 2)
@@ -102,7 +103,9 @@ def concurrency(engine, n: int, prompt_len: int, gen: int, repeats: int, stop_id
     single, many = gen / statistics.median(alone), n * gen / statistics.median(s for s, *_ in together)
     return {"clients": n, "alone_tok_s": round(single, 2), "together_tok_s": round(many, 2),
             "ratio": round(many / single, 3), "max_batch": engine.max_batch, "mean_batch": mean(together[-1][1]),
-            "verify_calls": sum(together[-1][2].values()), "mean_verify_batch": mean(together[-1][2])}
+            "verify_calls": sum(together[-1][2].values()), "mean_verify_batch": mean(together[-1][2]),
+            "draft_calls": sum(together[-1][3].values()), "mean_draft_batch": mean(together[-1][3])}
+
 
 
 def table(r: dict) -> str:
@@ -118,7 +121,8 @@ def table(r: dict) -> str:
         lines.append(f"{c['clients']} at once  {c['together_tok_s']:.1f} tok/s vs {c['alone_tok_s']:.1f} alone "
                      f"(x{c['ratio']:.2f}), {c['mean_batch']:.2f} sequences per decode call "
                      f"(compiled for up to {c['max_batch']})"
-                     + (f", {c['mean_verify_batch']:.2f} per verify call" if c["verify_calls"] else ""))
+                     + (f", {c['mean_verify_batch']:.2f} per verify call" if c["verify_calls"] else "")
+                     + (f", {c['mean_draft_batch']:.2f} per drafter step call" if c["draft_calls"] else ""))
     return "\n".join(lines)
 
 

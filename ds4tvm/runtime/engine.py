@@ -541,6 +541,14 @@ class Engine:
         each = {k: len(v) // len(seqs) for k, v in out.items()}   # every output: the same rows per sequence
         return [{k: v[i * each[k]:(i + 1) * each[k]] for k, v in out.items()} for i in range(len(seqs))]
 
+    @property
+    def step_calls(self) -> Counter:
+        """Sequences per call of call_batch -> calls, every function's (a drafter's steps: /metrics)."""
+        out: Counter = Counter()
+        for (_, sequences), calls in self.batched_calls.items():
+            out[sequences] += calls
+        return out
+
     def commit(self, k: int) -> None:
         if not 0 <= k <= self.pending:
             raise Ds4Error(f"commit({k}): only {self.pending} verified rows are pending")

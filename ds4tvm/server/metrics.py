@@ -3,8 +3,6 @@ its engine when scraped."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -43,10 +41,7 @@ def metrics_text(service) -> str:
     out += _histogram("ds4_verify_batch_size",
                       "sequences per verify call (speculative decoding; a decode step in a verify call counts here)",
                       service.engine.verify_calls)
-    drafts = Counter()
-    for (_, sequences), calls in service.engine.batched_calls.items():
-        drafts[sequences] += calls
     out += _histogram("ds4_draft_step_batch_size",
-                      "sequences per call of a drafter's step (an MTP layer's; where the artifact has its batched copies)",
-                      drafts)
+                      "sequences per call of a drafter's step (an MTP layer's, a DSpark proposal; where the artifact "
+                      "has its batched copies)", service.engine.step_calls)
     return "\n".join(out) + "\n"

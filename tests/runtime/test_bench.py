@@ -27,7 +27,8 @@ def test_bench_json_fields(tiny_artifact, tmp_path):
 def test_bench_concurrency_with_a_drafter(tmp_path_factory):
     """`--mtp --concurrency 2` (GLM-5.3's draft layer, asked every cycle): the generations at once
     speculate, each with its own drafter, and verify their blocks in shared calls (a block waits
-    for the other generation's: Scheduler._verifies_now; without that wait 1.00 per call here)."""
+    for the other generation's: Scheduler._verifies_now; without that wait 1.00 per call here), and
+    their MTP steps go through the calls of one or two sequences that /metrics counts too."""
     from conftest import shared_tiny_glm
 
     art = shared_tiny_glm(tmp_path_factory)[0]
@@ -36,6 +37,7 @@ def test_bench_concurrency_with_a_drafter(tmp_path_factory):
     assert r.returncode == 0, r.stderr
     c = json.loads(r.stdout)["concurrency"]
     assert c["clients"] == 2 and c["verify_calls"] > 0 and 1 < c["mean_verify_batch"] <= 2, c
+    assert c["draft_calls"] > 0 and 1 <= c["mean_draft_batch"] <= 2, c   # the MTP steps: batched copies of 2
 
 
 def test_bench_errors(tiny_artifact):

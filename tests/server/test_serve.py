@@ -348,8 +348,11 @@ def test_metrics_histograms_count_sequences_per_call():
 
     from ds4tvm.server.metrics import metrics_text
 
+    from ds4tvm.runtime.engine import Engine
+
     engine = SimpleNamespace(decode_calls=Counter({1: 4, 3: 2}), verify_calls=Counter(), prefilled_beside_decodes=0,
                              batched_calls=Counter({("mtp_step", 2): 3, ("mtp_step", 1): 2, ("other_step", 4): 1}))
+    engine.step_calls = Engine.step_calls.fget(engine)
     service = SimpleNamespace(engine=engine, parallel=4, jobs=SimpleNamespace(qsize=lambda: 0), counters=lambda: {
         "running": 0, "outcomes": {}, "prompt": 0, "cached": 0, "generated": 0, "tok_s": 0.0})
     got = {k: float(v) for k, v in (line.rsplit(" ", 1) for line in metrics_text(service).splitlines()
