@@ -150,7 +150,7 @@ def batch_name(sequences: int, kind: str = "decode") -> str:
     its batched decode, its batched prefill (a prompt's chunk and a decode of each other sequence:
     FunctionSpec.chunked) or its batched verify (a block of rows of each: FunctionSpec.blocks); or,
     kind another function's name, that function's calls of that many sequences in one (a drafter's
-    one-row step: nn/functions.batched_copies)."""
+    step of fixed rows: nn/functions.batched_copies)."""
     return f"{kind}_batch{sequences}"
 
 

@@ -107,7 +107,6 @@ def concurrency(engine, n: int, prompt_len: int, gen: int, repeats: int, stop_id
             "draft_calls": sum(together[-1][3].values()), "mean_draft_batch": mean(together[-1][3])}
 
 
-
 def table(r: dict) -> str:
     lines = [f"prefill  {r['prefill_tok_s']:>10.1f} tok/s   ({r['prompt_len']} tokens, median of {r['repeats']})",
              f"decode   {r['decode_tok_s']:>10.1f} tok/s   ({r['gen']} tokens)",

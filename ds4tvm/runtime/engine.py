@@ -534,7 +534,8 @@ class Engine:
                 raise Ds4Error(f"{fn}: input {arg!r} ({kind}) is missing")
             rows = [self._array(kind, x[arg]) for x in inputs]
             if len({len(r) for r in rows}) != 1:
-                raise Ds4Error(f"call_batch: {fn} takes as many rows of {arg!r} for each sequence, got {[len(r) for r in rows]}")
+                raise Ds4Error(f"call_batch: {fn} takes as many rows of {arg!r} for each sequence, "
+                               f"got {[len(r) for r in rows]}")
             joined[arg] = np.concatenate(rows)
         out = self.call(name, seqs, **joined)
         self.batched_calls[(fn, len(seqs))] += 1

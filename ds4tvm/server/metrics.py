@@ -42,6 +42,6 @@ def metrics_text(service) -> str:
                       "sequences per verify call (speculative decoding; a decode step in a verify call counts here)",
                       service.engine.verify_calls)
     out += _histogram("ds4_draft_step_batch_size",
-                      "sequences per call of a drafter's step (an MTP layer's, a DSpark proposal; where the artifact "
-                      "has its batched copies)", service.engine.step_calls)
+                      "sequences per call of a drafter's step (where the artifact has its batched copies)",
+                      service.engine.step_calls)
     return "\n".join(out) + "\n"

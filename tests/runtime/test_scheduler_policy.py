@@ -110,8 +110,8 @@ def test_a_rounds_calls_of_one_function_share_calls_and_a_failed_call_fails_alon
             return {"out": inputs["v"] * 10}
 
     scheduler.engine = Engine()
-    ops = [_Op(s, "call", fn=fn, inputs={"v": v, "bad": s == "e"})
-           for s, fn, v in (("a", "step", 1), ("b", "observe", 2), ("c", "step", 3), ("d", "step", 4), ("e", "step", 5))]
+    calls = (("a", "step", 1), ("b", "observe", 2), ("c", "step", 3), ("d", "step", 4), ("e", "step", 5))
+    ops = [_Op(s, "call", fn=fn, inputs={"v": v, "bad": s == "e"}) for s, fn, v in calls]
     scheduler._round(ops)
     assert scheduler.engine.batches == [("step", ["a", "c"]), ("step", ["d", "e"]), ("observe", ["b"])]
     assert [op.result for op in ops[:4]] == [{"out": 10}, {"out": 20}, {"out": 30}, {"out": 40}]

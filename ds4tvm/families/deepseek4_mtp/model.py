@@ -87,7 +87,8 @@ def extend(target_cls):
             """mtp_step of one token of each of len(starts) sequences (row i: sequence i's, at
             starts[i], with rings[i]): every row's logits and X', then every sequence's ring."""
             seqs = Sequences(["kv_ring"], [(start, list(r)) for start, r in zip(starts, rings)])
-            X = self.drafter.step(self.drafter.inputs(hc_prev, self.token_embd.rows(tokens, name="mtp_embedding")), seqs)
+            embedded = self.token_embd.rows(tokens, name="mtp_embedding")
+            X = self.drafter.step(self.drafter.inputs(hc_prev, embedded), seqs)
             d = self.drafter
             logits = self.logits_of(X, d.hc_head_fn, d.hc_head_scale, d.hc_head_base, d.norm, "mtp")
             return (logits, X, *seqs.outputs())

@@ -93,8 +93,7 @@ class GLM5NextWithMTP(GLM5Next):
 
     def mtp_step(self, hidden_prev, tokens, start, states):
         """The target's logits of the token after tokens[0] (at position start)."""
-        logits, states = self.mtp_step_batch(hidden_prev, tokens, [start], [states])
-        return logits, states
+        return self.mtp_step_batch(hidden_prev, tokens, [start], [states])
 
     def mtp_step_batch(self, hidden_prev, tokens, starts, states):
         """mtp_step of one token of each of len(starts) sequences (row i: sequence i's, at
