@@ -3,6 +3,7 @@ to first token and inter-token latency (p50, p99) for 1, 4 and 8 clients, then t
 running streams while a 2,000-token prompt arrives among them. Usage:
     python benchmarks/serve_load.py ARTIFACT [--clients 1,4,8] [--parallel 8] [--requests 3]
         [--max-tokens 128] [--prompt-tokens 64] [--long-prompt 2000] [--threads N] [--rounds 1]
+        [--serve-args "--mtp ..."]
 
 The server runs in its own process (`ds4 serve -m ARTIFACT --parallel P`); the artifact needs
 batched functions of up to P sequences (ds4-compile --max-batch P) for decode steps to share a
@@ -12,13 +13,16 @@ one token, or of several when a token ends inside a UTF-8 character). Prints one
 scenario and the ratios of aggregate tok/s to one client's. With --rounds N the client scenarios
 run N times in turn (1, 4, 8, 1, 4, 8, ...: this machine's speed drifts between minutes) and each
 row gives the medians, its ratio the median of each round's ratio to that round's first scenario,
-with their range."""
+with their range. --serve-args: more flags for `ds4 serve` (a drafter's, e.g. "--mtp" or "--dspark":
+the requests then speculate, each with its drafter, their drafter steps and verify blocks sharing
+calls)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import resource
+import shlex
 import sys
 import threading
 import time
@@ -125,6 +129,7 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=1, help="the client scenarios this many times, in turn")
+    ap.add_argument("--serve-args", default="", help="more flags for ds4 serve, e.g. a drafter's")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     import openai
@@ -133,7 +138,7 @@ def main() -> None:
 
     vocab = Manifest.read(Path(a.artifact)).n_vocab
     server = ServerProcess("-m", a.artifact, "--parallel", a.parallel, "--slots", a.parallel,
-                           *(["--threads", a.threads] if a.threads else []))
+                           *(["--threads", a.threads] if a.threads else []), *shlex.split(a.serve_args))
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
         _stream(client, [1000 + i for i in range(8)], 4)   # warm up
