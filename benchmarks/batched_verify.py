@@ -15,7 +15,8 @@ its drafter asked every cycle (DS4_SPEC_COST_MODEL=0), their
 verify blocks batched and one by one, alternated: aggregate tok/s and sequences per verify call.
 With --against OLD_ARTIFACT (the same model compiled otherwise, e.g. by an earlier commit: without
 batched drafter steps), the N generations on each artifact in turn, all batched: tok/s of each,
-their ratio per round, and the drafter rows that went through batched steps (Engine.batched_calls).
+their ratio per round, and the drafter steps run in calls of several sequences and alone
+(Engine.step_calls; an artifact without batched copies counts none).
 With --drafter-steps: the drafter's step (an MTP layer's mtp_step, DSpark's dspark_propose) for B
 sequences of --batches in one call of its batched copy against B calls."""
 
@@ -155,10 +156,11 @@ def against(old, new, n: int, gen: int, rounds: int) -> None:
     tok_s: dict = {"old": [], "new": []}
     for _ in range(rounds):
         for name, engine in (("old", old), ("new", new)):
-            before = sum(b * c for (_, b), c in engine.batched_calls.items())
+            before = engine.step_calls
             tok_s[name].append(_speculating(engine, n, gen)["together_tok_s"])
-            rows = sum(b * c for (_, b), c in engine.batched_calls.items()) - before
-            print(f"{name}: {tok_s[name][-1]:.1f} tok/s, {rows} drafter rows in batched steps", flush=True)
+            calls = engine.step_calls - before   # sequences per drafter step call -> calls
+            print(f"{name}: {tok_s[name][-1]:.1f} tok/s, drafter steps {sum(b * c for b, c in calls.items() if b > 1)} "
+                  f"in calls of several sequences, {calls[1]} alone", flush=True)
     ratios = [b / a for a, b in zip(tok_s["old"], tok_s["new"])]
     print(f"{n} speculating generations: old {statistics.median(tok_s['old']):.1f} tok/s, new "
           f"{statistics.median(tok_s['new']):.1f} tok/s; new / old per round {', '.join(f'{r:.2f}' for r in ratios)}")

@@ -525,7 +525,7 @@ class Engine:
         if len(seqs) == 1 or name not in self.functions:
             self.batched_calls[(fn, 1)] += len(seqs)
             return self._in_turn(seqs, inputs, lambda x: self.call(fn, **x))
-        joined: dict = {"starts": []}
+        joined: dict = {}
         for arg, kind in self.functions[fn].inputs:
             if kind == "position":
                 joined["starts"] = [x.get(arg, s.pos) for x, s in zip(inputs, seqs)]
