@@ -138,7 +138,7 @@ def sparse_window_attention(q: nn.Tensor, kv_ctx, comp: nn.Tensor | None, sel: n
         else:
             out = _te_window_attention(q, kv_ctx, comp, sel, sinks, start, window, ratio, name)
         if rope_back is not None:
-            out = rope(out, start, rope_back, inverse=True)
+            out = rope(out, start, rope_back, inverse=True, forms=forms)
     if write_ring is None:
         return out
     return out, ring_write(*write_ring, start, name=name + "_ring_write")

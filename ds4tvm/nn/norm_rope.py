@@ -80,13 +80,20 @@ def rope_inv_freq(n_rot: int, base: float, yarn: tuple[float, int, float, float]
 
 
 def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, inverse: bool = False,
-         name: str = "rope", stride: int = 1) -> nn.Tensor:
+         name: str = "rope", stride: int = 1, *, forms: Forms | None = None) -> nn.Tensor:
     """Rotates interleaved pairs of the last 2*len(inv_freq) channels of x [T, ..., D] at position
     start + t + offset (t the first axis); with stride > 1, at (start // stride + t) * stride + offset
-    (rows that are every stride-th position, as compressed rows are)."""
+    (rows that are every stride-th position, as compressed rows are). In the CPU forms each row's
+    cos and sin are computed once per pair into a table the rotation reads (the same values: one
+    sincos per pair, where every head's element made its own, two libm calls each; the GPU forms
+    compute them in place, where a launch costs more)."""
+    n_rot = 2 * len(inv_freq)
+
     def f(x_te, fr, start):
-        return te.compute(x_te.shape, _rope_te(lambda i: x_te[i], fr, start, 2 * len(inv_freq), x_te.shape[-1],
-                                               offset, inverse, stride), name=name)
+        table = _angle_table(x_te.shape[0], n_rot // 2, fr, start, offset, stride, name) \
+            if forms is not None and not forms.gpu else None
+        return te.compute(x_te.shape, _rope_te(lambda i: x_te[i], fr, start, n_rot, x_te.shape[-1],
+                                               offset, inverse, stride, table), name=name)
 
     # Opaque to FuseOps: fused into its neighbours, this kernel makes FuseTIR fail (s_tir RenewDefs,
     # "VarRemapGet(source) == nullptr"; found by marking kernel families opaque one at a time).
@@ -103,7 +110,7 @@ def rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start
     n_rot = 2 * len(inv_freq)
     assert not (fp8 and fp4)
     if not forms.gpu:
-        y = rope(rms(x, eps, weight), positions_start, inv_freq, **at)
+        y = rope(rms(x, eps, weight), positions_start, inv_freq, **at, forms=forms)
         y = fp8_round_rows(y, int(x.shape[-1]) - n_rot) if fp8 else y
         return hadamard_fp4(y) if fp4 else y
     if fp4:
@@ -134,7 +141,7 @@ def rope_hadamard_fp4(x: nn.Tensor, positions_start, inv_freq: np.ndarray, name:
     """hadamard_fp4(rope(x, positions_start, inv_freq)); in the GPU forms one kernel, the
     transform reading the rotated pairs inline."""
     if not forms.gpu:
-        return hadamard_fp4(rope(x, positions_start, inv_freq), name)
+        return hadamard_fp4(rope(x, positions_start, inv_freq, forms=forms), name)
 
     def rotated(x_te, fr, start):
         body = _rope_te(lambda i: x_te[i], fr, start, 2 * len(inv_freq), x_te.shape[-1])
@@ -143,17 +150,26 @@ def rope_hadamard_fp4(x: nn.Tensor, positions_start, inv_freq: np.ndarray, name:
     return hadamard_fp4(x, name, before=([nn.Tensor.from_const(inv_freq), positions_start], rotated))
 
 
-def _rope_te(src, fr, start, n_rot: int, D, offset: int = 0, inverse: bool = False, stride: int = 1):
-    """The rotated element idx of src (an element accessor) for rope's te.compute."""
+def _rope_angle(fr, start, t, j, offset: int, stride: int):
+    """Row t's angle of pair j."""
+    pos = start + t if stride == 1 else (start // stride + t) * stride
+    return (pos + offset).astype(F32) * fr[j]
+
+
+def _rope_te(src, fr, start, n_rot: int, D, offset: int = 0, inverse: bool = False, stride: int = 1, table=None):
+    """The rotated element idx of src (an element accessor) for rope's te.compute; table: (cos,
+    sin) of each row's pairs, [T, n_rot / 2] (computed here where None)."""
     lo = D - n_rot
 
     def body(*idx):
         t, d = idx[0], idx[-1]
         rest = idx[1:-1]
         j = (d - lo) // 2
-        pos = start + t if stride == 1 else (start // stride + t) * stride
-        theta = (pos + offset).astype(F32) * fr[j]
-        c, s = te.cos(theta), te.sin(theta)
+        if table is None:
+            theta = _rope_angle(fr, start, t, j, offset, stride)
+            c, s = te.cos(theta), te.sin(theta)
+        else:
+            c, s = table[0][t, tirx.max(j, 0)], table[1][t, tirx.max(j, 0)]
         if inverse:
             s = -s
         even = (d - lo) % 2 == 0
@@ -165,20 +181,27 @@ def _rope_te(src, fr, start, n_rot: int, D, offset: int = 0, inverse: bool = Fal
     return body
 
 
-def rope_neox(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, name: str = "rope_neox"
-              ) -> nn.Tensor:
+def rope_neox(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, name: str = "rope_neox",
+              *, forms: Forms | None = None) -> nn.Tensor:
     """Rotates the first 2*len(inv_freq) channels of x [T, ..., D] in halves (channel i with
-    i + len(inv_freq), transformers' rotate_half) at position start + t + offset."""
+    i + len(inv_freq), transformers' rotate_half) at position start + t + offset; in the CPU forms
+    each row's cos and sin from a table computed once per pair (as rope's)."""
     half = len(inv_freq)
     freq = nn.Tensor.from_const(inv_freq)
 
     def f(x_te, fr, start):
+        table = _angle_table(x_te.shape[0], half, fr, start, offset, 1, name) if forms is not None and not forms.gpu \
+            else None
+
         def body(*idx):
             t, d = idx[0], idx[-1]
             rest = idx[1:-1]
             j = tirx.floormod(d, half)
-            theta = (start + t + offset).astype(F32) * fr[tirx.min(j, half - 1)]
-            c, s = te.cos(theta), te.sin(theta)
+            if table is None:
+                theta = (start + t + offset).astype(F32) * fr[tirx.min(j, half - 1)]
+                c, s = te.cos(theta), te.sin(theta)
+            else:
+                c, s = table[0][t, tirx.min(j, half - 1)], table[1][t, tirx.min(j, half - 1)]
             lo = x_te[(t, *rest, tirx.min(j, d))]
             hi = x_te[(t, *rest, tirx.min(j + half, x_te.shape[-1] - 1))]
             rotated = tirx.if_then_else(d < half, lo * c - hi * s, hi * c + lo * s)
@@ -187,6 +210,13 @@ def rope_neox(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int =
         return te.compute(x_te.shape, body, name=name)
 
     return op.tensor_expr_op(f, name, [x, freq, positions_start], attrs={"op_pattern": 8})
+
+
+def _angle_table(rows, pairs: int, fr, start, offset: int, stride: int, name: str) -> tuple:
+    """(cos, sin) of each row's pair angles, [rows, pairs] each."""
+    angle = te.compute((rows, pairs), lambda t, j: _rope_angle(fr, start, t, j, offset, stride), name=name + "_angle")
+    return (te.compute(angle.shape, lambda t, j: te.cos(angle[t, j]), name=name + "_cos"),
+            te.compute(angle.shape, lambda t, j: te.sin(angle[t, j]), name=name + "_sin"))
 
 
 def periodic_rows(table: nn.Tensor, positions_start, n_like: nn.Tensor, period: int, name: str, *, forms: Forms) -> nn.Tensor:

@@ -143,7 +143,8 @@ class Block(nn.Module):
                                                       c.idx_head_dim, rope_comp, fp4=kv_rounding)
                 new_states.update(idx_states)
                 iq, iw = parts[6:8]
-                iq = rope_hadamard_fp4(iq, start, rope_comp, forms=self.forms) if kv_rounding else rope(iq, start, rope_comp)
+                iq = rope_hadamard_fp4(iq, start, rope_comp, forms=self.forms) if kv_rounding \
+                    else rope(iq, start, rope_comp, forms=self.forms)
                 sel = indexer_select(iq, iw, idx_rows, start, r, c.idx_top_k, name="indexer", forms=self.forms)
         attn, new_states["kv_ring"] = sparse_window_attention(
             Q, ctx, comp_rows, sel, self.v("attn_sinks"), start, c.sliding_window, max(r, 1), name="attention",

@@ -163,9 +163,10 @@ class DSparkDrafter(nn.Module):
         kv0 = self._kv(stage, _rows(N, 0, 1, "row0"), start)          # row 0 at P
         kvt = self._kv(stage, _rows(N, 1, B + 1, "token_rows"), start)  # token rows at P..P+B-1
         keys = gather_context(ring, op.concat([kv0, kvt], dim=0), start, WINDOW - 1, name="dspark_keys")
-        attn = block_attention(rope(Q, start, self.rope), keys, stage.v("attn_sinks"), start, WINDOW - 1,
+        Q = rope(Q, start, self.rope, forms=self.forms)
+        attn = block_attention(Q, keys, stage.v("attn_sinks"), start, WINDOW - 1,
                                name="dspark_attention")
-        return rope(attn, start, self.rope, inverse=True)
+        return rope(attn, start, self.rope, inverse=True, forms=self.forms)
 
     def markov(self, prev: nn.Tensor):
         """m = w1[prev] (rank values) and its vocabulary bias w2 · m."""

@@ -161,7 +161,8 @@ class Layer(nn.Module):
         n, H, D = x.shape[0], c.n_head, c.head_dim
         qg = op.reshape(w["attn_q.weight"].linear(x, name="attn_q"), (n, H, 2 * D))
         q, gate = op.split(qg, 2, axis=2)
-        q = rope_neox(rms(q, c.rms_eps, self.v("attn_q_norm.weight")), start, self.inv_freq, name="attn_q_rope")
+        q = rope_neox(rms(q, c.rms_eps, self.v("attn_q_norm.weight")), start, self.inv_freq, name="attn_q_rope",
+                      forms=self.forms)
         new = self.attention_writes(x, start, states)
         sel = self._select_blocks(x, start, new["idx_pooled"])
         o = self._selected_attention(q, new["attn_k"], new["attn_v"], sel, start) * op.sigmoid(gate)
@@ -173,7 +174,8 @@ class Layer(nn.Module):
         c, w = self.cfg, self.w
         n, Hkv, D = x.shape[0], c.n_head_kv, c.head_dim
         k = op.reshape(w["attn_k.weight"].linear(x, name="attn_k"), (n, Hkv, D))
-        k = rope_neox(rms(k, c.rms_eps, self.v("attn_k_norm.weight")), start, self.inv_freq, name="attn_k_rope")
+        k = rope_neox(rms(k, c.rms_eps, self.v("attn_k_norm.weight")), start, self.inv_freq, name="attn_k_rope",
+                      forms=self.forms)
         keys = ring_write(states["attn_k"], op.reshape(k, (n, Hkv * D)), start, name="attn_k_write")
         values = ring_write(states["attn_v"], w["attn_v.weight"].linear(x, name="attn_v"), start, name="attn_v_write")
         return {"attn_k": keys, "attn_v": values, **self._index_keys(x, start, states)}
@@ -189,7 +191,7 @@ class Layer(nn.Module):
             (k.shape[0] - (P - 1), ID), lambda t, d: _sum_rows(k, t, d, P) * tirx.const(1.0 / P, F32),
             name="idx_block_mean"), "idx_block_mean", [ctx])
         pooled = rope_neox(rms(mean, c.rms_eps, self.v("indexer.k_norm.weight")), start, self.inv_freq,
-                           offset=-(P - 1), name="idx_block_rope")
+                           offset=-(P - 1), name="idx_block_rope", forms=self.forms)
         table = emit_rows(states["idx_pooled"], pooled, start, P, compact=False, name="idx_block_emit")
         return {"idx_key_front": ring_write(ring, raw, start, name="idx_key_write"), "idx_pooled": table}
 
@@ -199,7 +201,8 @@ class Layer(nn.Module):
         c, P = self.cfg, self.cfg.ratio(self.il)
         n, IH, ID = x.shape[0], c.idx_n_head, c.idx_head_dim
         iq = op.reshape(self.w["indexer.q_proj.weight"].linear(x, name="idx_q"), (n, IH, ID))
-        iq = rope_neox(rms(iq, c.rms_eps, self.v("indexer.q_norm.weight")), start, self.inv_freq, name="idx_q_rope")
+        iq = rope_neox(rms(iq, c.rms_eps, self.v("indexer.q_norm.weight")), start, self.inv_freq, name="idx_q_rope",
+                       forms=self.forms)
         weights = _constant_rows(x, IH, 1.0 / math.sqrt(ID), "idx_head_weights")
         return indexer_select(iq, weights, table, start, P, c.idx_top_k // P, name="qsa_indexer", forms=self.forms)
 
