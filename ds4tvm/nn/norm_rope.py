@@ -106,11 +106,12 @@ def rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start
     trip of the channels before the rotated ones (rounding.fp8_round_rows), with fp4 then
     rounding.hadamard_fp4. In the GPU forms one kernel, the rotation reading the normalized pair
     in registers (with fp8, rows [n, D] only: gpu_kernels.rms_rope_fp8; with fp4, read inline by
-    the transform); the CPU keeps its kernels."""
+    the transform); on the CPU the norm and the rotation are one kernel (the pair's cos and sin from
+    rope's table), the rounding another."""
     n_rot = 2 * len(inv_freq)
     assert not (fp8 and fp4)
     if not forms.gpu:
-        y = rope(rms(x, eps, weight), positions_start, inv_freq, **at, forms=forms)
+        y = _rms_rope(x, eps, weight, positions_start, inv_freq, name, at, forms)
         y = fp8_round_rows(y, int(x.shape[-1]) - n_rot) if fp8 else y
         return hadamard_fp4(y) if fp4 else y
     if fp4:
@@ -128,10 +129,24 @@ def rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start
         return op.tensor_ir_op(func, name, [x, nn.Tensor.from_const(inv_freq), positions_start, w],
                                nn.Tensor.placeholder(x.shape, F32))
 
+    return _rms_rope(x, eps, weight, positions_start, inv_freq, name, at, forms)
+
+
+def _rms_rope(x: nn.Tensor, eps: float, weight: nn.Tensor | None, positions_start, inv_freq: np.ndarray, name: str,
+              at: dict, forms: Forms) -> nn.Tensor:
+    """rope(rms(x, eps, weight), ...) as one kernel: in the GPU forms the rotation reads the
+    normalized pair inline; in the CPU forms the rows are normalized into a buffer of the kernel's
+    own (as the separate norm wrote them, bit for bit), then rotated with rope's table."""
+    n_rot = 2 * len(inv_freq)
+
     def f(x_te, fr, start, *w):
         normalized = _rms_te(lambda i: x_te[i], x_te.shape, eps, w)
-        return te.compute(x_te.shape, _rope_te(lambda i: normalized(*i), fr, start, n_rot, x_te.shape[-1], **at),
-                          name=name)
+        table = None
+        if not forms.gpu:   # the normalized rows stored once (the rotation reads each twice), then rotated
+            table = _angle_table(x_te.shape[0], n_rot // 2, fr, start, at.get("offset", 0), at.get("stride", 1), name)
+            normalized = te.compute(x_te.shape, normalized, name=name + "_norm")
+        read = (lambda i: normalized(*i)) if forms.gpu else (lambda i: normalized[i])
+        return te.compute(x_te.shape, _rope_te(read, fr, start, n_rot, x_te.shape[-1], **at, table=table), name=name)
 
     return op.tensor_expr_op(f, name, [x, nn.Tensor.from_const(inv_freq), positions_start]
                              + ([weight] if weight is not None else []), attrs={"op_pattern": 8})
