@@ -228,10 +228,13 @@ def rope_neox(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int =
 
 
 def _angle_table(rows, pairs: int, fr, start, offset: int, stride: int, name: str) -> tuple:
-    """(cos, sin) of each row's pair angles, [rows, pairs] each."""
-    angle = te.compute((rows, pairs), lambda t, j: _rope_angle(fr, start, t, j, offset, stride), name=name + "_angle")
-    return (te.compute(angle.shape, lambda t, j: te.cos(angle[t, j]), name=name + "_cos"),
-            te.compute(angle.shape, lambda t, j: te.sin(angle[t, j]), name=name + "_sin"))
+    """(cos, sin) of each row's pair angles, [rows, pairs] each, in one loop nest (where rows
+    are many, each loop nest on the cores is a launch of the pool)."""
+    def both(t, j):
+        theta = _rope_angle(fr, start, t, j, offset, stride)
+        return te.cos(theta), te.sin(theta)
+
+    return tuple(te.compute((rows, pairs), both, name=name + "_angle"))
 
 
 def periodic_rows(table: nn.Tensor, positions_start, n_like: nn.Tensor, period: int, name: str, *, forms: Forms) -> nn.Tensor:
