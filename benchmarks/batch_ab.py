@@ -2,12 +2,13 @@
 alternation (this machine's speed drifts by 10-30% between runs: only what runs side by side
 compares). Usage:
     python benchmarks/batch_ab.py OLD_ARTIFACT NEW_ARTIFACT [--batches 1,4,8] [--rounds 10] [--steps 20]
-        [--prefill 64,256]
+        [--prefill 64,256] [--verify 2,4,6]
 
 Each artifact gets max(batches) sequences with a 64-token prompt; a step decodes one token of the
 first B of them (B = 1: Engine.decode, else Engine.decode_batch) and rewinds it. Per round, each
-artifact runs `steps` steps of each size, and a prefill of each --prefill length into a sequence
-of its own, reset (2 of each); prints per size the medians and the median of the per-round ratios
+artifact runs `steps` steps of each size, `steps` verify(k) of each --verify k in the first
+sequence (rolled back), and a prefill of each --prefill length into a sequence of its own, reset (2
+of each); prints per size the medians and the median of the per-round ratios
 new / old, then each artifact's batch / decode ratios."""
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ def _median_s(engine, seqs, b: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def _verify_s(engine, seq, k: int, steps: int) -> float:
+    engine.attach(seq)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.verify([5] * k)
+        engine.rollback()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def _prefill_s(engine, seq, n: int, repeats: int = 2) -> float:
     tokens = np.random.default_rng(n).integers(0, engine.n_vocab, n)
     times = []
@@ -70,9 +82,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill", default="", help="prompt lengths to prefill too, e.g. 64,256")
+    ap.add_argument("--verify", default="", help="verify widths to time too, e.g. 2,4,6")
     a = ap.parse_args()
     sizes = [int(b) for b in a.batches.split(",")]
     prompts = [int(n) for n in a.prefill.split(",") if n]
+    widths = [int(k) for k in a.verify.split(",") if k]
     pair = [_loaded(a.old, max(sizes) + 1), _loaded(a.new, max(sizes) + 1)]   # the last one for prefills
     for engine, seqs in pair:   # each function's first call (storage, threads) outside the timing
         for b in sizes:
@@ -82,9 +96,11 @@ def main() -> None:
         for i, (engine, seqs) in enumerate(pair):
             for b in sizes:
                 times.setdefault((i, b), []).append(_median_s(engine, seqs, b, a.steps))
+            for k in widths:
+                times.setdefault((i, f"verify({k})"), []).append(_verify_s(engine, seqs[0], k, a.steps))
             for n in prompts:
                 times.setdefault((i, f"prefill {n}"), []).append(_prefill_s(engine, seqs[-1], n))
-    for b in [*sizes, *(f"prefill {n}" for n in prompts)]:
+    for b in [*sizes, *(f"verify({k})" for k in widths), *(f"prefill {n}" for n in prompts)]:
         old, new = times[(0, b)], times[(1, b)]
         ratio = statistics.median(y / x for x, y in zip(old, new))
         name = b if isinstance(b, str) else "decode" if b == 1 else f"batch of {b}"

@@ -24,6 +24,7 @@ import contextlib
 import tvm
 from tvm import s_tir, tirx
 
+from ..artifact import batch_name
 from ..errors import Ds4Error
 from ..kernels.tags import DEQUANT_ROW, EXPERT_MATMUL, EXPERT_PARTIAL, ROW_MATMUL, ROW_PARTIAL
 
@@ -31,6 +32,10 @@ from ..kernels.tags import DEQUANT_ROW, EXPERT_MATMUL, EXPERT_PARTIAL, ROW_MATMU
 # A linear reading fewer weights than this runs on one core: below it the thread pool's launch
 # costs more than the second core saves (measured on the 127M benchmark model, BENCHMARKS.md).
 PARALLEL_MIN_WEIGHTS = 1 << 18
+# Verify's run-time number of rows goes on the cores where each row does at least this many iterations
+# (_rows_on_cores, few_rows_copies): below it the pool's launch costs its few rows more than the second
+# core saves (verify(2) 0.76x, verify(6) 0.86x the time; the same threshold for prefill: 1.08-1.15x slower).
+MIN_ROW_WORK = 16384
 
 
 def _extent(sch, loop) -> int | None:
@@ -208,21 +213,39 @@ def _top_loops(func: tirx.PrimFunc) -> list:
     return list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
 
 
-def _rows_on_cores(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc | None:
+def _row_work(stmt) -> float:
+    """Iterations of the innermost statements of one iteration of a loop body (loops of constant
+    extent multiplied out; one of a run-time extent counts as unbounded)."""
+    if isinstance(stmt, tirx.For):
+        inner = _row_work(stmt.body)
+        return inner * stmt.extent.value if isinstance(stmt.extent, tirx.IntImm) else float("inf")
+    if isinstance(stmt, tirx.SeqStmt):
+        return sum(_row_work(s) for s in stmt.seq)
+    if isinstance(stmt, s_tir.stmt.SBlockRealize):
+        return max(1.0, _row_work(stmt.block.body))
+    if isinstance(stmt, tirx.IfThenElse):
+        return max(_row_work(stmt.then_case), _row_work(stmt.else_case) if stmt.else_case is not None else 0.0)
+    return 1.0
+
+
+def _rows_on_cores(func: tirx.PrimFunc, threads: int, min_row_work: float = 0) -> tirx.PrimFunc | None:
     """The kernel with each top-level loop over a number of rows known only at run time (the
-    tokens of a prefill chunk or of verify), whose iterations are apart, put on the cores; None
-    where it has no such loop or is written by hand. Decode's kernels have one row, a constant,
-    and stay on one core, where the pool's launch would cost more than the second core saves; a
-    verify of 6 rows gained a little (23.4 -> 21.8 ms on the benchmark model, BENCHMARKS.md). The
-    loop's kind is set here rather than by the schedule's `parallel`, which refuses a reduction
-    split into init and update blocks (attention's p.v); a condition on the row count would need
-    the loop nest twice, which TVM's analysis refuses (one variable bound to two ranges)."""
+    tokens of a prefill chunk or of verify), whose iterations are apart and each do at least
+    min_row_work iterations, put on the cores; None where it has no such loop or is written by
+    hand. Decode's kernels have one row, a constant, and stay on one core, where the pool's launch
+    would cost more than the second core saves; so do, given min_row_work (the copies for
+    verify's few rows: few_rows_copies), the loops of little work per row (an RMS norm's, the HC
+    gates', an add's), whose launch cost verify(2..8) more than their rows' work (a prefill chunk's
+    rows are many: there they pay; BENCHMARKS.md, 2026-12-07). The loop's kind is set here rather than by the schedule's
+    `parallel`, which refuses a reduction split into init and update blocks (attention's p.v); a
+    condition on the row count would need the loop nest twice, which TVM's analysis refuses (one
+    variable bound to two ranges)."""
     if threads < 2 or (func.attrs is not None and func.attrs.get("ds4.schedule") == "hand"):
         return None
 
     def on_cores(stmt):
         if not isinstance(stmt, tirx.For) or stmt.kind != tirx.ForKind.SERIAL or \
-                isinstance(stmt.extent, tirx.IntImm) or not _rows_apart(stmt):
+                isinstance(stmt.extent, tirx.IntImm) or _row_work(stmt.body) < min_row_work or not _rows_apart(stmt):
             return stmt
         return tirx.For(stmt.loop_var, stmt.min, stmt.extent, tirx.ForKind.PARALLEL, stmt.body,
                         stmt.thread_binding, stmt.annotations)
@@ -236,6 +259,70 @@ def _rows_on_cores(func: tirx.PrimFunc, threads: int) -> tirx.PrimFunc | None:
                               tirx.SeqStmt(body) if len(body) > 1 else body[0], block.init, block.alloc_buffers,
                               block.match_buffers, block.annotations)
     return func.with_body(s_tir.stmt.SBlockRealize(root.iter_values, root.predicate, block))
+
+
+FEW_ROWS = "ds4.few_rows"   # the attribute of a kernel's copy for the functions of a few rows (few_rows_copies)
+
+
+def _light_rows(func: tirx.PrimFunc) -> bool:
+    """Whether a TE kernel has a top-level loop over a run-time number of rows doing less than
+    MIN_ROW_WORK per row (what a copy for a few rows would keep on one core)."""
+    try:
+        return any(isinstance(st, tirx.For) and not isinstance(st.extent, tirx.IntImm)
+                   and _row_work(st.body) < MIN_ROW_WORK for st in _top_loops(func))
+    except AttributeError:   # written by hand, no root block
+        return False
+
+
+def few_rows_copies(few):
+    """A pass (after legalization) giving the functions whose names few(name) accepts (verify's
+    blocks: a few rows, known only at run time) their own copy of each kernel with a loop over a
+    run-time number of rows of little work each, marked FEW_ROWS: _rows_on_cores then keeps those
+    copies' loops of less than MIN_ROW_WORK per row on one core, while a prefill chunk's rows share
+    the cores."""
+    from tvm import relax
+
+    @tvm.transform.module_pass(opt_level=0, name="FewRowsCopies")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        fns = [gv for gv, f in mod.functions_items() if isinstance(f, relax.Function) and few(gv.name_hint)]
+        called = {c.args[0] for gv in fns for c in _kernel_calls(mod[gv])}
+        bb, copies = relax.BlockBuilder(mod), {}
+        for gv in called:
+            func = mod[gv]
+            if isinstance(func, tirx.PrimFunc) and _light_rows(func):
+                copies[gv] = bb.add_func(func.with_attr(FEW_ROWS, True), gv.name_hint + "_few_rows")
+        mod = bb.get()
+
+        @relax.expr_functor.mutator
+        class Retarget(relax.PyExprMutator):
+            def visit_call_(self, call):
+                call = super().visit_call_(call)
+                if _calls_kernel(call) and call.args[0] in copies:
+                    return relax.Call(call.op, [copies[call.args[0]], *call.args[1:]], call.attrs, call.ty_args,
+                                      call.span)
+                return call
+
+        for gv in fns:
+            mod[gv] = Retarget(mod).visit_expr(mod[gv])
+        return mod
+
+    return _pass
+
+
+def _calls_kernel(e) -> bool:
+    from tvm import relax
+
+    return isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir" \
+        and isinstance(e.args[0], tvm.ir.GlobalVar)
+
+
+def _kernel_calls(func) -> list:
+    """The call_tir calls of a Relax function."""
+    from tvm import relax
+
+    out = []
+    relax.analysis.post_order_visit(func.body, lambda e: out.append(e) if _calls_kernel(e) else None)
+    return out
 
 
 def _hand_schedules(threads: int):
@@ -272,7 +359,8 @@ def schedule_kernels(threads: int, log: dict | None = None):
             kind = []
             try:
                 sch = hand_schedule(func, threads, kind)
-                rows = _rows_on_cores(sch.mod["main"] if sch is not None else func, threads)
+                rows = _rows_on_cores(sch.mod["main"] if sch is not None else func, threads,
+                                      MIN_ROW_WORK if func.attrs is not None and FEW_ROWS in func.attrs else 0)
             except Exception as e:  # noqa: BLE001 - unscheduled, this kernel would write a whole fp32 weight
                 raise Ds4Error(f"could not schedule {gv.name_hint}: {e}") from None
             if rows is not None:
@@ -320,7 +408,7 @@ def pipeline(target: tvm.target.Target, records: str | None = None, log: dict | 
             seq = tvm.transform.Sequential([
                 *legalize_passes(),
                 *([width_copies(widths or {}), record_arguments(recorded), *fusion_passes()] if recorded is not None
-                  else []),
+                  else [few_rows_copies(lambda name: name == "verify" or name.startswith(batch_name(0, "verify")[:-1]))]),
                 *([transform.MetaScheduleApplyDatabase()] if records else []),
                 schedule_kernels(int(target.attrs.get("num-cores", 1)), log),
                 *([finish_recorded()] if recorded is not None else []), transform.RewriteDataflowReshape(),

@@ -7,7 +7,8 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ds4tvm.schedules.llvm import _rows_on_cores, _top_loops
+from ds4tvm.schedules.llvm import (FEW_ROWS, MIN_ROW_WORK, _kernel_calls, _row_work, _rows_on_cores, _top_loops,
+                                   few_rows_copies, schedule_kernels)
 
 
 @T.prim_func(s_tir=True)
@@ -56,9 +57,9 @@ def _kinds(func):
 
 
 def test_apart_row_loops_go_on_the_cores_and_compute_the_same_bits():
-    rows = _rows_on_cores(norm_rows, 2)
+    rows = _rows_on_cores(norm_rows, 2, min_row_work=64)
     assert _kinds(rows) == [tirx.ForKind.PARALLEL, tirx.ForKind.PARALLEL]
-    assert _rows_on_cores(norm_rows, 1) is None   # one core: nothing to share
+    assert _rows_on_cores(norm_rows, 1, min_row_work=64) is None   # one core: nothing to share
     target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
     x = np.random.default_rng(0).standard_normal((37, 64)).astype(np.float32)
     outs = []
@@ -73,4 +74,34 @@ def test_apart_row_loops_go_on_the_cores_and_compute_the_same_bits():
 
 @pytest.mark.parametrize("func", [scatter_rows, one_row], ids=["scatter", "constant-rows"])
 def test_rows_written_elsewhere_or_a_constant_count_stay_on_one_core(func):
-    assert _rows_on_cores(func, 2) is None
+    assert _rows_on_cores(func, 2, min_row_work=0) is None
+
+
+def test_rows_of_little_work_stay_on_one_core():
+    """64 iterations per row (the norm's sum, then its division): below a launch's worth, the rows
+    run on the calling core; counted per row, the loops go on the cores from that much work on."""
+    assert _row_work(_top_loops(norm_rows)[0].body) == 64
+    assert _rows_on_cores(norm_rows, 2, min_row_work=65) is None
+    assert MIN_ROW_WORK > 64
+
+
+def test_verify_takes_copies_that_keep_little_work_per_row_on_one_core():
+    """A kernel both prefill and verify call: prefill's rows share the cores, verify's copy
+    (few_rows_copies) keeps its loops of little work per row on the calling core."""
+    from tvm import relax, te
+
+    bb = relax.BlockBuilder()
+    n = tirx.Var("n", "int64")
+    for fn in ("prefill", "verify"):
+        x = relax.Var("x", relax.TensorType((n, 64), "float32"))
+        with bb.function(fn, [x]):
+            y = bb.emit_te(lambda t: te.compute(t.shape, lambda i, j: t[i, j] * 2.0, name="double"), x)
+            bb.emit_func_output(y)
+    mod = tvm.transform.Sequential([few_rows_copies(lambda name: name == "verify"), schedule_kernels(2)])(bb.get())
+    called = {gv.name_hint: [c.args[0].name_hint for c in _kernel_calls(mod[gv])] for gv in mod.get_global_vars()
+              if isinstance(mod[gv], relax.Function)}
+    assert called["verify"] != called["prefill"] and FEW_ROWS in mod[called["verify"][0]].attrs
+    kinds = {name: _kinds(mod[name]) for name in (called["prefill"][0], called["verify"][0])}
+    assert kinds[called["prefill"][0]] == [tirx.ForKind.PARALLEL]
+    assert kinds[called["verify"][0]] == [tirx.ForKind.SERIAL]
+
