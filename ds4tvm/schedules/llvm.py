@@ -12,7 +12,8 @@ parallelising every kernel's outer loops made decode slower (hundreds of tiny ke
 the thread-pool launch). Attention (softmax with sinks) computes q.k as 16-lane partial sums and
 p.v with the key slot outside the channel loop. The kernels' loops over a run-time number of rows
 (prefill chunks, verify) run on the cores when their iterations touch only their own rows (norms,
-elementwise, attention: _rows_on_cores); decode's one-row kernels run as written.
+elementwise, attention: _rows_on_cores), verify's only where a row does enough work to pay for the
+launch (its own copies of the kernels: few_rows_copies); decode's one-row kernels run as written.
 Tuning records (schedules/tuning.py) are applied first; the hand schedules skip what they schedule.
 Operator fusion is left out on purpose: TVM's own CPU default omits it because it may drop
 side-effecting calls (the in-place state writes here), and the schedules below match unfused kernels."""
