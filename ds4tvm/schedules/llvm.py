@@ -35,7 +35,7 @@ from ..kernels.tags import DEQUANT_ROW, EXPERT_MATMUL, EXPERT_PARTIAL, ROW_MATMU
 PARALLEL_MIN_WEIGHTS = 1 << 18
 # Verify's run-time number of rows goes on the cores where each row does at least this many iterations
 # (_rows_on_cores, few_rows_copies): below it the pool's launch costs its few rows more than the second
-# core saves (verify(2) 0.76x, verify(6) 0.86x the time; the same threshold for prefill: 1.08-1.15x slower).
+# core saves (verify(2) 0.77x, verify(6) 0.88x the time; the same threshold for prefill: 1.08-1.15x slower).
 MIN_ROW_WORK = 16384
 
 
@@ -237,10 +237,10 @@ def _rows_on_cores(func: tirx.PrimFunc, threads: int, min_row_work: float = 0) -
     would cost more than the second core saves; so do, given min_row_work (the copies for
     verify's few rows: few_rows_copies), the loops of little work per row (an RMS norm's, the HC
     gates', an add's), whose launch cost verify(2..8) more than their rows' work (a prefill chunk's
-    rows are many: there they pay; BENCHMARKS.md, 2026-12-07). The loop's kind is set here rather than by the schedule's
-    `parallel`, which refuses a reduction split into init and update blocks (attention's p.v); a
-    condition on the row count would need the loop nest twice, which TVM's analysis refuses (one
-    variable bound to two ranges)."""
+    rows are many: there they pay; BENCHMARKS.md, 2026-12-07). The loop's kind is set here rather
+    than by the schedule's `parallel`, which refuses a reduction split into init and update blocks
+    (attention's p.v); a condition on the row count would need the loop nest twice, which TVM's
+    analysis refuses (one variable bound to two ranges)."""
     if threads < 2 or (func.attrs is not None and func.attrs.get("ds4.schedule") == "hand"):
         return None
 
@@ -275,6 +275,13 @@ def _light_rows(func: tirx.PrimFunc) -> bool:
         return False
 
 
+def _verifies(name: str) -> bool:
+    """Whether a function verifies blocks of a few rows: verify, or its batched form of b sequences
+    (batch_name(b, "verify"))."""
+    stem = name.rstrip("0123456789")
+    return name == "verify" or (stem != name and name == batch_name(int(name[len(stem):]), "verify"))
+
+
 def few_rows_copies(few):
     """A pass (after legalization) giving the functions whose names few(name) accepts (verify's
     blocks: a few rows, known only at run time) their own copy of each kernel with a loop over a
@@ -285,8 +292,10 @@ def few_rows_copies(few):
 
     @tvm.transform.module_pass(opt_level=0, name="FewRowsCopies")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        fns = [gv for gv, f in mod.functions_items() if isinstance(f, relax.Function) and few(gv.name_hint)]
-        called = {c.args[0] for gv in fns for c in _kernel_calls(mod[gv])}
+        fns = sorted((gv for gv, f in mod.functions_items() if isinstance(f, relax.Function) and few(gv.name_hint)),
+                     key=lambda gv: gv.name_hint)
+        # in call order (a dict, not a set): the same build every time
+        called = dict.fromkeys(c.args[0] for gv in fns for c in _kernel_calls(mod[gv]))
         bb, copies = relax.BlockBuilder(mod), {}
         for gv in called:
             func = mod[gv]
@@ -409,7 +418,7 @@ def pipeline(target: tvm.target.Target, records: str | None = None, log: dict | 
             seq = tvm.transform.Sequential([
                 *legalize_passes(),
                 *([width_copies(widths or {}), record_arguments(recorded), *fusion_passes()] if recorded is not None
-                  else [few_rows_copies(lambda name: name == "verify" or name.startswith(batch_name(0, "verify")[:-1]))]),
+                  else [few_rows_copies(_verifies)]),
                 *([transform.MetaScheduleApplyDatabase()] if records else []),
                 schedule_kernels(int(target.attrs.get("num-cores", 1)), log),
                 *([finish_recorded()] if recorded is not None else []), transform.RewriteDataflowReshape(),
