@@ -85,8 +85,8 @@ def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, i
     start + t + offset (t the first axis); with stride > 1, at (start // stride + t) * stride + offset
     (rows that are every stride-th position, as compressed rows are). In the CPU forms each row's
     cos and sin are computed once per pair into a table the rotation reads (the same values: one
-    sincos per pair, where every head's element made its own, two libm calls each; the GPU forms
-    compute them in place, where a launch costs more)."""
+    sincos per pair, where every element of every head made its own libm call); the GPU forms
+    compute them in place."""
     n_rot = 2 * len(inv_freq)
 
     def f(x_te, fr, start):
