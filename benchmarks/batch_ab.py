@@ -106,7 +106,7 @@ def main() -> None:
         name = b if isinstance(b, str) else "decode" if b == 1 else f"batch of {b}"
         print(f"{name:<12} old {1e3 * statistics.median(old):7.3f} ms   "
               f"new {1e3 * statistics.median(new):7.3f} ms   new / old {ratio:.3f}")
-    if 1 in sizes:
+    if 1 in sizes and len(sizes) > 1:
         for i, name in enumerate(("old", "new")):
             print(f"{name}: " + "  ".join(
                 f"batch of {b} / decode {statistics.median(x / d for x, d in zip(times[(i, b)], times[(i, 1)])):.2f}"

@@ -5,7 +5,7 @@ the memory's speed; benchmarks/kernel_profile.py times them in place). Usage:
     python benchmarks/kernel_rows.py ARTIFACT [--k 8] [--batch 8] [--repeats 30] [--top 30]
 
 Prints each step's kernel total, then per kind of kernel (its name less the trailing number the
-compiler gives copies) the ms of each step, largest in verify first. A kind whose time grows with
+compiler gives copies, and verify's copies' suffix) the ms of each step, largest in verify first. A kind whose time grows with
 the rows faster than its weights' reads do is where a batch pays per row."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import collections
 import re
 import time
 
-import numpy as np
+from batch_ab import _loaded, _step
 
 
 def captured(engine, step) -> list:
@@ -44,13 +44,12 @@ def kernel_ms(calls: list, repeats: int) -> collections.Counter:
         t = time.perf_counter()
         for _ in range(repeats):
             func(*args)
-        out[re.sub(r"\d+$", "", name)] += (time.perf_counter() - t) / repeats * 1e3
+        kind = re.sub(r"\d+$", "", name.removesuffix("_few_rows"))   # verify's copies (schedules/llvm.py) too
+        out[kind] += (time.perf_counter() - t) / repeats * 1e3
     return out
 
 
 def main() -> None:
-    from ds4tvm.runtime.engine import Engine
-
     ap = argparse.ArgumentParser()
     ap.add_argument("artifact")
     ap.add_argument("--k", type=int, default=8, help="rows of the verify")
@@ -58,27 +57,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--top", type=int, default=30)
     a = ap.parse_args()
-    engine, rng = Engine(a.artifact), np.random.default_rng(0)
-    seqs = [engine.new_sequence() for _ in range(max(1, a.batch))]
-    for s in seqs:
-        engine.attach(s)
-        engine.prefill(rng.integers(0, engine.n_vocab, 64))
-
-    def decode():
-        engine.attach(seqs[0])
-        engine.decode(5)
-        engine.rewind(1)
+    engine, seqs = _loaded(a.artifact, max(1, a.batch))
 
     def verify():
         engine.attach(seqs[0])
         engine.verify([5] * a.k)
         engine.rollback()
 
+    def decode():
+        _step(engine, seqs, 1)
+
     def batch():
-        engine.decode_batch(seqs, [5] * len(seqs))
-        for s in seqs:
-            engine.attach(s)
-            engine.rewind(1)
+        _step(engine, seqs, a.batch)
 
     steps = {"decode": decode, f"verify({a.k})": verify}
     if a.batch > 1:

@@ -80,7 +80,7 @@ def rope_inv_freq(n_rot: int, base: float, yarn: tuple[float, int, float, float]
 
 
 def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, inverse: bool = False,
-         name: str = "rope", stride: int = 1, *, forms: Forms | None = None) -> nn.Tensor:
+         name: str = "rope", stride: int = 1, *, forms: Forms) -> nn.Tensor:
     """Rotates interleaved pairs of the last 2*len(inv_freq) channels of x [T, ..., D] at position
     start + t + offset (t the first axis); with stride > 1, at (start // stride + t) * stride + offset
     (rows that are every stride-th position, as compressed rows are). In the CPU forms each row's
@@ -90,8 +90,7 @@ def rope(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, i
     n_rot = 2 * len(inv_freq)
 
     def f(x_te, fr, start):
-        table = _angle_table(x_te.shape[0], n_rot // 2, fr, start, offset, stride, name) \
-            if forms is not None and not forms.gpu else None
+        table = None if forms.gpu else _angle_table(x_te.shape[0], n_rot // 2, fr, start, offset, stride, name)
         return te.compute(x_te.shape, _rope_te(lambda i: x_te[i], fr, start, n_rot, x_te.shape[-1],
                                                offset, inverse, stride, table), name=name)
 
@@ -197,7 +196,7 @@ def _rope_te(src, fr, start, n_rot: int, D, offset: int = 0, inverse: bool = Fal
 
 
 def rope_neox(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int = 0, name: str = "rope_neox",
-              *, forms: Forms | None = None) -> nn.Tensor:
+              *, forms: Forms) -> nn.Tensor:
     """Rotates the first 2*len(inv_freq) channels of x [T, ..., D] in halves (channel i with
     i + len(inv_freq), transformers' rotate_half) at position start + t + offset; in the CPU forms
     each row's cos and sin from a table computed once per pair (as rope's)."""
@@ -205,8 +204,7 @@ def rope_neox(x: nn.Tensor, positions_start, inv_freq: np.ndarray, offset: int =
     freq = nn.Tensor.from_const(inv_freq)
 
     def f(x_te, fr, start):
-        table = _angle_table(x_te.shape[0], half, fr, start, offset, 1, name) if forms is not None and not forms.gpu \
-            else None
+        table = None if forms.gpu else _angle_table(x_te.shape[0], half, fr, start, offset, 1, name)
 
         def body(*idx):
             t, d = idx[0], idx[-1]

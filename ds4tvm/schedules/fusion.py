@@ -56,7 +56,7 @@ def preset_patterns():
                                                           v.ty_args))
             return b
 
-        rewritten = [(gv, _rebound(func, rebind)) for gv, func in list(mod.functions_items())
+        rewritten = [(gv, rebound(func, rebind)) for gv, func in list(mod.functions_items())
                      if isinstance(func, relax.Function)]
         mod = bb.get()
         for gv, func in rewritten:
@@ -66,7 +66,7 @@ def preset_patterns():
     return _pass
 
 
-def _rebound(func, rebind):
+def rebound(func, rebind):
     """func with every binding b of its body replaced by rebind(b)."""
     from tvm import relax
 

@@ -287,52 +287,41 @@ def few_rows_copies(few):
     blocks: a few rows, known only at run time) their own copy of each kernel with a loop over a
     run-time number of rows of little work each, marked FEW_ROWS: _rows_on_cores then keeps those
     copies' loops of less than MIN_ROW_WORK per row on one core, while a prefill chunk's rows share
-    the cores."""
+    the cores. (Copied and rebound as fusion.preset_patterns does: in call order, the same build
+    every time.)"""
     from tvm import relax
+
+    from .fusion import rebound
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
 
     @tvm.transform.module_pass(opt_level=0, name="FewRowsCopies")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        fns = sorted((gv for gv, f in mod.functions_items() if isinstance(f, relax.Function) and few(gv.name_hint)),
-                     key=lambda gv: gv.name_hint)
-        # in call order (a dict, not a set): the same build every time
-        called = dict.fromkeys(c.args[0] for gv in fns for c in _kernel_calls(mod[gv]))
-        bb, copies = relax.BlockBuilder(mod), {}
-        for gv in called:
-            func = mod[gv]
-            if isinstance(func, tirx.PrimFunc) and _light_rows(func):
-                copies[gv] = bb.add_func(func.with_attr(FEW_ROWS, True), gv.name_hint + "_few_rows")
+        bb = relax.BlockBuilder(mod)
+        copies: dict = {}   # a kernel's GlobalVar -> its copy for a few rows (itself where none is needed)
+
+        def copy_of(gv):
+            if gv not in copies:
+                func = bb.get()[gv]
+                light = isinstance(func, tirx.PrimFunc) and _light_rows(func)
+                copies[gv] = bb.add_func(func.with_attr(FEW_ROWS, True), f"{gv.name_hint}_few_rows") if light else gv
+            return copies[gv]
+
+        def rebind(b):
+            v = b.value
+            if not (isinstance(v, relax.Call) and v.op == call_tir) or copy_of(v.args[0]).same_as(v.args[0]):
+                return b
+            return relax.VarBinding(b.var, relax.Call(call_tir, [copies[v.args[0]], *v.args[1:]], v.attrs, v.ty_args))
+
+        functions = sorted(mod.functions_items(), key=lambda item: item[0].name_hint)
+        rewritten = [(gv, rebound(func, rebind)) for gv, func in functions
+                     if isinstance(func, relax.Function) and few(gv.name_hint)]
         mod = bb.get()
-
-        @relax.expr_functor.mutator
-        class Retarget(relax.PyExprMutator):
-            def visit_call_(self, call):
-                call = super().visit_call_(call)
-                if _calls_kernel(call) and call.args[0] in copies:
-                    return relax.Call(call.op, [copies[call.args[0]], *call.args[1:]], call.attrs, call.ty_args,
-                                      call.span)
-                return call
-
-        for gv in fns:
-            mod[gv] = Retarget(mod).visit_expr(mod[gv])
-        return mod
+        for gv, func in rewritten:
+            mod[gv] = func
+        return relax.transform.Normalize()(mod)   # the rebound calls' types
 
     return _pass
-
-
-def _calls_kernel(e) -> bool:
-    from tvm import relax
-
-    return isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir" \
-        and isinstance(e.args[0], tvm.ir.GlobalVar)
-
-
-def _kernel_calls(func) -> list:
-    """The call_tir calls of a Relax function."""
-    from tvm import relax
-
-    out = []
-    relax.analysis.post_order_visit(func.body, lambda e: out.append(e) if _calls_kernel(e) else None)
-    return out
 
 
 def _hand_schedules(threads: int):

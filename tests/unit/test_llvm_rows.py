@@ -7,8 +7,8 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ds4tvm.schedules.llvm import (FEW_ROWS, MIN_ROW_WORK, _kernel_calls, _row_work, _rows_on_cores, _top_loops,
-                                   few_rows_copies, schedule_kernels)
+from ds4tvm.schedules.llvm import (FEW_ROWS, MIN_ROW_WORK, _row_work, _rows_on_cores, _top_loops, few_rows_copies,
+                                   schedule_kernels)
 
 
 @T.prim_func(s_tir=True)
@@ -98,8 +98,9 @@ def test_verify_takes_copies_that_keep_little_work_per_row_on_one_core():
             y = bb.emit_te(lambda t: te.compute(t.shape, lambda i, j: t[i, j] * 2.0, name="double"), x)
             bb.emit_func_output(y)
     mod = tvm.transform.Sequential([few_rows_copies(lambda name: name == "verify"), schedule_kernels(2)])(bb.get())
-    called = {gv.name_hint: [c.args[0].name_hint for c in _kernel_calls(mod[gv])] for gv in mod.get_global_vars()
-              if isinstance(mod[gv], relax.Function)}
+    called = {fn: [b.value.args[0].name_hint for block in mod[fn].body.blocks for b in block.bindings
+                   if isinstance(b.value, relax.Call) and b.value.op.same_as(tvm.ir.Op.get("relax.call_tir"))]
+              for fn in ("prefill", "verify")}
     assert called["verify"] != called["prefill"] and FEW_ROWS in mod[called["verify"][0]].attrs
     kinds = {name: _kinds(mod[name]) for name in (called["prefill"][0], called["verify"][0])}
     assert kinds[called["prefill"][0]] == [tirx.ForKind.PARALLEL]
