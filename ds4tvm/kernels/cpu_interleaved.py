@@ -23,7 +23,9 @@ row's sum is its blocks' exact int32 dot products, each converted and scaled in 
 token's outputs do not depend on the tokens beside it, bit for bit. Tokens go in blocks of TB
 (their accumulators and int32 sums in registers, each weight vector decoded once for all), the
 leftovers in blocks of 4, 2 and 1; one or two tokens keep two chains of dot products so the
-instruction's latency does not bound a decode.
+instruction's latency does not bound a decode. The first token block of a group asks for the
+lines of the blocks 8 ahead (_prefetcher), across the group's end into the next group's: a
+decode streams its weights, and the hardware prefetcher alone stops at every page and group.
 
 benchmarks/int8_interleaved.py times it against kernels/cpu.py's int8 kernel.
 """
@@ -46,6 +48,7 @@ from .dequant import DEQUANT
 F32 = "float32"
 R = INTERLEAVE_ROWS   # rows per group: one int32 sum each in a 512-bit vector
 BLOCK = 32            # weights per block: an input scale; Q8_0's, MXFP4's and an IQ2_XXS sub-block, a Q4_K sub-block
+AHEAD = 8             # blocks a group's row is prefetched ahead (_prefetcher)
 TB = 8                # tokens per block of accumulators (2 x 8 of the 32 vector registers)
 FORMATS = tuple(INTERLEAVED_FIELDS)
 BIASED = (QT.Q8_0, QT.MXFP4, QT.IQ2_XXS)   # signed codes stored or looked up + 128
@@ -309,7 +312,38 @@ def _scaler(qtype: QT, parts, value):
     return scaled
 
 
-def _token_blocks(qtype: QT, K: int, x_loc, w_group, y_at):
+def _prefetcher(qtype: QT, K: int, w_group, n_groups: int):
+    """A macro prefetch(ws, g, kb) asking for the cache lines of the format's largest plane AHEAD
+    blocks past block kb of row group g, where the memory continues into the groups after it (a
+    core's next ones, in the contiguous runs of the dense kernels and of few-token experts'), the
+    last group's end not passed. The hardware prefetcher starts again at every 4 KB page and does
+    not cross to the next group's rows; asked ahead, a decode of the benchmark model took 0.94 of
+    its time, a batch of 8 0.87, verify(4) 0.79 (BENCHMARKS.md)."""
+    import tvm
+
+    shapes = plane_shapes(qtype, (R, K))
+    names = [f.name for f in plane_format(qtype).fields]
+    nbytes = [shapes[n][0][-1] * tvm.DataType(shapes[n][1]).bits // 8 for n in names]
+    big = nbytes.index(max(nbytes))
+    row = shapes[names[big]][0][-1]                # elements of a group's row in that plane
+    per_block, per_line = row // (K // BLOCK), 64 * row // nbytes[big]
+
+    def at(flat):
+        flat = T.min(flat, n_groups * row - 1)
+        return (*w_group(flat // row), flat % row)
+
+    lines = max(1, per_block // per_line)
+
+    @T.macro
+    def prefetch(ws, g, kb):
+        for ln in range(lines):
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(
+                ws[big][at(g * row + (kb + AHEAD) * per_block + ln * per_line)]), T.int32(0), T.int32(3), T.int32(1)))
+
+    return prefetch
+
+
+def _token_blocks(qtype: QT, K: int, x_loc, w_group, y_at, n_groups: int):
     """A macro blocks(first, count, g, x, y, ctx, ws) over token rows first .. first+count-1 of a
     list for row group g: x_loc(ctx, i, g) the quantized row of list entry i and its first input
     column, w_group(g) the group's leading plane indices, y_at(ctx, i, g) its 16 outputs' index
@@ -325,14 +359,17 @@ def _token_blocks(qtype: QT, K: int, x_loc, w_group, y_at):
         return SCALES[qtype](dict(zip(names, ws)), w_group(g), kb)
 
     scaled = _scaler(qtype, parts, b.value)
+    prefetch = _prefetcher(qtype, K, w_group, n_groups)
 
     @T.macro
-    def micro(nt, i0, g, x, y, ctx, ws):
+    def micro(nt, i0, g, x, y, ctx, ws, first_pass):
         acc = T.decl_buffer((nt, R), F32)   # global scope: in registers (kernels/cpu.py's docstring)
         ia = T.decl_buffer((_chains(qtype, nt), nt, R), "int32")
         for t in T.unroll(nt):
             T.buffer_store(acc, _bc(0.0, F32, R), [t, _ramp(0)])
         for kb in range(KB):
+            if first_pass:   # later token blocks of the group find its weights in the cache
+                prefetch(ws, g, kb)
             for t in T.unroll(nt):
                 T.buffer_store(ia, b.start(x, ctx, i0 + t, g, kb), [0, t, _ramp(0)])
                 if _chains(qtype, nt) == 2:
@@ -349,13 +386,13 @@ def _token_blocks(qtype: QT, K: int, x_loc, w_group, y_at):
     @T.macro
     def blocks(first, count, g, x, y, ctx, ws):
         for b in range(count // TB):
-            micro(TB, first + b * TB, g, x, y, ctx, ws)
+            micro(TB, first + b * TB, g, x, y, ctx, ws, b == 0)
         if count % TB >= 4:
-            micro(4, first + count // TB * TB, g, x, y, ctx, ws)
+            micro(4, first + count // TB * TB, g, x, y, ctx, ws, count < TB)
         if count % TB % 4 >= 2:
-            micro(2, first + count // TB * TB + count % TB // 4 * 4, g, x, y, ctx, ws)
+            micro(2, first + count // TB * TB + count % TB // 4 * 4, g, x, y, ctx, ws, count < 4)
         if count % 2 == 1:
-            micro(1, first + count - 1, g, x, y, ctx, ws)
+            micro(1, first + count - 1, g, x, y, ctx, ws, count < 2)
 
     return blocks
 
@@ -393,7 +430,7 @@ def dense_linear(qtype: QT, N: int, K: int, threads: int, few: bool, groups: int
     def y_at(_ctx, i, g):
         return [i, _ramp(g * R)]
 
-    blocks = _token_blocks(qtype, K, x_loc, lambda g: (g,), y_at)
+    blocks = _token_blocks(qtype, K, x_loc, lambda g: (g,), y_at, G)
     width = groups * K
     a = arg_types(qtype, (N, K))
 
@@ -438,7 +475,7 @@ def expert_linear(qtype: QT, E: int, N: int, K: int, J: int, per_slot_input: boo
     def x_row(x, r, k):
         return x[r // XJ, r % XJ, k]
 
-    blocks = _token_blocks(qtype, K, x_loc, lambda eg: (eg // NG, eg % NG), y_at)
+    blocks = _token_blocks(qtype, K, x_loc, lambda eg: (eg // NG, eg % NG), y_at, E * NG)
     a = arg_types(qtype, (E, N, K))
 
     @T.macro
