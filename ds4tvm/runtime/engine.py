@@ -121,7 +121,11 @@ class Engine:
         # Workers spin between kernels; beside a busy process the pool shrinks to one thread
         # (runtime/threads.py; TVM_THREAD_POOL_SPIN_COUNT=0 in the environment turns spinning off).
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", threads.SPIN_COUNT)
-        self._adapt_threads = threads.adapt if self.dev.dlpack_device_type() == 1 else (lambda: None)
+        on_cpu = self.dev.dlpack_device_type() == 1
+        self._adapt_threads = threads.adapt if on_cpu else (lambda: None)
+        # a CPU call's outputs are read where the VM wrote them (a copy of a decode's logits into a
+        # fresh array cost more than the rest of Engine.call's Python); a device's come back to the host
+        self._host_array = np.from_dlpack if on_cpu else (lambda t: t.numpy())
         lib = tvm.runtime.load_module(str(self.dir / m.library))
         self.vm = VirtualMachine(lib, self.dev)
         self.params = self._bind_params()
@@ -348,7 +352,7 @@ class Engine:
         self._adapt_threads()
         result = self.vm[fn](*args, *self._params_of[fn])
         result = [result] if hasattr(result, "numpy") else list(result)
-        return {name: result[i].numpy() for i, name in enumerate(spec.outputs)}
+        return {name: self._host_array(result[i]) for i, name in enumerate(spec.outputs)}
 
     def _host_value(self, spec: FunctionSpec, name: str, inputs: dict, seqs) -> np.ndarray:
         """A host input from its family's provider: in a batched call, each sequence's row from
