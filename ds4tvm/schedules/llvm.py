@@ -33,7 +33,9 @@ from ..kernels.tags import DEQUANT_ROW, EXPERT_MATMUL, EXPERT_PARTIAL, ROW_MATMU
 # A linear reading fewer weights than this runs on one core: below it the thread pool's launch
 # costs more than the second core saves (measured on the 127M benchmark model, BENCHMARKS.md).
 PARALLEL_MIN_WEIGHTS = 1 << 18
-FEW_TOKENS_MIN_WORK = 1 << 17   # products of a static few tokens' call that pay for the pool's launch
+# A static few tokens' linear (decode, a batched decode) goes on the cores from this many products: the HC
+# mixes (24 x 2048 per token) of a decode 0.97x its time, a batched decode of 8 0.95x (their 24 us -> 13 us).
+FEW_TOKENS_MIN_WORK = 1 << 15
 # Verify's run-time number of rows goes on the cores where each row does at least this many iterations
 # (_rows_on_cores, few_rows_copies): below it the pool's launch costs its few rows more than the second
 # core saves (verify(2) 0.77x, verify(6) 0.88x the time; the same threshold for prefill: 1.08-1.15x slower).
@@ -81,7 +83,7 @@ def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | 
     if k % 16 == 0:
         sch.vectorize(sch.split(dl, [None, 16])[1])
     # small ones too when the call has many tokens (the HC mixes: 24 x 2048 at 256 tokens took 1.4 ms),
-    # or a few tokens' products outweigh a launch (the HC mixes of a batched decode of 8: 24 -> 13 us)
+    # or a few tokens' products outweigh a launch
     work = (_extent(sch, row) or 0) * k
     if threads > 1 and (work >= PARALLEL_MIN_WEIGHTS or many_tokens
                         or work * (_extent(sch, t) or 1) >= FEW_TOKENS_MIN_WORK):
