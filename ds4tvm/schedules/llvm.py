@@ -34,7 +34,8 @@ from ..kernels.tags import DEQUANT_ROW, EXPERT_MATMUL, EXPERT_PARTIAL, ROW_MATMU
 # costs more than the second core saves (measured on the 127M benchmark model, BENCHMARKS.md).
 PARALLEL_MIN_WEIGHTS = 1 << 18
 # A static few tokens' linear (decode, a batched decode) goes on the cores from this many products: the HC
-# mixes (24 x 2048 per token) of a decode 0.97x its time, a batched decode of 8 0.95x (their 24 us -> 13 us).
+# mixes (24 x 2048 per token, 24 us a call in a batched decode of 8 on one core): a decode 0.97x its time,
+# a batched decode of 8 0.95x.
 FEW_TOKENS_MIN_WORK = 1 << 15
 # Verify's run-time number of rows goes on the cores where each row does at least this many iterations
 # (_rows_on_cores, few_rows_copies): below it the pool's launch costs its few rows more than the second

@@ -32,7 +32,7 @@ class _ClientGone(Exception):
 class _Events:
     """A job's events, read on the event loop with a timeout that never drops one: they wait in a
     deque, and a wait for the next is a bare future and a timer (a task and asyncio.wait per token
-    were a tenth of the loop's time under eight streams)."""
+    were about a sixth of the loop's time under eight streams)."""
 
     def __init__(self, loop):
         self.loop, self.items, self._waiter = loop, collections.deque(), None
