@@ -7,7 +7,8 @@ of modules exported without a CPU target) are scheduled here: dense ones dequant
 each weight row once per call into a one-row buffer shared by all the call's tokens; dense and
 expert products keep 16 partial sums per output in one AVX-512 vector (the reduction split into
 strided lanes) and sum them at the end. On a Q8_0 4096x4096 GEMV this took one core from 0.59 to
-9.4 GB/s. Linears reading at least PARALLEL_MIN_WEIGHTS split their rows over the cores;
+9.4 GB/s. Expert products reading at least PARALLEL_MIN_WEIGHTS, and dense ones doing at least
+FEW_TOKENS_MIN_WORK products (or of a run-time number of tokens), split their rows over the cores;
 parallelising every kernel's outer loops made decode slower (hundreds of tiny kernels per token pay
 the thread-pool launch). Attention (softmax with sinks) computes q.k as 16-lane partial sums and
 p.v with the key slot outside the channel loop. The kernels' loops over a run-time number of rows
@@ -57,8 +58,9 @@ def _lanes(sch, part) -> int:
 def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | None:
     """Quantized linears written as (dequantize W) -> (x @ W^T): put the token loop inside the
     output-row loop and compute each dequantized row there, so W is read and dequantized once per
-    call whatever the number of tokens, into a buffer of one row, never a whole fp32 weight. Large
-    ones, and any called with a run-time number of tokens, split their rows over the cores."""
+    call whatever the number of tokens, into a buffer of one row, never a whole fp32 weight. Those
+    of FEW_TOKENS_MIN_WORK products or more, and any called with a run-time number of tokens,
+    split their rows over the cores."""
     sch = s_tir.Schedule(func)
     try:
         mm = sch.get_sblock(ROW_MATMUL)
@@ -83,11 +85,9 @@ def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | 
     k = _extent(sch, dl) or 0
     if k % 16 == 0:
         sch.vectorize(sch.split(dl, [None, 16])[1])
-    # small ones too when the call has many tokens (the HC mixes: 24 x 2048 at 256 tokens took 1.4 ms),
-    # or a few tokens' products outweigh a launch
-    work = (_extent(sch, row) or 0) * k
-    if threads > 1 and (work >= PARALLEL_MIN_WEIGHTS or many_tokens
-                        or work * (_extent(sch, t) or 1) >= FEW_TOKENS_MIN_WORK):
+    # any one called with a run-time number of tokens (the HC mixes: 24 x 2048 at 256 tokens took
+    # 1.4 ms on one core), or a static few tokens' whose products outweigh a launch
+    if threads > 1 and (many_tokens or (_extent(sch, row) or 0) * k * (_extent(sch, t) or 1) >= FEW_TOKENS_MIN_WORK):
         sch.parallel(row)
     return sch
 

@@ -53,10 +53,6 @@ class _Events:
                 self._waiter = None
         return self.items.popleft() if self.items else None
 
-    def close(self) -> None:
-        if self._waiter is not None:
-            self._waiter.cancel()
-
 
 def _settle(fut) -> None:
     if not fut.done():
@@ -360,7 +356,6 @@ class _Routes:
                     raise ApiError(status, message, kind="server_error" if status >= 500 else "invalid_request_error")
         finally:
             job.cancelled.set()
-            events.close()
 
     async def stream(self, request: Request, job, events: _Events, shape: _Shape):
         try:
@@ -385,7 +380,6 @@ class _Routes:
                     return
         finally:  # finished, or the client disconnected mid-stream: stop generating
             job.cancelled.set()
-            events.close()
 
     async def chat_completions(self, request: Request):
         return await self.generate(request, _Chat)
