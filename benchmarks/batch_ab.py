@@ -5,7 +5,7 @@ compares). Usage:
         [--prefill 64,256] [--verify 2,4,6]
 
 Each artifact gets max(batches) sequences with a 64-token prompt; a step decodes one token of the
-first B of them (B = 1: Engine.decode, else Engine.decode_batch) and rewinds it. Per round, each
+first B of them (a different token in each: distinct_tokens) (B = 1: Engine.decode, else Engine.decode_batch) and rewinds it. Per round, each
 artifact runs `steps` steps of each size, `steps` verify(k) of each --verify k in the first
 sequence (rolled back), and a prefill of each --prefill length into a sequence of its own, reset (2
 of each); prints per size the medians and the median of the per-round ratios
@@ -31,12 +31,18 @@ def _loaded(path: str, sequences: int):
     return engine, seqs
 
 
+def distinct_tokens(engine, n: int) -> list[int]:
+    """n different token ids, the same every call: rows of one token would choose the same experts
+    in the layers that route by token id (a batch reading fewer experts than a real one does)."""
+    return [(1000 + 977 * i) % engine.n_vocab for i in range(n)]
+
+
 def _step(engine, seqs, b: int) -> None:
     if b == 1:
         engine.attach(seqs[0])
-        engine.decode(5)
+        engine.decode(distinct_tokens(engine, 1)[0])
     else:
-        engine.decode_batch(seqs[:b], [5] * b)
+        engine.decode_batch(seqs[:b], distinct_tokens(engine, b))
     for s in seqs[:b]:
         engine.attach(s)
         engine.rewind(1)
@@ -56,7 +62,7 @@ def _verify_s(engine, seq, k: int, steps: int) -> float:
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        engine.verify([5] * k)
+        engine.verify(distinct_tokens(engine, k))
         engine.rollback()
         times.append(time.perf_counter() - t)
     return statistics.median(times)

@@ -5,7 +5,7 @@ decode, in one process, alternated (this machine's speed drifts between minutes)
         [--generations N [--gen 64] [--against OLD_ARTIFACT]] [--drafter-steps]
 
 Each of max(batches) sequences holds a 64-token prompt; a step verifies a block of k random tokens
-in each of the first B of them (or decodes one token of each) and rolls it back. Prints per (B, k)
+in each of the first B of them (or decodes one token of each, a different one in each) and rolls it back. Prints per (B, k)
 the median step of each way, their ratio, and each in decode steps; then a round where one of
 the B verifies a block of k and the others decode: in one call (the decodes as one-row blocks)
 against a batched decode of B - 1 and the verify. With --generations N (an
@@ -28,7 +28,7 @@ import statistics
 import time
 
 import numpy as np
-from batch_ab import _step
+from batch_ab import _step, distinct_tokens
 
 from ds4tvm.artifact import batch_name
 
@@ -80,7 +80,7 @@ def main() -> None:
             engine.verify(block)
 
     def mixed(b, k):
-        engine.verify_batch(seqs[:b], blocks[k][:1] + [[5]] * (b - 1))
+        engine.verify_batch(seqs[:b], blocks[k][:1] + [[t] for t in distinct_tokens(engine, b - 1)])
 
     def apart(b, k):
         decode(b - 1, seqs[1:b])

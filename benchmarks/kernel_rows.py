@@ -15,7 +15,7 @@ import collections
 import re
 import time
 
-from batch_ab import _loaded, _step
+from batch_ab import _loaded, _step, distinct_tokens
 
 
 def captured(engine, step) -> list:
@@ -61,7 +61,7 @@ def main() -> None:
 
     def verify():
         engine.attach(seqs[0])
-        engine.verify([5] * a.k)
+        engine.verify(distinct_tokens(engine, a.k))
         engine.rollback()
 
     def decode():
