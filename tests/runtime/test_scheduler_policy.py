@@ -1,12 +1,12 @@
 """How the scheduler sizes a round's prefill (runtime/scheduler.py), from the chunk costs it has
 measured: a prompt waiting only for others gets whole chunks; beside running decodes the round adds
 about STALL decode steps' time, given to one prompt after another in the largest chunks that fit
-(a small chunk costs more per token), and the first prompt waiting always moves; and when a
-round's decode steps join its verify call."""
+(a small chunk costs more per token), and the first prompt waiting always moves (a short rest of
+it whole); and when a round's decode steps join its verify call."""
 
 import pytest
 
-from ds4tvm.runtime.scheduler import MIN_CHUNK, STALL, Scheduler
+from ds4tvm.runtime.scheduler import FINISH, MIN_CHUNK, STALL, Scheduler
 
 
 class _Engine:
@@ -52,6 +52,19 @@ def test_the_first_prompt_waiting_always_moves(scheduler):
     assert scheduler._chunk(-1.0, True, first=True) == MIN_CHUNK
     assert scheduler._chunk(0.0, False, first=False) == 0   # nothing measured yet: it waits
     assert scheduler._budget(1, 1) == pytest.approx(STALL * 0.010)
+
+
+def test_the_first_prompt_moving_takes_a_short_rest_whole(scheduler):
+    """A prompt with at most FINISH tokens left is prefilled whole by the round's first chunk, beside
+    the decodes, whatever the budget; a longer rest, or a later prompt of the round, gets the
+    budget's chunks."""
+    scheduler._step_s = scheduler._stream_s = 0.010
+    scheduler._chunk_s = {False: {8: 0.010, 16: 0.012}, True: {8: 0.004, 16: 0.007}}
+    assert scheduler._chunk(0.0, True, first=True, left=FINISH) == FINISH
+    assert scheduler._chunk(0.0, False, first=True, left=5) == 5
+    assert scheduler._chunk(0.0, True, first=True, left=FINISH + 1) == MIN_CHUNK
+    assert scheduler._chunk(0.013, True, first=True, left=FINISH + 1) == 16
+    assert scheduler._chunk(0.0, False, first=False, left=5) == 0
 
 
 def test_newcomers_outnumbering_the_streams_get_a_budget_each(scheduler):
