@@ -15,3 +15,6 @@ PRESET = "ds4tvm.op_pattern"
 DEQUANT_ROW, ROW_PARTIAL, ROW_MATMUL = "dequant_row", "row_partial", "row_matmul"
 EXPERT_PARTIAL, EXPERT_MATMUL = "expert_partial", "expert_matmul"
 GPU_DEQUANT, GPU_MATMUL = "dequantize", "matmul"
+# The attribute of the kernels that gather a ring's rows (nn/state.gather_context), whose copies
+# schedules/llvm.py vectorizes.
+GATHER = "ds4tvm.gather"

@@ -22,6 +22,7 @@ from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 
 from ..kernels.slots import context_row
+from ..kernels.tags import GATHER
 from ..kernels.forms import Forms
 
 F32 = "float32"
@@ -34,7 +35,7 @@ def gather_context(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: st
         return te.compute((new_te.shape[0] + before, ring_te.shape[1]), context_row(ring_te, new_te, s, before),
                           name=name)
 
-    return op.tensor_expr_op(f, name, [ring, new, start])
+    return op.tensor_expr_op(f, name, [ring, new, start], attrs={GATHER: 1})
 
 
 def context_rows(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: str, *, forms: Forms):
