@@ -75,21 +75,23 @@ def pooled_window(kv_ctx, sc_ctx, start, ratio: int, width: int, compact: bool, 
         return te.compute((m, width), lambda i, d: tirx.if_then_else(
             tirx.floormod(s + i + 1, ratio) == 0, num[i, d] / den[i, d], tirx.const(0, F32)), name=name)
 
-    if compact or isinstance(kv_ctx, RingRows) or kv_ctx.shape[0] != 2 * ratio + 1 or not forms.for_cpu:
-        return op.tensor_expr_op(f, name, args(kv_ctx) + args(sc_ctx) + [start])
-    return op.tensor_ir_op(_pooled_if_window_ends(f, kv_ctx.shape, ratio), name, args=[kv_ctx, sc_ctx, start],
-                           out=nn.Tensor.placeholder((1, width), F32))
+    inputs = args(kv_ctx) + args(sc_ctx)
+    new_rows = kv_ctx.new.shape[0] if isinstance(kv_ctx, RingRows) else kv_ctx.shape[0] - 2 * ratio
+    if compact or new_rows != 1 or not forms.for_cpu:
+        return op.tensor_expr_op(f, name, inputs + [start])
+    return op.tensor_ir_op(_pooled_if_window_ends(f, [tuple(x.shape) for x in inputs], ratio), name,
+                           args=inputs + [start], out=nn.Tensor.placeholder((1, width), F32))
 
 
-def _pooled_if_window_ends(f, ctx_shape, ratio: int):
+def _pooled_if_window_ends(f, shapes: list, ratio: int):
     """f's kernel for one token (a CPU decode step) with its reductions run only when the token
     ends a window; otherwise the row is zeros, which emit_rows drops. At ratio 128 the pool's
     exponentials were ~6% of a decode step (perf, 2026-12-03). TE's reductions would take the
     condition (`where`) but TVM 0.27's create_prim_func drops it; dlight's rules would not read
-    this form, so GPU decode keeps f's."""
-    kv, sc = te.placeholder(ctx_shape, F32, "kv"), te.placeholder(ctx_shape, F32, "score")
+    this form, so GPU decode keeps f's. shapes: those of f's tensor inputs."""
+    inputs = [te.placeholder(shape, F32, f"ctx{i}") for i, shape in enumerate(shapes)]
     start = tirx.Var("start", "int64")
-    func = te.create_prim_func([kv, sc, start, f(kv, sc, start)])
+    func = te.create_prim_func([*inputs, start, f(*inputs, start)])
     root = func.body.block
     *reductions, row = root.body.seq
     body = tirx.SeqStmt([tirx.IfThenElse(tirx.floormod(start + 1, ratio) == 0, tirx.SeqStmt(reductions), None), row])

@@ -164,8 +164,10 @@ class Block(nn.Module):
         kv, score = projected
         score = score + periodic_rows(self.v(f"{wname}_ape"), start, kv, r, "ape", forms=self.forms)
         kv_front, sc_front = states[f"{sname}_kv_front"], states[f"{sname}_score_front"]
-        kv_ctx = context_rows(kv_front, kv, start, 2 * r, name=f"{sname}_kv_context", forms=self.forms)
-        sc_ctx = context_rows(sc_front, score, start, 2 * r, name=f"{sname}_score_context", forms=self.forms)
+        # read in place: a decode pools only where a window ends, and a gather copied 2 * ratio rows every step
+        kv_ctx = context_rows(kv_front, kv, start, 2 * r, name=f"{sname}_kv_context", forms=self.forms, in_place=True)
+        sc_ctx = context_rows(sc_front, score, start, 2 * r, name=f"{sname}_score_context", forms=self.forms,
+                              in_place=True)
         compact = compacts(kv)
         pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, compact, name=f"{sname}_pool", forms=self.forms)
         # RoPE'd at the window's first position
