@@ -49,8 +49,9 @@ STALL = 1.5
 # a prompt's tokens that one round prefills whole beside the decodes when they are all it has left (a
 # short prompt, a long one's last chunk): its first token comes rounds sooner, in one chunk (a small
 # chunk costs more per token), for one longer round of the others. serve_load, 64-token prompts, 64
-# against none: 4 clients 1.04 / 1.05x the tok/s, TTFT p99 0.60 / 0.57x; 8 clients 1.02 / 0.99x,
-# TTFT p99 0.48 / 0.51x, ITL p99 1.6 / 1.4x (61-64 ms: the round that prefills 64 tokens beside 7 decodes).
+# against none, two alternated runs: 4 clients 1.04 / 1.05x the tok/s, 8 clients 1.02 / 0.99x; TTFT
+# p99 about half and ITL p99 at 8 clients 1.4-1.6x there, though those percentiles move as much
+# between runs (BENCHMARKS.md, seventeenth session).
 FINISH = 64
 # rounds a verify block may wait for other generations' verify blocks (Scheduler._verifies_now)
 VERIFY_WAIT = 2
