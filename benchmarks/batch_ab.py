@@ -5,11 +5,11 @@ compares). Usage:
         [--prefill 64,256] [--verify 2,4,6]
 
 Each artifact gets max(batches) sequences with a 64-token prompt; a step decodes one token of the
-first B of them (a different token in each: distinct_tokens) (B = 1: Engine.decode, else Engine.decode_batch) and rewinds it. Per round, each
-artifact runs `steps` steps of each size, `steps` verify(k) of each --verify k in the first
-sequence (rolled back), and a prefill of each --prefill length into a sequence of its own, reset (2
-of each); prints per size the medians and the median of the per-round ratios
-new / old, then each artifact's batch / decode ratios."""
+first B of them, a different token in each (B = 1: Engine.decode, else Engine.decode_batch), and
+rewinds it. Per round, each artifact runs `steps` steps of each size, `steps` verify(k) of each
+--verify k in the first sequence (rolled back), and a prefill of each --prefill length into a
+sequence of its own, reset (2 of each); prints per size the medians and the median of the per-round
+ratios new / old, then each artifact's batch / decode ratios."""
 
 from __future__ import annotations
 

@@ -5,10 +5,10 @@ decode, in one process, alternated (this machine's speed drifts between minutes)
         [--generations N [--gen 64] [--against OLD_ARTIFACT]] [--drafter-steps]
 
 Each of max(batches) sequences holds a 64-token prompt; a step verifies a block of k random tokens
-in each of the first B of them (or decodes one token of each, a different one in each) and rolls it back. Prints per (B, k)
-the median step of each way, their ratio, and each in decode steps; then a round where one of
-the B verifies a block of k and the others decode: in one call (the decodes as one-row blocks)
-against a batched decode of B - 1 and the verify. With --generations N (an
+in each of the first B of them (or decodes one token of each, a different one in each) and rolls it
+back. Prints per (B, k) the median step of each way, their ratio, and each in decode steps; then a
+round where one of the B verifies a block of k and the others decode: in one call (the decodes as
+one-row blocks) against a batched decode of B - 1 and the verify. With --generations N (an
 artifact whose GGUF holds its MTP draft layer: GLM-5.3, Qwen3.8; or with DSpark, its blocks never
 cut: --dspark-confidence 0): N greedy generations of --gen tokens through the scheduler, each with
 its drafter asked every cycle (DS4_SPEC_COST_MODEL=0), their

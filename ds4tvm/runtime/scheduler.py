@@ -168,7 +168,8 @@ class Scheduler:
                 self._verify(verifies[i:i + self.engine.max_batch])
         if prefills and batch_name(len(decodes) + 1, "prefill") in self.engine.functions:
             op = prefills.pop(0)
-            budget -= self._prefill_with_decodes(op, self._chunk(budget, True, first=True, left=len(op.tokens)), decodes)
+            n = self._chunk(budget, True, first=True, left=len(op.tokens))
+            budget -= self._prefill_with_decodes(op, n, decodes)
             moved = True
         else:
             for i in range(0, len(decodes), self.engine.max_batch):

@@ -37,24 +37,6 @@ PARALLEL_MIN_WEIGHTS = 1 << 18
 # A static few tokens' linear (decode, a batched decode) goes on the cores from this many products: the HC
 # mixes (24 x 2048 per token, 24 us a call in a batched decode of 8 on one core): a decode 0.97x its time,
 # a batched decode of 8 0.95x.
-def _schedule_gather(func: tirx.PrimFunc) -> s_tir.Schedule | None:
-    """Rows gathered from a ring (nn/state.gather_context): each row's channels copied 16 lanes at a
-    time, unrolled. A loop of copies, scalar or vector, LLVM makes a call of memcpy per row (512
-    bytes at the benchmark model's 128 channels): 13,120 calls of memcpy in a batched decode of 8
-    (8% of its calling thread's time), 4,640 with the rows unrolled (decode 0.97-0.99x the time)."""
-    if func.attrs is None or GATHER not in func.attrs:
-        return None
-    sch = s_tir.Schedule(func)
-    (block,) = sch.get_child_blocks(sch.get_sblock("root"))
-    channels = sch.get_loops(block)[-1]
-    if (_extent(sch, channels) or 1) % 16:
-        return None
-    outer, lanes = sch.split(channels, [None, 16])
-    sch.vectorize(lanes)
-    sch.unroll(outer)
-    return sch
-
-
 FEW_TOKENS_MIN_WORK = 1 << 15
 # Verify's run-time number of rows goes on the cores where each row does at least this many iterations
 # (_rows_on_cores, few_rows_copies): below it the pool's launch costs its few rows more than the second
@@ -194,6 +176,24 @@ def _schedule_rms(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     adds instead of a chain of 2048 scalar ones (the same order for every row count: a batched
     decode's rows normalize as decode's row does)."""
     return _schedule_lane_sums(func, lambda name: name == "rms_ss")
+
+
+def _schedule_gather(func: tirx.PrimFunc) -> s_tir.Schedule | None:
+    """Rows gathered from a ring (nn/state.gather_context): each row's channels copied 16 lanes at a
+    time, unrolled. A loop of copies, scalar or vector, LLVM makes a call of memcpy per row (512
+    bytes at the benchmark model's 128 channels): 13,120 calls of memcpy in a batched decode of 8
+    (8% of its calling thread's time), 4,640 with the rows unrolled (decode 0.97-0.99x the time)."""
+    if func.attrs is None or GATHER not in func.attrs:
+        return None
+    sch = s_tir.Schedule(func)
+    (block,) = sch.get_child_blocks(sch.get_sblock("root"))
+    channels = sch.get_loops(block)[-1]
+    if (_extent(sch, channels) or 1) % 16:
+        return None
+    outer, lanes = sch.split(channels, [None, 16])
+    sch.vectorize(lanes)
+    sch.unroll(outer)
+    return sch
 
 
 def _realizes(stmt):
