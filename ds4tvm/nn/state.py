@@ -38,12 +38,10 @@ def gather_context(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: st
     return op.tensor_expr_op(f, name, [ring, new, start], attrs={GATHER: 1})
 
 
-def context_rows(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: str, *, forms: Forms,
-                 in_place: bool = False):
+def context_rows(ring: nn.Tensor, new: nn.Tensor, start, before: int, name: str, *, forms: Forms):
     """gather_context's rows for a reader that takes RingRows: left in the ring in the GPU forms,
-    and on the CPU where the reader reads them in place well (in_place); else gathered into a
-    tensor (for a CPU kernel scheduled for that tensor)."""
-    if forms.gpu or in_place:
+    gathered into a tensor on the CPU (whose kernels are scheduled for that tensor)."""
+    if forms.gpu:
         return RingRows(ring, new, before)
     return gather_context(ring, new, start, before, name)
 

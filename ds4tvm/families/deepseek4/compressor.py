@@ -13,7 +13,8 @@ from ...kernels.forms import Forms
 from ...nn.state import RingRows, args, rows_reader
 
 
-def pooled_window(kv_ctx, sc_ctx, start, ratio: int, width: int, compact: bool, name: str, *, forms: Forms) -> nn.Tensor:
+def pooled_window(kv_ctx: RingRows, sc_ctx: RingRows, start, ratio: int, width: int, compact: bool, name: str, *,
+                  forms: Forms) -> nn.Tensor:
     """The softmax-pooled row, per channel, of the window ending at each new token (positions
     start .. start + n - 1), or with compact only of the windows that end a compressed row there
     (positions p with (p + 1) % ratio == 0: (start + n) // ratio - start // ratio rows, in order),
@@ -21,7 +22,7 @@ def pooled_window(kv_ctx, sc_ctx, start, ratio: int, width: int, compact: bool, 
     8 tokens through two lanes: the previous 4 positions read lane 0 (first `width` channels), the
     current 4 lane 1; the previous lane is absent for the first window. Other ratios: one lane.
     Without compact (a decode step's static shape) the row of a token that ends no window is
-    zeros: emit_rows drops it. The contexts are tensors or nn/state.RingRows."""
+    zeros: emit_rows drops it. The contexts are nn/state.RingRows, read in place."""
     two = ratio == 4
 
     def f(*te_args):
@@ -76,8 +77,7 @@ def pooled_window(kv_ctx, sc_ctx, start, ratio: int, width: int, compact: bool, 
             tirx.floormod(s + i + 1, ratio) == 0, num[i, d] / den[i, d], tirx.const(0, F32)), name=name)
 
     inputs = args(kv_ctx) + args(sc_ctx)
-    new_rows = kv_ctx.new.shape[0] if isinstance(kv_ctx, RingRows) else kv_ctx.shape[0] - 2 * ratio
-    if compact or new_rows != 1 or not forms.for_cpu:
+    if compact or kv_ctx.new.shape[0] != 1 or not forms.for_cpu:
         return op.tensor_expr_op(f, name, inputs + [start])
     return op.tensor_ir_op(_pooled_if_window_ends(f, [tuple(x.shape) for x in inputs], ratio), name,
                            args=inputs + [start], out=nn.Tensor.placeholder((1, width), F32))

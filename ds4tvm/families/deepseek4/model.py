@@ -22,7 +22,7 @@ from ...nn.norm_rope import periodic_rows, rms, rms_rope, rope, rope_hadamard_fp
 from ...nn.moe import choose_experts, dense_ffn, routed_experts, table_experts
 from ...nn.functions import START, Fn, Sequences, TargetFunctions, last_rows, target_functions, tokens
 from ...nn.qweight import Weights
-from ...nn.state import compacts, compressor_writes, context_rows
+from ...nn.state import RingRows, compacts, compressor_writes, context_rows
 from .compressor import pooled_window
 from .config import Config
 from .tensors import tensor_specs
@@ -164,10 +164,9 @@ class Block(nn.Module):
         kv, score = projected
         score = score + periodic_rows(self.v(f"{wname}_ape"), start, kv, r, "ape", forms=self.forms)
         kv_front, sc_front = states[f"{sname}_kv_front"], states[f"{sname}_score_front"]
-        # read in place: a decode pools only where a window ends, and a gather copied 2 * ratio rows every step
-        kv_ctx = context_rows(kv_front, kv, start, 2 * r, name=f"{sname}_kv_context", forms=self.forms, in_place=True)
-        sc_ctx = context_rows(sc_front, score, start, 2 * r, name=f"{sname}_score_context", forms=self.forms,
-                              in_place=True)
+        # the pool reads the rings in place, every form: a decode pools only where a window ends, and a
+        # gather on the CPU copied 2 * ratio rows every step
+        kv_ctx, sc_ctx = RingRows(kv_front, kv, 2 * r), RingRows(sc_front, score, 2 * r)
         compact = compacts(kv)
         pooled = pooled_window(kv_ctx, sc_ctx, start, r, width, compact, name=f"{sname}_pool", forms=self.forms)
         # RoPE'd at the window's first position
