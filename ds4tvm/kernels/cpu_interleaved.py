@@ -134,18 +134,14 @@ def _quantize_row(qtype: QT):
     @T.macro
     def quantize_row(x, x2, r, Kx, xq, DX, SUM):
         amax = T.decl_buffer((1,), F32, scope="local")
-        total = T.decl_buffer((1,), "int32", scope="local")
         for b in range(Kx // BLOCK):
             cpu_int8.block_codes(x, x2, r, b, xq, amax)
             DX[r, b] = amax[0] / T.float32(127)
             for h in range(BLOCK // per):
-                total[0] = 0
-                for i in range(per):
-                    total[0] = total[0] + T.Cast("int32", xq[r, b * BLOCK + h * per + i])
                 if dtype == "int32":
-                    SUM[r, b] = total[0] * -128
+                    SUM[r, b] = cpu_int8.code_sum(xq, r, b * BLOCK, per) * -128
                 else:
-                    SUM[r, b * (BLOCK // per) + h] = DX[r, b] * T.Cast(F32, total[0])
+                    SUM[r, b * (BLOCK // per) + h] = DX[r, b] * T.Cast(F32, cpu_int8.code_sum(xq, r, b * BLOCK + h * per, per))
 
     return quantize_row
 
