@@ -198,11 +198,7 @@ def _lane_sum(acc, t, n):
 
 def lane_sum(v):
     """The lanes of a vector value summed in halves (16->8->4->2->1), as shuffles."""
-    w = v.ty.dtype.lanes
-    while w > 1:
-        w //= 2
-        v = tirx.Shuffle([v], list(range(w))) + tirx.Shuffle([v], list(range(w, 2 * w)))
-    return v
+    return cpu_int8.lanes_reduced(v, lambda a, b: a + b)
 
 
 @T.macro

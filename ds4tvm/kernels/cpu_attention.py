@@ -38,9 +38,8 @@ def _vec(buf, lead: tuple, start):
 
 
 def _slots(window: int, ratio: int, C: int, has_comp: bool, use_sel: bool):
-    """(valid(t, a, s, sel), row(t, a, sel, R), key(ctx, comp, r, c)) of kernels/slots.window_slots'
-    slots: whether slot a is visible to token t at position s + t, its key row (ctx row r as r,
-    compressed row c as -1 - c), and 16 channels from c of such a row."""
+    """(valid(t, a, s, sel), row(t, a, sel, R)) of kernels/slots.window_slots' slots: whether slot a
+    is visible to token t at position s + t, and its key row: of ctx for a < window, of comp after."""
     def comp_index(t, a, sel):
         return sel[t, a - window].astype("int64") if use_sel else (a - window).astype("int64")
 
@@ -55,60 +54,106 @@ def _slots(window: int, ratio: int, C: int, has_comp: bool, use_sel: bool):
         ctx_row = tirx.min(t + a.astype("int64"), R - 1)
         if not has_comp:
             return ctx_row
-        return tirx.Select(a < window, ctx_row, -1 - tirx.max(tirx.min(comp_index(t, a, sel), C - 1), 0))
+        return tirx.Select(a < window, ctx_row, tirx.max(tirx.min(comp_index(t, a, sel), C - 1), 0))
 
-    def key(ctx, comp, r, c):
-        return tirx.Select(r >= 0, _vec(ctx, (tirx.max(r, 0),), c), _vec(comp, (tirx.max(-1 - r, 0),), c))
-
-    return valid, row, key
+    return valid, row
 
 
 def _lanes(lead):
     return [*lead, tirx.Ramp(0, 1, L)]
 
 
-def _token(H: int, D: int, A: int, slots):
-    """A macro token(t, s, q, ctx, sinks, comp, sel, out, R): token t's outputs, all heads."""
-    valid, row, key = slots
-    scale, HBk = 1.0 / math.sqrt(D), min(HB, H)
+def _bc(value):
+    return tirx.Broadcast(T.float32(value), L)
+
+
+def exp16(x):
+    """e^x on 16 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n; within
+    2 ulp of expf), for x <= 0: scalar expf calls were most of a token's time (~1,500 a layer).
+    Below -88.38 (weights < 1e-38 of the largest) it gives 0."""
+    x = T.max(x, _bc(-88.3762626647949))
+    n = T.floor(x * _bc(1.44269504088896341) + _bc(0.5))
+    r = x - n * _bc(0.693359375) - n * _bc(-2.12194440e-4)
+    p = _bc(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + _bc(c)
+    two_n = tirx.reinterpret(f"float32x{L}", (T.Cast(f"int32x{L}", n) + tirx.Broadcast(T.int32(127), L))
+                             << tirx.Broadcast(T.int32(23), L))
+    return (p * (r * r) + r + _bc(1.0)) * two_n
+
+
+def _token(H: int, D: int, A: int, window: int, slots):
+    """A macro token(t, s, q, ctx, sinks, comp, sel, out, R): token t's outputs, all heads. Slots
+    below `window` read ctx, the others comp: a loop over each."""
+    valid, row = slots
+    scale, HBk, AP = 1.0 / math.sqrt(D), min(HB, H), -(-A // L) * L   # slots padded to whole vectors
+    W0 = min(window, A)
+
+    @T.macro
+    def scores(t, q, keys, a, hb, sc, rows, ok, acc):   # a block of heads' scores: one read of each key chunk
+        if ok[a] == 0:
+            for i in T.unroll(HBk):
+                sc[hb * HBk + i, a] = T.float32(NEG_INF)
+        else:
+            for i in T.unroll(HBk):
+                T.buffer_store(acc, _bc(0), _lanes((i,)))
+            for ko in T.unroll(D // L):
+                k = T.bind(_vec(keys, (rows[a],), ko * L))
+                for i in T.unroll(HBk):
+                    T.buffer_store(acc, _vec(acc, (i,), 0) + _vec(q, (t, hb * HBk + i), ko * L) * k, _lanes((i,)))
+            for i in T.unroll(HBk):
+                sc[hb * HBk + i, a] = lane_sum(_vec(acc, (i,), 0)) * T.float32(scale)
+
+    @T.macro
+    def weighted(keys, a, hb, dc, sc, rows, ok, acc):
+        if ok[a] != 0:
+            k = T.bind(_vec(keys, (rows[a],), dc * L))
+            for i in T.unroll(HBk):
+                T.buffer_store(acc, _vec(acc, (i,), 0) + tirx.Broadcast(sc[hb * HBk + i, a], L) * k, _lanes((i,)))
+
+    @T.macro
+    def softmax(h, sinks, sc, ok, stat, acc):   # 16 slots at a time
+        T.buffer_store(acc, _vec(sc, (h,), 0), _lanes((0,)))
+        for c in range(1, AP // L):
+            T.buffer_store(acc, T.max(_vec(acc, (0,), 0), _vec(sc, (h,), c * L)), _lanes((0,)))
+        stat[0, h] = T.max(sinks[h], cpu_int8.lanes_reduced(_vec(acc, (0,), 0), T.max))
+        T.buffer_store(acc, _bc(0), _lanes((0,)))
+        for c in range(AP // L):
+            T.buffer_store(sc, tirx.Select(_vec(ok, (), c * L) != tirx.Broadcast(T.int32(0), L),
+                                           exp16(_vec(sc, (h,), c * L) - tirx.Broadcast(stat[0, h], L)), _bc(0)),
+                           [h, tirx.Ramp(c * L, 1, L)])
+            T.buffer_store(acc, _vec(acc, (0,), 0) + _vec(sc, (h,), c * L), _lanes((0,)))
+        stat[1, h] = T.exp(sinks[h] - stat[0, h]) + lane_sum(_vec(acc, (0,), 0))
 
     @T.macro
     def token(t, s, q, ctx, sinks, comp, sel, out, R):
-        sc = T.decl_buffer((H, A), F32)       # scores, then weights
+        sc = T.decl_buffer((H, AP), F32)      # scores, then weights
         rows = T.decl_buffer((A,), "int64")
-        ok = T.decl_buffer((A,), "int32")
+        ok = T.decl_buffer((AP,), "int32")
         stat = T.decl_buffer((2, H), F32)     # per head: maximum, then denominator
         acc = T.decl_buffer((HBk, L), F32)
         for a in range(A):
             ok[a] = T.Cast("int32", valid(t, a, s, sel))
             rows[a] = row(t, a, sel, R)
-        for a in range(A):
+        for a in range(A, AP):
+            ok[a] = 0
             for h in range(H):
-                if ok[a] == 0:
-                    sc[h, a] = T.float32(NEG_INF)
-                else:
-                    T.buffer_store(acc, tirx.Broadcast(T.float32(0), L), _lanes((0,)))
-                    for ko in T.unroll(D // L):
-                        T.buffer_store(acc, _vec(acc, (0,), 0) + _vec(q, (t, h), ko * L) * key(ctx, comp, rows[a], ko * L),
-                                       _lanes((0,)))
-                    sc[h, a] = lane_sum(_vec(acc, (0,), 0)) * T.float32(scale)
+                sc[h, a] = T.float32(NEG_INF)
+        for hb in range(H // HBk):
+            for a in range(W0):
+                scores(t, q, ctx, a, hb, sc, rows, ok, acc)
+            for a in range(W0, A):
+                scores(t, q, comp, a, hb, sc, rows, ok, acc)
         for h in range(H):
-            stat[0, h] = sinks[h]
-            for a in range(A):
-                stat[0, h] = T.max(stat[0, h], sc[h, a])
-            stat[1, h] = T.exp(sinks[h] - stat[0, h])
-            for a in range(A):
-                sc[h, a] = T.Select(ok[a] != 0, T.exp(sc[h, a] - stat[0, h]), T.float32(0))
-                stat[1, h] = stat[1, h] + sc[h, a]
+            softmax(h, sinks, sc, ok, stat, acc)
         for hb in range(H // HBk):
             for dc in range(D // L):
                 for i in T.unroll(HBk):
-                    T.buffer_store(acc, tirx.Broadcast(T.float32(0), L), _lanes((i,)))
-                for a in range(A):
-                    if ok[a] != 0:
-                        for i in T.unroll(HBk):
-                            T.buffer_store(acc, _vec(acc, (i,), 0) + tirx.Broadcast(sc[hb * HBk + i, a], L)
-                                           * key(ctx, comp, rows[a], dc * L), _lanes((i,)))
+                    T.buffer_store(acc, _bc(0), _lanes((i,)))
+                for a in range(W0):
+                    weighted(ctx, a, hb, dc, sc, rows, ok, acc)
+                for a in range(W0, A):
+                    weighted(comp, a, hb, dc, sc, rows, ok, acc)
                 for i in T.unroll(HBk):
                     T.buffer_store(out, _vec(acc, (i,), 0) / tirx.Broadcast(stat[1, hb * HBk + i], L),
                                    [t, hb * HBk + i, tirx.Ramp(dc * L, 1, L)])
@@ -125,7 +170,7 @@ def window_attention(H: int, D: int, window: int, ratio: int, comp_rows: int | N
     rows; None: all C in order; [1, 1] unread). comp_rows None: no compressed rows ([1, D] unread)."""
     has_comp, use_sel = comp_rows is not None, selected is not None
     A, C = window + ((selected if use_sel else comp_rows) if has_comp else 0), comp_rows or 1
-    token = _token(H, D, A, _slots(window, ratio, C, has_comp, use_sel))
+    token = _token(H, D, A, window, _slots(window, ratio, C, has_comp, use_sel))
 
     @T.prim_func(private=True)
     def main(q_h: T.handle, ctx_h: T.handle, sinks: T.Buffer((H,), F32), s: T.int64, comp: T.Buffer((C, D), F32),
