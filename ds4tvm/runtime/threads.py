@@ -4,7 +4,11 @@ while another process keeps one of them busy.
 TVM's pool workers wait for the next kernel by spinning (sched_yield) for
 TVM_THREAD_POOL_SPIN_COUNT rounds before they sleep. Spinning saves waking a worker for each of a
 decode step's ~100 parallel kernels: q2 decode on this 2-core machine 115 -> 161-168 tok/s with
-100-1000 rounds against none. But beside a busy process any spinning collapses a 2-thread pool
+100-1000 rounds against none. A round is one sched_yield (~0.18 us on a 2-core KVM guest), so
+1000 rounds let a worker sleep after ~0.2 ms without a parallel kernel: a batched step's
+per-sequence kernels (one core each) ran that long, and the server's gap between rounds too, and
+each wake of a sleeping worker (a halted vCPU) cost the next parallel kernel ~40 us; 10000 rounds
+(~2 ms): `ds4 serve` under 4 clients 1.10x tok/s, 8 clients 1.08x (BENCHMARKS.md). But beside a busy process any spinning collapses a 2-thread pool
 (2.3 tok/s: a worker that spun away its share of the busy core waits a whole scheduler slice
 before each kernel can finish; every count tried from 10 to 30000, BENCHMARKS.md). So the engine
 spins, and `adapt()`, called before each compiled function runs, watches the cores this process may
@@ -20,7 +24,7 @@ import os
 import threading
 import time
 
-SPIN_COUNT = "1000"   # TVM_THREAD_POOL_SPIN_COUNT the engine sets unless the environment does
+SPIN_COUNT = "10000"   # TVM_THREAD_POOL_SPIN_COUNT the engine sets unless the environment does
 INTERVAL = 0.25       # seconds between looks at /proc/stat
 BUSY_MARGIN = 0.3     # cores of other processes' work tolerated beyond the cores the pool leaves free
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)   # user, nice, system, irq, softirq, steal of a /proc/stat cpu line
