@@ -193,3 +193,77 @@ def window_attention(H: int, D: int, window: int, ratio: int, comp_rows: int | N
 
 def supports(H: int, D: int) -> bool:
     return D % L == 0 and H % min(HB, H) == 0
+
+
+RB = 16           # rows of the indexer's table a block scores at once (one per lane)
+SPLIT_ROWS = 256  # visible rows from which one token's scores are split over the cores
+
+
+def indexer_supports(dim: int, rows: int) -> bool:
+    return dim % L == 0 and rows % RB == 0
+
+
+@functools.lru_cache(maxsize=None)
+def indexer_scores(heads: int, dim: int, rows: int, ratio: int, threads: int):
+    """S[t, c] = sum_h W[t, h] * relu(Q[t, h] . K[c]) for the rows c < (start + t + 1) // ratio
+    visible to token t, NEG_INF for the others: nn/attention's indexer scores in the same
+    operations (each dot 16 partial sums along contiguous channels, summed in lane order, the heads
+    in order), bit for bit, with the lanes over 16 rows of the table instead of 16 channels of one:
+    a block of rows is transposed once and scored for every head, where one row a head chained 16
+    dependent adds. A decode's token splits its row blocks over the cores where SPLIT_ROWS or more
+    are visible (a long context: the table grows a row every `ratio` tokens); several tokens (a
+    prefill, verify) go on the cores a token each."""
+    KO = dim // L
+
+    @T.macro
+    def block(t, cb, Q, W, K, S, vis):
+        kt = T.decl_buffer((dim, RB), F32)       # the block's rows, transposed
+        acc = T.decl_buffer((L, RB), F32)        # lane l's partial sums, for each of the RB rows
+        tot = T.decl_buffer((2, RB), F32)        # the dot product, the weighted sum over heads
+        for d in range(dim):
+            for i in T.vectorized(RB):
+                kt[d, i] = K[T.min(cb * RB + i, rows - 1), d]
+        T.buffer_store(tot, _bc(0), [1, tirx.Ramp(0, 1, RB)])
+        for h in range(heads):
+            for lane in T.unroll(L):
+                T.buffer_store(acc, _bc(0), _lanes((lane,)))
+            for ko in range(KO):
+                for lane in T.unroll(L):
+                    T.buffer_store(acc, _vec(acc, (lane,), 0) + tirx.Broadcast(Q[t, h, ko * L + lane], RB)
+                                   * _vec(kt, (ko * L + lane,), 0), _lanes((lane,)))
+            T.buffer_store(tot, _bc(0), _lanes((0,)))
+            for lane in T.unroll(L):
+                T.buffer_store(tot, _vec(tot, (0,), 0) + _vec(acc, (lane,), 0), _lanes((0,)))
+            T.buffer_store(tot, _vec(tot, (1,), 0) + tirx.Broadcast(W[t, h], RB) * T.max(_vec(tot, (0,), 0), _bc(0)),
+                           _lanes((1,)))
+        T.buffer_store(S, tirx.Select(tirx.Ramp(cb * RB, 1, RB) < tirx.Broadcast(vis, RB), _vec(tot, (1,), 0),
+                                      _bc(NEG_INF)), [t, tirx.Ramp(cb * RB, 1, RB)])
+
+    @T.macro
+    def token(t, start, Q, W, K, S):
+        vis: T.int64 = T.min(T.floordiv(start + t + 1, ratio), rows)
+        for cb in range(T.floordiv(vis + RB - 1, RB)):
+            block(t, cb, Q, W, K, S, vis)
+        for c in range(T.floordiv(vis + RB - 1, RB) * RB, rows):
+            S[t, c] = T.float32(NEG_INF)
+
+    @T.prim_func(private=True)
+    def main(q_h: T.handle, w_h: T.handle, K: T.Buffer((rows, dim), F32), start: T.int64, s_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "ds4.schedule": "hand"})
+        n = T.int64()
+        Q = T.match_buffer(q_h, (n, heads, dim), F32)
+        W = T.match_buffer(w_h, (n, heads), F32)
+        S = T.match_buffer(s_h, (n, rows), F32)
+        if threads > 1 and n > 1:
+            for t in T.parallel(n):
+                token(t, start, Q, W, K, S)
+        elif threads > 1 and T.min(T.floordiv(start + 1, ratio), rows) >= SPLIT_ROWS:
+            for cb in T.parallel(T.floordiv(T.min(T.floordiv(start + 1, ratio), rows) + RB - 1, RB)):
+                block(0, cb, Q, W, K, S, T.min(T.floordiv(start + 1, ratio), rows))
+            for c in range(T.floordiv(T.min(T.floordiv(start + 1, ratio), rows) + RB - 1, RB) * RB, rows):
+                S[0, c] = T.float32(NEG_INF)
+        else:
+            for t in range(n):
+                token(t, start, Q, W, K, S)
+
+    return main

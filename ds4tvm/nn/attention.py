@@ -228,7 +228,9 @@ def indexer_select(iq: nn.Tensor, w: nn.Tensor, keys: nn.Tensor, start, ratio: i
     if forms.gpu:
         scores = op.tensor_expr_op(functools.partial(_indexer_scores_te, ratio=ratio), name, [iq, w, keys, start])
     else:
-        func = _indexer_scores_func(int(heads), int(dim), rows, ratio)
+        func = cpu_attention.indexer_scores(int(heads), int(dim), rows, ratio, forms.cpu_linears.threads) \
+            if forms.for_cpu and cpu_attention.indexer_supports(int(dim), rows) \
+            else _indexer_scores_func(int(heads), int(dim), rows, ratio)
         scores = op.tensor_ir_op(func, name, args=[iq, w, keys, start],
                                  out=nn.Tensor.placeholder((iq.shape[0], rows), "float32"))
     k = min(top_k, rows)

@@ -335,3 +335,29 @@ def test_cpu_window_attention_matches_the_te_form(comp, sel):
             f(tvm.runtime.tensor(x[0][-1:]), tvm.runtime.tensor(x[1][n - 1:]), tvm.runtime.tensor(sink), start + n - 1,
               tvm.runtime.tensor(x[2]), tvm.runtime.tensor(chosen[-1:] if sel else chosen), last)
             assert np.array_equal(last.numpy(), got.numpy()[-1:]), (n, start, parallel)
+
+
+def test_cpu_indexer_scores_equal_the_row_at_a_time_form():
+    """kernels/cpu_attention.indexer_scores (rows of the table on the lanes) against nn/attention's
+    row-at-a-time kernel, bit for bit: tables empty, filling and full, a decode's token scored on
+    one core and split over the cores (SPLIT_ROWS or more rows visible), several tokens; the rows
+    not yet visible NEG_INF in both."""
+    from ds4tvm.kernels import cpu_attention
+    from ds4tvm.nn.attention import _indexer_scores_func
+
+    heads, dim, rows, ratio = 4, 32, 384, 4
+    target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    before = tvm.compile(_indexer_scores_func(heads, dim, rows, ratio), target=target)
+    hand = {threads: tvm.compile(cpu_attention.indexer_scores(heads, dim, rows, ratio, threads)
+                                 .with_attr("global_symbol", "main"), target=target) for threads in (1, 2)}
+    rng = np.random.default_rng(7)
+    table = tvm.runtime.tensor(rng.standard_normal((rows, dim)).astype(np.float32))
+    for n, start in ((1, 0), (1, 2), (1, 70), (1, 4 * cpu_attention.SPLIT_ROWS + 5), (1, 4 * rows + 40), (6, 61)):
+        q = tvm.runtime.tensor(rng.standard_normal((n, heads, dim)).astype(np.float32))
+        w = tvm.runtime.tensor(rng.standard_normal((n, heads)).astype(np.float32))
+        want = tvm.runtime.empty((n, rows), "float32")
+        before(q, w, table, start, want)
+        for threads, f in hand.items():
+            got = tvm.runtime.empty((n, rows), "float32")
+            f(q, w, table, start, got)
+            assert np.array_equal(got.numpy(), want.numpy()), (n, start, threads)
