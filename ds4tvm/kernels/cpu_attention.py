@@ -2,18 +2,23 @@
 one token at a time, all its heads, over its slots (kernels/slots.window_slots: the raw window's
 context rows, then the compressed rows it sees, all or those the indexer chose), with one learned
 sink logit per head in the denominator and the keys as values. A slot's key row is read once for
-every head's score (16-lane partial sums over the channels, then halved), and once per 16
-channels for the output, whose accumulators hold 16 channels of every head in a block of heads.
-The TE form computed each stage over all tokens apart (scores, maxima, weights, sums, output),
-reading each key row once per head and stage: ~27 GFLOP/s for a 512-token prefill.
+the scores of a block of heads (16-lane partial sums over the channels, then halved), and once
+per 16 channels for the output, whose accumulators hold 16 channels of every head in the block;
+the softmax runs 16 slots at a time, its e^x a polynomial (exp16). The TE form computed each
+stage over all tokens apart (scores, maxima, weights, sums, output), reading each key row once
+per head and stage: ~27 GFLOP/s for a 512-token prefill.
 
 Every call of a build with int8 inputs (decode, a batched decode's sequences, verify, prefill)
 runs this kernel, a token's outputs computed alone in the same operations, so a token gets the
 same outputs bit for bit whatever the tokens beside it (the rollback and identity tests rely on
 it). Prefill and verify put tokens on the cores; decode's one token stays on the calling core.
-Its sums run in another order than the TE form's (within ~4e-7 of it): the float build
+Its sums run in another order than the TE form's and its e^x is not expf (within ~4e-7 of it,
+tests/unit/test_kernels.py: 2e-6 of the largest output): the float build
 (`--float-activations`, the numerics the oracle tests compare) keeps the TE form and its logits,
 bit for bit.
+
+Also the indexer's scores (indexer_scores), for DeepSeek-V4's, GLM-5.3's and Qwen3.8's indexers in
+every CPU build.
 """
 
 from __future__ import annotations

@@ -138,10 +138,11 @@ def _quantize_row(qtype: QT):
             cpu_int8.block_codes(x, x2, r, b, xq, amax)
             DX[r, b] = amax[0] / T.float32(127)
             for h in range(BLOCK // per):
+                total = cpu_int8.code_sum(xq, r, b * BLOCK + h * per, per)
                 if dtype == "int32":
-                    SUM[r, b] = cpu_int8.code_sum(xq, r, b * BLOCK, per) * -128
+                    SUM[r, b] = total * -128
                 else:
-                    SUM[r, b * (BLOCK // per) + h] = DX[r, b] * T.Cast(F32, cpu_int8.code_sum(xq, r, b * BLOCK + h * per, per))
+                    SUM[r, b * (BLOCK // per) + h] = DX[r, b] * T.Cast(F32, total)
 
     return quantize_row
 
