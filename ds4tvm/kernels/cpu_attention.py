@@ -11,7 +11,8 @@ per head and stage: ~27 GFLOP/s for a 512-token prefill.
 Every call of a build with int8 inputs (decode, a batched decode's sequences, verify, prefill)
 runs this kernel, a token's outputs computed alone in the same operations, so a token gets the
 same outputs bit for bit whatever the tokens beside it (the rollback and identity tests rely on
-it). Prefill and verify put tokens on the cores; decode's one token stays on the calling core.
+it). Prefill and verify put tokens on the cores; decode's one token puts its blocks of heads on
+the cores where it has several (the real model's 64 heads), or stays on the calling core.
 Its sums run in another order than the TE form's and its e^x is not expf (within ~4e-7 of it,
 tests/unit/test_kernels.py: 2e-6 of the largest output): the float build
 (`--float-activations`, the numerics the oracle tests compare) keeps the TE form and its logits,
@@ -42,26 +43,18 @@ def _vec(buf, lead: tuple, start):
     return cpu_int8._vec(buf, lead, start, L)
 
 
-def _slots(window: int, ratio: int, C: int, has_comp: bool, use_sel: bool):
-    """(valid(t, a, s, sel), row(t, a, sel, R)) of kernels/slots.window_slots' slots: whether slot a
-    is visible to token t at position s + t, and its key row: of ctx for a < window, of comp after."""
-    def comp_index(t, a, sel):
-        return sel[t, a - window].astype("int64") if use_sel else (a - window).astype("int64")
+def _slots(window: int, ratio: int, C: int, use_sel: bool):
+    """(in_window(t, a, s, R), compressed(t, a, s, sel)) of kernels/slots.window_slots' slots: each
+    (whether slot a is visible to token t at position s + t, its key row), of ctx for the window's
+    slots (a < window), of comp for the others."""
+    def in_window(t, a, s, R):
+        return s + t - window + 1 + a.astype("int64") >= 0, tirx.min(t + a.astype("int64"), R - 1)
 
-    def valid(t, a, s, sel):
-        pos = s + t
-        in_window = pos - window + 1 + a.astype("int64") >= 0
-        if not has_comp:
-            return in_window
-        return tirx.Select(a < window, in_window, comp_index(t, a, sel) < tirx.floordiv(pos + 1, ratio))
+    def compressed(t, a, s, sel):
+        c = sel[t, a - window].astype("int64") if use_sel else (a - window).astype("int64")
+        return c < tirx.floordiv(s + t + 1, ratio), tirx.max(tirx.min(c, C - 1), 0)
 
-    def row(t, a, sel, R):
-        ctx_row = tirx.min(t + a.astype("int64"), R - 1)
-        if not has_comp:
-            return ctx_row
-        return tirx.Select(a < window, ctx_row, tirx.max(tirx.min(comp_index(t, a, sel), C - 1), 0))
-
-    return valid, row
+    return in_window, compressed
 
 
 def _lanes(lead):
@@ -87,12 +80,10 @@ def exp16(x):
     return (p * (r * r) + r + _bc(1.0)) * two_n
 
 
-def _token(H: int, D: int, A: int, window: int, slots):
-    """A macro token(t, s, q, ctx, sinks, comp, sel, out, R): token t's outputs, all heads. Slots
-    below `window` read ctx, the others comp: a loop over each."""
-    valid, row = slots
-    scale, HBk, AP = 1.0 / math.sqrt(D), min(HB, H), -(-A // L) * L   # slots padded to whole vectors
-    W0 = min(window, A)
+def _stages(H: int, D: int, AP: int):
+    """The macros (scores, weighted, softmax) of a block of min(HB, H) heads over AP slots (A padded
+    to whole vectors)."""
+    HBk, scale = min(HB, H), 1.0 / math.sqrt(D)
 
     @T.macro
     def scores(t, q, keys, a, hb, sc, rows, ok, acc):   # a block of heads' scores: one read of each key chunk
@@ -130,52 +121,78 @@ def _token(H: int, D: int, A: int, window: int, slots):
             T.buffer_store(acc, _vec(acc, (0,), 0) + _vec(sc, (h,), c * L), _lanes((0,)))
         stat[1, h] = T.exp(sinks[h] - stat[0, h]) + lane_sum(_vec(acc, (0,), 0))
 
+    return scores, weighted, softmax
+
+
+def _token(H: int, D: int, A: int, window: int, slots, split: bool):
+    """A macro token(t, s, q, ctx, sinks, comp, sel, out, R): token t's outputs, all heads, a block
+    of heads after another, or split: the blocks on the cores. Slots below `window` read ctx, the
+    others comp: a loop over each. A head's sums are the same either way."""
+    in_window, compressed = slots
+    HBk, AP, W0 = min(HB, H), -(-A // L) * L, min(window, A)   # slots padded to whole vectors
+    scores, weighted, softmax = _stages(H, D, AP)
+
+    @T.macro
+    def heads(t, hb, q, ctx, sinks, comp, out, sc, rows, ok, stat):   # block hb of the heads, from scores to output
+        acc = T.decl_buffer((HBk, L), F32)
+        for a in range(W0):
+            scores(t, q, ctx, a, hb, sc, rows, ok, acc)
+        for a in range(W0, A):
+            scores(t, q, comp, a, hb, sc, rows, ok, acc)
+        for i in range(HBk):
+            softmax(hb * HBk + i, sinks, sc, ok, stat, acc)
+        for dc in range(D // L):
+            for i in T.unroll(HBk):
+                T.buffer_store(acc, _bc(0), _lanes((i,)))
+            for a in range(W0):
+                weighted(ctx, a, hb, dc, sc, rows, ok, acc)
+            for a in range(W0, A):
+                weighted(comp, a, hb, dc, sc, rows, ok, acc)
+            for i in T.unroll(HBk):
+                T.buffer_store(out, _vec(acc, (i,), 0) / tirx.Broadcast(stat[1, hb * HBk + i], L),
+                               [t, hb * HBk + i, tirx.Ramp(dc * L, 1, L)])
+
     @T.macro
     def token(t, s, q, ctx, sinks, comp, sel, out, R):
         sc = T.decl_buffer((H, AP), F32)      # scores, then weights
         rows = T.decl_buffer((A,), "int64")
         ok = T.decl_buffer((AP,), "int32")
         stat = T.decl_buffer((2, H), F32)     # per head: maximum, then denominator
-        acc = T.decl_buffer((HBk, L), F32)
-        for a in range(A):
-            ok[a] = T.Cast("int32", valid(t, a, s, sel))
-            rows[a] = row(t, a, sel, R)
+        for a in range(W0):
+            ok[a] = T.Cast("int32", in_window(t, a, s, R)[0])
+            rows[a] = in_window(t, a, s, R)[1]
+        for a in range(W0, A):
+            ok[a] = T.Cast("int32", compressed(t, a, s, sel)[0])
+            rows[a] = compressed(t, a, s, sel)[1]
         for a in range(A, AP):
             ok[a] = 0
             for h in range(H):
                 sc[h, a] = T.float32(NEG_INF)
-        for hb in range(H // HBk):
-            for a in range(W0):
-                scores(t, q, ctx, a, hb, sc, rows, ok, acc)
-            for a in range(W0, A):
-                scores(t, q, comp, a, hb, sc, rows, ok, acc)
-        for h in range(H):
-            softmax(h, sinks, sc, ok, stat, acc)
-        for hb in range(H // HBk):
-            for dc in range(D // L):
-                for i in T.unroll(HBk):
-                    T.buffer_store(acc, _bc(0), _lanes((i,)))
-                for a in range(W0):
-                    weighted(ctx, a, hb, dc, sc, rows, ok, acc)
-                for a in range(W0, A):
-                    weighted(comp, a, hb, dc, sc, rows, ok, acc)
-                for i in T.unroll(HBk):
-                    T.buffer_store(out, _vec(acc, (i,), 0) / tirx.Broadcast(stat[1, hb * HBk + i], L),
-                                   [t, hb * HBk + i, tirx.Ramp(dc * L, 1, L)])
+        if split:
+            for hb in T.parallel(H // HBk):
+                heads(t, hb, q, ctx, sinks, comp, out, sc, rows, ok, stat)
+        else:
+            for hb in range(H // HBk):
+                heads(t, hb, q, ctx, sinks, comp, out, sc, rows, ok, stat)
 
     return token
 
 
 @functools.lru_cache(maxsize=None)
 def window_attention(H: int, D: int, window: int, ratio: int, comp_rows: int | None, selected: int | None,
-                     parallel: bool):
+                     parallel: bool, split_heads: bool = False):
     """out[t, h] = sum over token t's slots a of softmax_a(q[t, h] . key_a / sqrt(D), with sink h)
     * key_a, for q [n, H, D], ctx [R, D] (as sparse_window_attention takes it: row j holds position
     start - window + 1 + j), sinks [H], start, comp [C, D] and sel [n, M] (the chosen compressed
-    rows; None: all C in order; [1, 1] unread). comp_rows None: no compressed rows ([1, D] unread)."""
+    rows; None: all C in order; [1, 1] unread). comp_rows None: no compressed rows ([1, D] unread).
+    parallel: the tokens on the cores (a prefill, verify); split_heads: each token's blocks of HB
+    heads on the cores where there are several (a decode's one token; 192 slots of 128 channels on
+    2 cores: 64 heads 80 -> 48 us, 32 heads 42 -> 36, 16 heads 21 -> 20; one block of 8 would be
+    split in two for nothing: 12 us either way)."""
     has_comp, use_sel = comp_rows is not None, selected is not None
     A, C = window + ((selected if use_sel else comp_rows) if has_comp else 0), comp_rows or 1
-    token = _token(H, D, A, window, _slots(window, ratio, C, has_comp, use_sel))
+    split = split_heads and not parallel and H >= 2 * HB
+    token = _token(H, D, A, window, _slots(window, ratio, C, use_sel), split)
 
     @T.prim_func(private=True)
     def main(q_h: T.handle, ctx_h: T.handle, sinks: T.Buffer((H,), F32), s: T.int64, comp: T.Buffer((C, D), F32),

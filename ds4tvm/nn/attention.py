@@ -130,7 +130,8 @@ def sparse_window_attention(q: nn.Tensor, kv_ctx, comp: nn.Tensor | None, sel: n
                 and cpu_attention.supports(int(H), int(D)):   # the float build keeps its logits bit for bit
             func = cpu_attention.window_attention(int(H), int(D), window, ratio, int(comp.shape[0]) if has_comp else None,
                                                   M if use_sel else None,
-                                                  forms.cpu_linears.threads > 1 and not isinstance(n, int))
+                                                  forms.cpu_linears.threads > 1 and not isinstance(n, int),
+                                                  forms.cpu_linears.threads > 1 and isinstance(n, int))
             args = [q, kv_ctx, sinks, start,
                     comp if has_comp else nn.Tensor.from_const(np.zeros((1, int(D)), np.float32)),
                     sel if use_sel else nn.Tensor.from_const(np.zeros((1, 1), np.int32))]

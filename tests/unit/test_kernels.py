@@ -361,3 +361,25 @@ def test_cpu_indexer_scores_equal_the_row_at_a_time_form():
             got = tvm.runtime.empty((n, rows), "float32")
             f(q, w, table, start, got)
             assert np.array_equal(got.numpy(), want.numpy()), (n, start, threads)
+
+
+def test_cpu_window_attention_split_over_the_cores_equals_one_core():
+    """A decode's token with its blocks of heads on the cores (kernels/cpu_attention split_heads,
+    from two blocks of HB heads) gives the outputs of the blocks one after another, bit for bit."""
+    from ds4tvm.kernels import cpu_attention
+
+    H, D, W, ratio, C, M = 2 * cpu_attention.HB, 32, 8, 4, 6, 3
+    target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    outs = []
+    for split in (False, True):
+        func = cpu_attention.window_attention(H, D, W, ratio, C, M, False, split)
+        assert ("T.parallel" in func.script()) == split
+        f = tvm.compile(func.with_attr("global_symbol", "main"), target=target)
+        got = tvm.runtime.empty((1, H, D), "float32")
+        rng = np.random.default_rng(11)
+        x = [rng.standard_normal(shape).astype(np.float32) for shape in ((1, H, D), (W, D), (H,), (C, D))]
+        f(*map(tvm.runtime.tensor, x[:3]), 30, tvm.runtime.tensor(x[3]),
+          tvm.runtime.tensor(rng.integers(0, C, (1, M)).astype(np.int32)), got)
+        outs.append(got.numpy())
+    assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+    assert np.array_equal(outs[0], outs[1])
