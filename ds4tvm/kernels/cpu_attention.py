@@ -261,12 +261,18 @@ def indexer_scores(heads: int, dim: int, rows: int, ratio: int, threads: int):
         T.buffer_store(S, tirx.Select(tirx.Ramp(cb * RB, 1, RB) < tirx.Broadcast(vis, RB), _vec(tot, (1,), 0),
                                       _bc(NEG_INF)), [t, tirx.Ramp(cb * RB, 1, RB)])
 
+    def visible(start, t):   # the table's rows token t sees
+        return T.min(T.floordiv(start + t + 1, ratio), rows)
+
     @T.macro
-    def token(t, start, Q, W, K, S):
-        vis: T.int64 = T.min(T.floordiv(start + t + 1, ratio), rows)
-        for cb in range(T.floordiv(vis + RB - 1, RB)):
-            block(t, cb, Q, W, K, S, vis)
-        for c in range(T.floordiv(vis + RB - 1, RB) * RB, rows):
+    def token(t, start, Q, W, K, S, split):   # split: the row blocks on the cores
+        if split:
+            for cb in T.parallel(T.floordiv(visible(start, t) + RB - 1, RB)):
+                block(t, cb, Q, W, K, S, visible(start, t))
+        else:
+            for cb in range(T.floordiv(visible(start, t) + RB - 1, RB)):
+                block(t, cb, Q, W, K, S, visible(start, t))
+        for c in range(T.floordiv(visible(start, t) + RB - 1, RB) * RB, rows):
             S[t, c] = T.float32(NEG_INF)
 
     @T.prim_func(private=True)
@@ -278,14 +284,11 @@ def indexer_scores(heads: int, dim: int, rows: int, ratio: int, threads: int):
         S = T.match_buffer(s_h, (n, rows), F32)
         if threads > 1 and n > 1:
             for t in T.parallel(n):
-                token(t, start, Q, W, K, S)
-        elif threads > 1 and T.min(T.floordiv(start + 1, ratio), rows) >= SPLIT_ROWS:
-            for cb in T.parallel(T.floordiv(T.min(T.floordiv(start + 1, ratio), rows) + RB - 1, RB)):
-                block(0, cb, Q, W, K, S, T.min(T.floordiv(start + 1, ratio), rows))
-            for c in range(T.floordiv(T.min(T.floordiv(start + 1, ratio), rows) + RB - 1, RB) * RB, rows):
-                S[0, c] = T.float32(NEG_INF)
+                token(t, start, Q, W, K, S, False)
+        elif threads > 1 and visible(start, 0) >= SPLIT_ROWS:
+            token(0, start, Q, W, K, S, True)
         else:
             for t in range(n):
-                token(t, start, Q, W, K, S)
+                token(t, start, Q, W, K, S, False)
 
     return main

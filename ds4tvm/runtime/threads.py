@@ -8,13 +8,14 @@ decode step's ~100 parallel kernels: q2 decode on this 2-core machine 115 -> 161
 1000 rounds let a worker sleep after ~0.2 ms without a parallel kernel: a batched step's
 per-sequence kernels (one core each) ran that long, and the server's gap between rounds too, and
 each wake of a sleeping worker (a halted vCPU) cost the next parallel kernel ~40 us; 10000 rounds
-(~2 ms): `ds4 serve` under 4 clients 1.10x tok/s, 8 clients 1.08x (BENCHMARKS.md). But beside a busy process any spinning collapses a 2-thread pool
-(2.3 tok/s: a worker that spun away its share of the busy core waits a whole scheduler slice
-before each kernel can finish; every count tried from 10 to 30000, BENCHMARKS.md). So the engine
-spins, and `adapt()`, called before each compiled function runs, watches the cores this process may
-use (/proc/stat, at most every INTERVAL seconds): when other processes used more than the cores the
-pool leaves free (plus BUSY_MARGIN of one), the pool shrinks to one thread (runtime.config_threadpool,
-which TVM applies to the calling thread's pool at its next kernel); when they stop, it grows back.
+(~2 ms): `ds4 serve` under 4 clients 1.10x tok/s, 8 clients 1.08x (BENCHMARKS.md). But beside a
+busy process any spinning collapses a 2-thread pool (2.3 tok/s: a worker that spun away its share
+of the busy core waits a whole scheduler slice before each kernel can finish; every count tried
+from 10 to 30000, BENCHMARKS.md). So the engine spins, and `adapt()`, called before each
+compiled function runs, watches the cores this process may use (/proc/stat, at most every INTERVAL
+seconds): when other processes used more than the cores the pool leaves free (plus BUSY_MARGIN of
+one), the pool shrinks to one thread (runtime.config_threadpool, which TVM applies to the calling
+thread's pool at its next kernel); when they stop, it grows back.
 One thread beside a busy core keeps its quiet pace."""
 
 from __future__ import annotations
