@@ -60,7 +60,8 @@ def hadamard_fp4(x: nn.Tensor, name: str = "hadamard_fp4", before=None) -> nn.Te
     def f(x_te, h_te, *more):
         src = accessor(x_te, *more) if accessor is not None else (lambda i: x_te[i])
         k = te.reduce_axis((0, D), name="k")
-        y = te.compute(x_te.shape, lambda *i: te.sum(src((*i[:-1], k)) * h_te[i[-1], k], axis=k), name=name + "_h")
+        # h is symmetric: read by its row k, the outputs are contiguous (schedules/llvm.py's vectors)
+        y = te.compute(x_te.shape, lambda *i: te.sum(src((*i[:-1], k)) * h_te[k, i[-1]], axis=k), name=name + "_h")
         j = te.reduce_axis((0, 32), name="j")
         amax = te.compute((*x_te.shape[:-1], D // 32), lambda *i: te.max(
             tirx.abs(y[(*i[:-1], i[-1] * 32 + j)]), axis=j), name=name + "_amax")

@@ -60,7 +60,8 @@ def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | 
     output-row loop and compute each dequantized row there, so W is read and dequantized once per
     call whatever the number of tokens, into a buffer of one row, never a whole fp32 weight. Those
     of FEW_TOKENS_MIN_WORK products or more, and any called with a run-time number of tokens,
-    split their rows over the cores."""
+    split their rows over the cores. One token, or a run-time number of them, takes the rows in
+    blocks (_row_block): each step of k advances the partial sums of a block's rows together."""
     sch = s_tir.Schedule(func)
     try:
         mm = sch.get_sblock(ROW_MATMUL)
@@ -70,16 +71,26 @@ def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | 
         return None
     loops = sch.get_loops(mm)           # t, (g,) n, lane
     t, rows, lane = loops[0], loops[1:-1], loops[-1]
-    many_tokens = _extent(sch, t) is None   # a prefill chunk or a verify: known only at run time
+    tokens = _extent(sch, t)            # None: a prefill chunk or a verify, known only at run time
     row = sch.fuse(*rows) if len(rows) > 1 else rows[0]
-    sch.reorder(row, t, lane)
-    sch.compute_at(part, row)           # per output row: the partial sums of every token ...
-    sch.compute_at(deq, row)            # ... from that row, dequantized once
+    block = _row_block(_extent(sch, row) or 0, threads) if tokens in (None, 1) and _lanes(sch, part) > 1 else 1
+    if block > 1:
+        row, inner = sch.split(row, [None, block])
+        sch.reorder(row, t, inner, lane)
+        sch.compute_at(part, t)         # per block of rows and token: their partial sums ...
+    else:
+        inner = None
+        sch.reorder(row, t, lane)
+        sch.compute_at(part, row)       # per output row: the partial sums of every token ...
+    sch.compute_at(deq, row)            # ... from the rows, dequantized once
     if _lanes(sch, part) > 1:           # (a row of fewer than 32 weights sums in one lane)
-        pl = sch.get_loops(part)        # row, t, lane, ko
-        sch.reorder(pl[-1], pl[-2])     # lanes innermost: one vector of partial sums
-        if (_extent(sch, t) or 1) > 1:  # a constant few tokens (a batched decode's rows): each
-            sch.reorder(pl[-1], pl[1])  # step of k for all of them, independent chains of adds
+        pl = sch.get_loops(part)        # row, t, (row in block,) lane, ko
+        if inner is not None:           # a step of k for the block's rows: independent chains of adds
+            sch.reorder(pl[-1], pl[-3], pl[-2])
+        else:
+            sch.reorder(pl[-1], pl[-2])     # lanes innermost: one vector of partial sums
+            if (tokens or 1) > 1:           # a constant few tokens (a batched decode's rows): each
+                sch.reorder(pl[-1], pl[1])  # step of k for all of them, independent chains of adds
         sch.vectorize(sch.get_loops(part)[-1])
     dl = sch.get_loops(deq)[-1]
     k = _extent(sch, dl) or 0
@@ -87,9 +98,16 @@ def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | 
         sch.vectorize(sch.split(dl, [None, 16])[1])
     # any one called with a run-time number of tokens (the HC mixes: 24 x 2048 at 256 tokens took
     # 1.4 ms on one core), or a static few tokens' whose products outweigh a launch
-    if threads > 1 and (many_tokens or (_extent(sch, row) or 0) * k * (_extent(sch, t) or 1) >= FEW_TOKENS_MIN_WORK):
+    work = (_extent(sch, row) or 0) * block * k * (tokens or 1)
+    if threads > 1 and (tokens is None or work >= FEW_TOKENS_MIN_WORK):
         sch.parallel(row)
     return sch
+
+
+def _row_block(rows: int, threads: int) -> int:
+    """Output rows whose partial sums advance together (one vector each, the input's vector read
+    once for all): the largest of 8, 4, 2 dividing the rows that leaves every core blocks to do."""
+    return next((b for b in (8, 4, 2) if rows % b == 0 and rows // b >= threads), 1)
 
 
 def _schedule_expert_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | None:
@@ -166,9 +184,36 @@ def _schedule_lane_sums(func: tirx.PrimFunc, picks) -> s_tir.Schedule | None:
 
 
 def _schedule_hadamard(func: tirx.PrimFunc) -> s_tir.Schedule | None:
-    """The Hadamard transform before FP4 rounding (nn/rounding.py hadamard_fp4): its dense
-    x . h row products as 16-lane partial sums."""
-    return _schedule_lane_sums(func, lambda name: name.startswith("hadamard") and name.endswith("_h"))
+    """The Hadamard transform and FP4 rounding (nn/rounding.py hadamard_fp4), one row (of one head)
+    at a time: its dense x . h products as 16-lane partial sums (_lane_partial_sums' sums, bit for
+    bit), a lane's partial sums of every output advancing together (h read by its row, the
+    input's element broadcast), then the lanes added in order, the outputs a vector; the row's
+    block maxima and rounding right after, from the cache. Each stage over all rows apart (their
+    partial sums 64x the input) made a prefill chunk's indexer queries (256 x 16 heads x 64) take
+    5.9 ms, 15 us for a decode's."""
+    sch = s_tir.Schedule(func)
+    try:
+        blocks = {sch.get(b).name_hint: b for b in sch.get_child_blocks(sch.get_sblock("root"))}
+    except Exception:  # noqa: BLE001 - no root block
+        return None
+    names = [n for n in blocks if n.startswith("hadamard") and n.endswith("_h")]
+    if len(names) != 1 or names[0][:-2] not in blocks or names[0][:-2] + "_amax" not in blocks:
+        return None
+    out, h, amax = blocks[names[0][:-2]], blocks[names[0]], blocks[names[0][:-2] + "_amax"]
+    *_, n, k = sch.get_loops(h)
+    if (_extent(sch, k) or 0) % 16 or (_extent(sch, n) or 0) % 16:
+        return None
+    _, ki = sch.split(k, [None, 16])
+    rf = sch.rfactor(ki, len(sch.get(h).writes[0].region))
+    sch.transform_layout(rf, ("write", 0), lambda *i: (*i[:-2], i[-1], i[-2]))   # [..., lane, output]
+    row = sch.get_loops(out)[-2]                  # one row of the output: the stages under it
+    for producer in (amax, h, rf):
+        sch.compute_at(producer, row)
+    rki, rn, rko = sch.get_loops(rf)[-3:]         # (compute_at's order: lanes, outputs, k steps)
+    sch.reorder(rki, rko, rn)                     # per lane: its k steps over every output
+    sch.decompose_reduction(rf, rko)              # (the outputs innermost, contiguous: LLVM's vectors)
+    sch.decompose_reduction(h, sch.get_loops(h)[-2])   # the lanes in order, the outputs a vector
+    return sch
 
 
 def _schedule_rms(func: tirx.PrimFunc) -> s_tir.Schedule | None:
