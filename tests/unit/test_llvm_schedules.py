@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 import tvm
 from gguf import GGMLQuantizationType as QT
+from gguf import quants
 from tvm import relax
 from tvm.relax.frontend import nn
-
-from gguf import quants
 
 from ds4tvm.gguf.quant import derived_plane, random_blocks, to_planes
 from ds4tvm.kernels.cpu import blocking_for
