@@ -19,47 +19,9 @@ import numpy as np
 
 from ds4tvm.runtime.threads import SPIN_COUNT
 
-E, N, K, J, DENSE = 16, 512, 512, 4, 2048
+E, N, K, J = 16, 512, 512, 4
+DENSE = N * E // 4   # cpu_kernels.build's dense matrix: 2048 x 512
 TOKENS = (1, 2, 4, 8)
-
-
-def build(threads: int):
-    """(VM, parameters, their sources) with experts{t} and dense{t} for each static token count."""
-    import tvm
-    from gguf import GGMLQuantizationType as QT
-    from tvm import relax
-    from tvm.relax.frontend import nn
-
-    from ds4tvm.kernels import cpu as cpu_kernels
-    from ds4tvm.kernels.forms import CpuLinears, Forms
-    from ds4tvm.nn.qweight import QWeight, parameter_sources, set_forms
-    from ds4tvm.schedules.llvm import pipeline
-
-    class M(nn.Module):
-        def __init__(self):
-            self.we = QWeight("we", QT.Q8_0, (E, N, K))
-            self.w = QWeight("w", QT.Q8_0, (DENSE, K))
-
-        def experts(self, x, sel):
-            return self.we.expert_linear(x, sel)
-
-        def dense(self, x):
-            return self.w.linear(x)
-
-    mode = {"param_mode": "plain", "effect_mode": "none"}
-    spec = {}
-    for t in TOKENS:
-        setattr(M, f"experts{t}", M.experts)
-        setattr(M, f"dense{t}", M.dense)
-        spec[f"experts{t}"] = {"x": nn.spec.Tensor([t, K], "float32"), "sel": nn.spec.Tensor([t, J], "int32"), "$": mode}
-        spec[f"dense{t}"] = {"x": nn.spec.Tensor([t, K], "float32"), "$": mode}
-    target = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": threads})
-    dot = cpu_kernels.int8_dot_for(target)
-    forms = Forms(cpu_linears=CpuLinears(threads, cpu_kernels.blocking_for(target), dot, interleaved=True))
-    model = set_forms(M(), forms)
-    sources = parameter_sources(model)
-    mod, params = model.export_tvm(spec=spec)
-    return relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target)), tvm.cpu()), params, sources
 
 
 def main() -> None:
@@ -72,15 +34,16 @@ def main() -> None:
     import tvm
     from gguf import GGMLQuantizationType as QT
 
-    from ds4tvm.gguf.quant import derived_plane, random_blocks, to_planes
+    from cpu_kernels import build
+    from ds4tvm.gguf.quant import random_blocks, to_planes
 
-    vm, params, sources = build(a.threads)
+    vm, bind = build(QT.Q8_0, E, N, K, J, a.threads, "int8", static=TOKENS)
     rng = np.random.default_rng(0)
     planes = {"we": to_planes(random_blocks(QT.Q8_0, (E, N, K), rng), QT.Q8_0, (E, N, K)),
               "w": to_planes(random_blocks(QT.Q8_0, (DENSE, K), rng), QT.Q8_0, (DENSE, K))}
-    one = [np.ascontiguousarray(derived_plane(planes[sources[id(p)][0]], sources[id(p)][1])) for _, p in params]
-    copies = [[tvm.runtime.tensor(w.copy()) for w in one] for _ in range(a.copies)]
-    print(f"{sum(w.nbytes for w in one) * a.copies / 1e6:.0f} MB of weights in {a.copies} copies, {a.threads} threads")
+    copies = [bind(planes) for _ in range(a.copies)]
+    print(f"{sum(w.numpy().nbytes for w in copies[0]) * a.copies / 1e6:.0f} MB of weights in {a.copies} copies, "
+          f"{a.threads} threads")
 
     def cold(fn, inputs):
         f = vm[fn]

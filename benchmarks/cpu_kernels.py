@@ -34,10 +34,12 @@ from ds4tvm.runtime.threads import SPIN_COUNT
 from ds4tvm.schedules.llvm import pipeline
 
 
-def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, kernel: str, blocking=None):
+def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, kernel: str, blocking=None, static=(1,)):
     """(VM, weight-binding function planes -> arguments) of the dense and expert linears of one
     format; kernel: TE, hand, int8 (the default layout: Q8_0 interleaved on AVX-512 VNNI) or
-    int8-rows (the row-major int8 kernel of kernels/cpu.py)."""
+    int8-rows (the row-major int8 kernel of kernels/cpu.py). `dense`/`experts` take a run-time
+    number of tokens, `dense{s}`/`experts{s}` a static s for each s of `static` (a decode's 1, a
+    batched decode's rows)."""
     class M(nn.Module):
         def __init__(self):
             self.w = QWeight("w", qtype, (N * E // 4, K))
@@ -49,12 +51,14 @@ def build(qtype: QT, E: int, N: int, K: int, J: int, threads: int, kernel: str, 
         def experts(self, x, sel):
             return self.we.expert_linear(x, sel)
 
-        dense1, experts1 = dense, experts   # one token, as decode exports them (kernels/forms.py: rows=1)
-
+    counts = [("", "t")] + [(str(t), t) for t in static]   # static rows, as decode exports them (kernels/forms.py)
+    for suffix, _ in counts[1:]:
+        setattr(M, f"dense{suffix}", M.dense)
+        setattr(M, f"experts{suffix}", M.experts)
     mode = {"param_mode": "plain", "effect_mode": "none"}
-    spec = {f"dense{s}": {"x": nn.spec.Tensor([t, K], "float32"), "$": mode} for s, t in (("", "t"), ("1", 1))}
+    spec = {f"dense{s}": {"x": nn.spec.Tensor([t, K], "float32"), "$": mode} for s, t in counts}
     spec.update({f"experts{s}": {"x": nn.spec.Tensor([t, K], "float32"), "sel": nn.spec.Tensor([t, J], "int32"),
-                                 "$": mode} for s, t in (("", "t"), ("1", 1))})
+                                 "$": mode} for s, t in counts})
     target = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": threads})
     forms = TE if kernel == "TE" else Forms(cpu_linears=CpuLinears(
         threads, blocking or cpu_kernels.blocking_for(target),

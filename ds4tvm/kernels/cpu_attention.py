@@ -264,15 +264,18 @@ def indexer_scores(heads: int, dim: int, rows: int, ratio: int, threads: int):
     def visible(start, t):   # the table's rows token t sees
         return T.min(T.floordiv(start + t + 1, ratio), rows)
 
+    def blocks(start, t):    # the blocks of RB rows holding them
+        return T.floordiv(visible(start, t) + RB - 1, RB)
+
     @T.macro
     def token(t, start, Q, W, K, S, split):   # split: the row blocks on the cores
         if split:
-            for cb in T.parallel(T.floordiv(visible(start, t) + RB - 1, RB)):
+            for cb in T.parallel(blocks(start, t)):
                 block(t, cb, Q, W, K, S, visible(start, t))
         else:
-            for cb in range(T.floordiv(visible(start, t) + RB - 1, RB)):
+            for cb in range(blocks(start, t)):
                 block(t, cb, Q, W, K, S, visible(start, t))
-        for c in range(T.floordiv(visible(start, t) + RB - 1, RB) * RB, rows):
+        for c in range(blocks(start, t) * RB, rows):
             S[t, c] = T.float32(NEG_INF)
 
     @T.prim_func(private=True)

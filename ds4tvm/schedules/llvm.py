@@ -73,7 +73,8 @@ def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | 
     t, rows, lane = loops[0], loops[1:-1], loops[-1]
     tokens = _extent(sch, t)            # None: a prefill chunk or a verify, known only at run time
     row = sch.fuse(*rows) if len(rows) > 1 else rows[0]
-    block = _row_block(_extent(sch, row) or 0, threads) if tokens in (None, 1) and _lanes(sch, part) > 1 else 1
+    lanes = _lanes(sch, part)           # (1: a row of fewer than 32 weights sums in one lane)
+    block = _row_block(_extent(sch, row) or 0, threads) if tokens in (None, 1) and lanes > 1 else 1
     if block > 1:
         row, inner = sch.split(row, [None, block])
         sch.reorder(row, t, inner, lane)
@@ -83,7 +84,7 @@ def _schedule_row_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule | 
         sch.reorder(row, t, lane)
         sch.compute_at(part, row)       # per output row: the partial sums of every token ...
     sch.compute_at(deq, row)            # ... from the rows, dequantized once
-    if _lanes(sch, part) > 1:           # (a row of fewer than 32 weights sums in one lane)
+    if lanes > 1:
         pl = sch.get_loops(part)        # row, t, (row in block,) lane, ko
         if inner is not None:           # a step of k for the block's rows: independent chains of adds
             sch.reorder(pl[-1], pl[-3], pl[-2])
@@ -133,14 +134,23 @@ def _schedule_expert_matmul(func: tirx.PrimFunc, threads: int) -> s_tir.Schedule
     return sch
 
 
+def _lane_rfactor(sch, block):
+    """The block's innermost (reduction) loop split into 16 lanes and rfactored: the block of 16
+    partial sums along contiguous elements, the lane its last axis; None where that loop is not a
+    multiple of 16 (the block left as it was)."""
+    k = sch.get_loops(block)[-1]
+    if (_extent(sch, k) or 0) % 16:
+        return None
+    _, ki = sch.split(k, [None, 16])
+    return sch.rfactor(ki, len(sch.get(block).writes[0].region))
+
+
 def _lane_partial_sums(sch, block) -> None:
     """A dot product over the block's innermost (reduction) loop, kept as 16 partial sums along
     contiguous elements (rfactor) so that the inner loop vectorizes."""
-    k = sch.get_loops(block)[-1]
-    if (_extent(sch, k) or 0) % 16:
+    rf = _lane_rfactor(sch, block)
+    if rf is None:
         return
-    _, ki = sch.split(k, [None, 16])
-    rf = sch.rfactor(ki, len(sch.get(block).writes[0].region))   # the lane becomes the last axis
     # rfactor leaves the rf block's loops (..., k outer, lane): the lane innermost, 16 contiguous
     # elements that LLVM makes one vector. (Until 2026-12-07 a reorder here put the lane outside,
     # 16 scalar chains of strided loads: the same sums, bit for bit, at a third of the speed.)
@@ -200,11 +210,11 @@ def _schedule_hadamard(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     if len(stems) != 1 or not {stems[0], stems[0] + "_amax"} <= set(blocks):
         return None
     out, h, amax = (blocks[stems[0] + suffix] for suffix in ("", "_h", "_amax"))
-    *_, n, k = sch.get_loops(h)
-    if (_extent(sch, k) or 0) % 16 or (_extent(sch, n) or 0) % 16:
+    if (_extent(sch, sch.get_loops(h)[-2]) or 0) % 16:   # the outputs: whole vectors
         return None
-    _, ki = sch.split(k, [None, 16])
-    rf = sch.rfactor(ki, len(sch.get(h).writes[0].region))
+    rf = _lane_rfactor(sch, h)   # _lane_partial_sums' sums
+    if rf is None:
+        return None
     sch.transform_layout(rf, ("write", 0), lambda *i: (*i[:-2], i[-1], i[-2]))   # [..., lane, output]
     row = sch.get_loops(out)[-2]                  # one row of the output: the stages under it
     for producer in (amax, h, rf):
