@@ -4,7 +4,11 @@ memory and speed measurements, in the formats the real models ship in; or a GLM-
 Qwen3.8-shaped one (`qwen`: 8 trunk layers GGGA GGGA + the MTP layer, width 512, 16 experts top-4, PLE on layer 1
 with 16 heads of 32 over an 800k-row BF16 n-gram table, the Q4K recipe: Q4_K gate/up, MXFP4 down,
 BF16 embeddings, Q8_0 elsewhere, F16/F32 HC mixers). Usage:
-    python benchmarks/model50m.py OUT.gguf [q8_0|f16|q4_k|q2|mxfp4|glm|qwen]
+    python benchmarks/model50m.py OUT.gguf [q8_0|f16|q4_k|q2|mxfp4|glm|qwen] [--layers N]
+
+--layers N (DeepSeek-V4 kinds): N layers instead of 8 (two uncompressed, then ratios 4 and 128 in
+turn), a larger model of the same shapes: 32 layers make 517M parameters, 555 MB in Q8_0, past
+what this machine's last-level cache holds (its decode reads memory; BENCHMARKS.md).
 
 Expert width 512, so that every variant holds the same matrices (K-quants need rows of 256):
   q8_0, f16  the dense, routed and embedding matrices in that type;
@@ -65,9 +69,16 @@ def qwen_config():
 
 
 def main():
-    out, kind = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "q8_0")
-    if kind not in KINDS:
-        sys.exit(f"model50m.py: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("kind", nargs="?", default="q8_0", choices=KINDS)
+    ap.add_argument("--layers", type=int, default=8)
+    a = ap.parse_args()
+    out, kind = a.out, a.kind
+    if a.layers < 2 or a.layers % 2 or (a.layers != 8 and kind in ("glm", "qwen")):
+        sys.exit("model50m.py: --layers takes an even count >= 2, for the DeepSeek-V4 kinds")
     if kind == "glm":
         from ds4tvm.families.glm5next.published import q2_recipe_type as glm_q2
         from ds4tvm.families.glm5next.random_model import write_random_glm5next
@@ -79,7 +90,8 @@ def main():
 
         path = write_random_qwen4exp(out, qwen_config(), seed=50, type_of=q4k_recipe_type)
     else:
-        path = write_random_deepseek4(out, config(), seed=50, type_of=lambda s: type_of(s, kind), progress=True)
+        layers = {} if a.layers == 8 else dict(n_layers=a.layers, compress_ratios=(0, 0) + (4, 128) * (a.layers // 2 - 1))
+        path = write_random_deepseek4(out, config(**layers), seed=50, type_of=lambda s: type_of(s, kind), progress=True)
     from ds4tvm.gguf import open_gguf
     print(f"{path}: {open_gguf(path).n_params() / 1e6:.1f}M parameters")
 
