@@ -90,8 +90,8 @@ def main():
 
         path = write_random_qwen4exp(out, qwen_config(), seed=50, type_of=q4k_recipe_type)
     else:
-        layers = {} if a.layers == 8 else dict(n_layers=a.layers, compress_ratios=(0, 0) + (4, 128) * (a.layers // 2 - 1))
-        path = write_random_deepseek4(out, config(**layers), seed=50, type_of=lambda s: type_of(s, kind), progress=True)
+        cfg = config(n_layers=a.layers, compress_ratios=(0, 0) + (4, 128) * (a.layers // 2 - 1))
+        path = write_random_deepseek4(out, cfg, seed=50, type_of=lambda s: type_of(s, kind), progress=True)
     from ds4tvm.gguf import open_gguf
     print(f"{path}: {open_gguf(path).n_params() / 1e6:.1f}M parameters")
 

@@ -158,16 +158,22 @@ def _lane_partial_sums(sch, block) -> None:
     sch.decompose_reduction(rf, sch.get_loops(rf)[-2])
 
 
+def _root_blocks(func: tirx.PrimFunc) -> tuple[s_tir.Schedule, list]:
+    """A schedule of func and its root block's children as (name, block), in order (none where it
+    has no root block)."""
+    sch = s_tir.Schedule(func)
+    try:
+        return sch, [(sch.get(b).name_hint, b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    except Exception:  # noqa: BLE001 - no root block
+        return sch, []
+
+
 def _schedule_attention(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     """Softmax-with-sinks attention (nn/attention.py attend_with_sinks): q.k as 16-lane partial sums;
     p.v with the key slot outside the channel loop, so that each value row is read once,
     contiguously."""
-    sch = s_tir.Schedule(func)
-    try:
-        by_suffix = {sch.get(b).name_hint.rsplit("_", 1)[-1]: b
-                     for b in sch.get_child_blocks(sch.get_sblock("root"))}
-    except Exception:  # noqa: BLE001 - no root block
-        return None
+    sch, blocks = _root_blocks(func)
+    by_suffix = {name.rsplit("_", 1)[-1]: b for name, b in blocks}
     if not {"qk", "masked", "pv"} <= set(by_suffix):
         return None
     sch.compute_inline(by_suffix["masked"])
@@ -182,11 +188,8 @@ def _schedule_attention(func: tirx.PrimFunc) -> s_tir.Schedule | None:
 def _schedule_lane_sums(func: tirx.PrimFunc, picks) -> s_tir.Schedule | None:
     """The one root block whose name picks(name) accepts, its dot product as 16-lane partial sums
     (_lane_partial_sums); None where no block, or several, match."""
-    sch = s_tir.Schedule(func)
-    try:
-        blocks = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if picks(sch.get(b).name_hint)]
-    except Exception:  # noqa: BLE001 - no root block
-        return None
+    sch, named = _root_blocks(func)
+    blocks = [b for name, b in named if picks(name)]
     if len(blocks) != 1:
         return None
     _lane_partial_sums(sch, blocks[0])
@@ -201,11 +204,8 @@ def _schedule_hadamard(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     block maxima and rounding right after, from the cache. Each stage over all rows apart (their
     partial sums 64x the input) made a prefill chunk's indexer queries (256 x 16 heads x 64) take
     5.9 ms, 23 us for a decode's (now 1.1 ms and 9 us)."""
-    sch = s_tir.Schedule(func)
-    try:
-        blocks = {sch.get(b).name_hint: b for b in sch.get_child_blocks(sch.get_sblock("root"))}
-    except Exception:  # noqa: BLE001 - no root block
-        return None
+    sch, named = _root_blocks(func)
+    blocks = dict(named)
     stems = [n[:-2] for n in blocks if n.startswith("hadamard") and n.endswith("_h")]
     if len(stems) != 1 or not {stems[0], stems[0] + "_amax"} <= set(blocks):
         return None
